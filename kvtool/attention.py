@@ -1,0 +1,153 @@
+"""The attention function kvtool registers with transformers (``attn_implementation="kvtool"``).
+
+transformers calls it once per layer with the block's queries after ``BoundedCache.update`` has
+appended the block's keys/values. For each head group of the layer it
+
+1. attends the group's query heads over the group's stored tokens (cache + block) with a block-causal
+   mask — through SDPA unless the policy needs every row's probabilities, in which case the same
+   probabilities give the output (no double work);
+2. computes attention probabilities only for the query rows the policy asked for (none for
+   attention-free policies), averaged over the query heads that share a KV head (the engine's GQA
+   rule, ``mean``; ``max`` is available);
+3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
+   so at most one layer's probabilities exist at a time.
+
+The matching mask function returns ``None``: the shared mask transformers builds from the first
+layer cannot describe per-group caches, so masking happens here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from kvtool.cache import BoundedCache, BoundedLayer, HeadGroup
+
+NAME = "kvtool"
+
+
+def _block_mask(cache: BoundedCache, m: int, n_total: int, off: int, bias: float | None, dtype: torch.dtype,
+                device: torch.device) -> Tensor | None:
+    """Mask [m, off + n_total]: cached tokens visible, block causal, compensation slot biased by log N_d."""
+    key = (m, n_total, off)
+    masks = cache.step.masks
+    if key in masks and bias is None:
+        return masks[key]
+    n_old = n_total - m
+    cols = torch.arange(n_total, device=device)
+    rows = torch.arange(m, device=device)
+    visible = (cols.unsqueeze(0) < n_old) | (cols.unsqueeze(0) - n_old <= rows.unsqueeze(1))
+    if off == 0:
+        mask = None if m == 1 else visible
+        masks[key] = mask  # type: ignore[assignment]
+        return mask
+    # float mask: compensation column gets log N_d (eq. 5), others 0 / -inf
+    fmask = torch.zeros(m, off + n_total, dtype=dtype, device=device)
+    fmask[:, off:].masked_fill_(~visible, float("-inf"))
+    fmask[:, 0] = bias if bias is not None else float("-inf")
+    return fmask
+
+
+def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
+    """Softmax(q kᵀ · scale + mask) in float32, grouped by KV head: [h, q_per_kv, r, n].
+
+    Query heads sharing a KV head are batched against it, so K is never repeated per query head.
+    """
+    h, n, d = k.shape[1], k.shape[2], k.shape[3]
+    r = q.shape[2]
+    q_per_kv = q.shape[1] // h
+    qg = q[0].float().reshape(h, q_per_kv * r, d)
+    scores = torch.bmm(qg, k[0].float().transpose(1, 2)).mul_(scaling).view(h, q_per_kv, r, n)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    return torch.softmax(scores, dim=-1)
+
+
+def _reduce_gqa(p: Tensor, off: int, how: str) -> Tensor:
+    """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head."""
+    p = p[..., off:]
+    return p.amax(1) if how == "max" else p.mean(1)
+
+
+def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: float) -> Tensor:
+    cache = layer.owner
+    m = query.shape[2]
+    q = query if g.all_heads else query.index_select(1, g.q_index)
+    k, v = g.kv()
+    n = g.length
+    policy = g.policy
+    evicting = g.capacity is not None and n > g.capacity
+    rows = min(policy.query_rows(m), m) if (evicting or policy.observe_every_step) else 0
+    bias = g.comp_bias() if g.off else None
+    mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)
+    probs = None
+    if rows == m:
+        t0 = cache.clock()
+        attn = _probs(q, k, mask, scaling)  # every row: the probabilities give the output too
+        h, qk, _, nk = attn.shape
+        out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
+        probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
+        cache.counters.prob_rows += rows
+        cache.counters.probs_seconds += cache.clock() - t0
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=g.q_per_kv > 1)
+        if rows > 0:
+            t0 = cache.clock()
+            sub_mask = None if mask is None else mask[-rows:]
+            attn = _probs(q[:, :, -rows:], k, sub_mask, scaling)
+            probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
+            cache.counters.prob_rows += rows
+            cache.counters.probs_seconds += cache.clock() - t0
+    layer.after_attention(g, probs)
+    return out
+
+
+def kvtool_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Attention over the bounded cache; returns ``[batch, m, heads, d]`` like transformers' SDPA path."""
+    cache = kwargs.get("kvtool_cache")
+    if not isinstance(cache, BoundedCache):
+        raise RuntimeError("attn_implementation='kvtool' needs the engine's BoundedCache (pass kvtool_cache=...)")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    layer: BoundedLayer = cache.layers[module.layer_idx]  # type: ignore[assignment]
+    if len(layer.groups) == 1:
+        out = _attend_group(layer, layer.groups[0], query, scaling)
+    else:
+        out = torch.empty_like(query)
+        for g in layer.groups:
+            out.index_copy_(1, g.q_index, _attend_group(layer, g, query, scaling))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def kvtool_mask(*args: Any, **kwargs: Any) -> None:
+    """No shared mask: each head group is masked inside ``kvtool_attention``."""
+    return None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(NAME, kvtool_attention)
+        AttentionMaskInterface.register(NAME, kvtool_mask)
+        _registered = True
+

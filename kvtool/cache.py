@@ -1,0 +1,534 @@
+"""The bounded KV cache: per layer, per group of KV heads, fixed capacity, preallocated.
+
+Layout (one ``BoundedLayer`` per model layer, plugged into transformers as a ``Cache``)::
+
+    layer.groups[g]                  heads: KV heads of the layer that share a capacity
+      keys, values   [1, h, off + capacity + block, d]   preallocated, post-RoPE keys
+      positions      [h, capacity + block]   int64, original stream position of each token
+      state          [F, h, capacity + block] float32, the policy's per-token running state
+      comp_*         (RazorAttention) one compensation slot at index 0 of keys/values (off = 1)
+
+Uniform policies use one group holding every KV head. RazorAttention uses one group for its
+retrieval heads (long capacity) and one for the other heads (sinks + window + compensation), so
+the bytes allocated are the sum of the groups' capacities: per-head capacities save real memory,
+and each group's attention is exact over its own tokens. Within a group every head holds the same
+number of tokens (every head keeps exactly ``capacity``), so no ragged masks are needed.
+
+Eviction keeps the top-``capacity`` tokens per head (order preserved) and moves K, V, positions and
+state with one index per head, in place. The cache also owns the position counter: ``seen`` is the
+number of tokens fed so far (what ``get_seq_length`` reports), and in ``compact`` position mode it
+keeps keys rotated to their slot positions (see ``kvtool/positions.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvtool.policies.base import GroupSpec, Policy, ScoreContext
+from kvtool.positions import Rotator
+
+
+@dataclass
+class CacheCounters:
+    """Running totals for stats and the dashboard (seconds are wall-clock, synchronised on CUDA)."""
+
+    evicted_tokens: int = 0  # summed over layers and KV heads
+    prob_rows: int = 0  # attention-probability rows computed (per layer)
+    probs_seconds: float = 0.0
+    score_seconds: float = 0.0
+    evict_seconds: float = 0.0
+    max_cached: int = 0  # largest per-head length ever observed (after eviction)
+    max_stored: int = 0  # largest per-head length ever held, block included (before eviction)
+
+
+class HeadGroup:
+    """Storage for the KV heads of one layer that share a capacity and a policy."""
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        num_kv_heads: int,
+        q_per_kv: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.heads = list(spec.heads)
+        self.capacity = spec.capacity
+        self.policy: Policy = spec.policy
+        self.compensation = spec.compensation
+        self.off = 1 if spec.compensation else 0
+        self.all_heads = self.heads == list(range(num_kv_heads))
+        self.kv_index = torch.tensor(self.heads, dtype=torch.long, device=device)
+        q_idx = [h * q_per_kv + j for h in self.heads for j in range(q_per_kv)]
+        self.q_index = torch.tensor(q_idx, dtype=torch.long, device=device)
+        self.q_per_kv = q_per_kv
+        self.state_fields: tuple[str, ...] = tuple(self.policy.state_fields)
+        h = len(self.heads)
+        slots = (self.capacity if self.capacity is not None else 4 * block_size) + block_size
+        self.keys = torch.zeros(1, h, self.off + slots, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.positions = torch.zeros(h, slots, dtype=torch.long, device=device)
+        self.state = torch.zeros(len(self.state_fields), h, slots, dtype=torch.float32, device=device)
+        self.length = 0
+        # compensation token (RazorAttention eq. 4): running sums of dropped keys/values in float32
+        self.comp_key_sum = torch.zeros(h, head_dim, dtype=torch.float32, device=device) if self.off else None
+        self.comp_value_sum = torch.zeros_like(self.comp_key_sum) if self.off else None
+        self.comp_count = 0
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def slots(self) -> int:
+        return self.positions.shape[1]
+
+    def allocated_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def promised_tokens(self) -> int | None:
+        """Tokens per head the budget promises for this group (compensation slot included)."""
+        return None if self.capacity is None else self.capacity + self.off
+
+    def stored_bytes(self) -> int:
+        """Bytes of K/V actually held (stored tokens and the compensation slot)."""
+        per_token = 2 * self.keys.shape[-1] * self.keys.element_size() * self.num_heads
+        return (self.length + self.off) * per_token
+
+    # -- appending ----------------------------------------------------------------------------
+    def _grow(self, needed: int) -> None:
+        """Only the unbounded ``full`` group grows (doubling); bounded groups never reallocate."""
+        new_slots = max(needed, 2 * self.slots)
+        n = self.length
+        keys = torch.zeros(1, self.num_heads, self.off + new_slots, self.keys.shape[-1], dtype=self.keys.dtype,
+                           device=self.keys.device)
+        values = torch.zeros_like(keys)
+        keys[:, :, : self.off + n] = self.keys[:, :, : self.off + n]
+        values[:, :, : self.off + n] = self.values[:, :, : self.off + n]
+        positions = torch.zeros(self.num_heads, new_slots, dtype=torch.long, device=self.keys.device)
+        positions[:, :n] = self.positions[:, :n]
+        state = torch.zeros(self.state.shape[0], self.num_heads, new_slots, dtype=torch.float32,
+                            device=self.keys.device)
+        state[:, :, :n] = self.state[:, :, :n]
+        self.keys, self.values, self.positions, self.state = keys, values, positions, state
+
+    def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor) -> None:
+        """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""
+        m = key_states.shape[2]
+        if self.length + m > self.slots:
+            if self.capacity is not None:
+                raise RuntimeError(f"block of {m} tokens does not fit: capacity {self.capacity}, slots {self.slots}")
+            self._grow(self.length + m)
+        if not self.all_heads:
+            key_states = key_states.index_select(1, self.kv_index)
+            value_states = value_states.index_select(1, self.kv_index)
+        a, b = self.off + self.length, self.off + self.length + m
+        self.keys[:, :, a:b] = key_states
+        self.values[:, :, a:b] = value_states
+        self.positions[:, self.length : self.length + m] = positions
+        self.state[:, :, self.length : self.length + m] = 0
+        self.length += m
+
+    # -- views ----------------------------------------------------------------------------------
+    def kv(self) -> tuple[Tensor, Tensor]:
+        """Keys/values the block's queries attend to: [1, h, off + length, d]."""
+        end = self.off + self.length
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def comp_bias(self) -> float:
+        """Logit bias of the compensation slot: log N_d (RazorAttention eq. 5), −inf when empty."""
+        return math.log(self.comp_count) if self.comp_count > 0 else float("-inf")
+
+    def state_views(self) -> dict[str, Tensor]:
+        n = self.length
+        return {name: self.state[i, :, :n] for i, name in enumerate(self.state_fields)}
+
+    # -- eviction -------------------------------------------------------------------------------
+    def gather(self, keep: Tensor) -> None:
+        """Keep tokens ``keep`` ([h, c] sorted indices into the stored tokens), in place.
+
+        One index per head moves K, V, positions and state together; dropped tokens feed the
+        compensation token when the group has one.
+        """
+        h, c = keep.shape
+        n = self.length
+        o = self.off
+        d = self.keys.shape[-1]
+        idx = keep.unsqueeze(-1).expand(h, c, d)
+        k_all = self.keys[0, :, o : o + n]
+        v_all = self.values[0, :, o : o + n]
+        kept_k = k_all.gather(1, idx)
+        kept_v = v_all.gather(1, idx)
+        if self.comp_key_sum is not None and n > c:
+            # sum(dropped) = sum(all) − sum(kept), accumulated in float32 (eq. 4 as a running mean)
+            self.comp_key_sum += k_all.float().sum(1) - kept_k.float().sum(1)
+            self.comp_value_sum += v_all.float().sum(1) - kept_v.float().sum(1)
+            self.comp_count += n - c
+            self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
+            self.values[0, :, 0] = (self.comp_value_sum / self.comp_count).to(self.values.dtype)
+        self.keys[0, :, o : o + c] = kept_k
+        self.values[0, :, o : o + c] = kept_v
+        self.positions[:, :c] = self.positions[:, :n].gather(1, keep)
+        if self.state.shape[0]:
+            sidx = keep.unsqueeze(0).expand(self.state.shape[0], h, c)
+            self.state[:, :, :c] = self.state[:, :, :n].gather(2, sidx)
+        self.length = c
+
+    # -- persistence -----------------------------------------------------------------------------
+    def state_dict(self, prefix: str) -> dict[str, Tensor]:
+        n, o = self.length, self.off
+        out = {
+            f"{prefix}.keys": self.keys[0, :, : o + n].contiguous(),
+            f"{prefix}.values": self.values[0, :, : o + n].contiguous(),
+            f"{prefix}.positions": self.positions[:, :n].contiguous(),
+            f"{prefix}.state": self.state[:, :, :n].contiguous(),
+        }
+        if self.comp_key_sum is not None:
+            out[f"{prefix}.comp_key_sum"] = self.comp_key_sum.clone()
+            out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
+            out[f"{prefix}.comp_count"] = torch.tensor([self.comp_count], dtype=torch.long)
+        return out
+
+    def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
+        keys = tensors[f"{prefix}.keys"]
+        n = keys.shape[1] - self.off
+        if keys.shape[0] != self.num_heads or keys.shape[-1] != self.keys.shape[-1]:
+            raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
+        if n > self.slots:
+            if self.capacity is not None:
+                raise ValueError(f"{prefix}: {n} tokens exceed the capacity {self.capacity}")
+            self._grow(n)
+        dev = self.keys.device
+        self.keys[0, :, : self.off + n] = keys.to(dev, self.keys.dtype)
+        self.values[0, :, : self.off + n] = tensors[f"{prefix}.values"].to(dev, self.values.dtype)
+        self.positions[:, :n] = tensors[f"{prefix}.positions"].to(dev)
+        st = tensors[f"{prefix}.state"]
+        if st.shape[0] != self.state.shape[0]:
+            raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
+        self.state[:, :, :n] = st.to(dev)
+        if self.comp_key_sum is not None:
+            self.comp_key_sum.copy_(tensors[f"{prefix}.comp_key_sum"])
+            self.comp_value_sum.copy_(tensors[f"{prefix}.comp_value_sum"])
+            self.comp_count = int(tensors[f"{prefix}.comp_count"][0])
+        self.length = n
+
+
+class BoundedLayer(CacheLayerMixin):
+    """One model layer: its head groups plus the hooks transformers calls."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: BoundedCache, layer_idx: int, groups: list[HeadGroup]) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.groups = groups
+        self.is_initialized = True
+
+    # transformers' CacheLayerMixin API --------------------------------------------------------
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # buffers are preallocated
+        pass
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        positions = self.owner.step_positions
+        for g in self.groups:
+            g.append(key_states, value_states, positions)
+        return self.groups[0].kv()
+
+    def get_seq_length(self) -> int:
+        """Tokens *seen* (drives default positions), not tokens stored."""
+        return self.owner.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Tokens *stored* (plus the incoming block): the attention function masks each group itself."""
+        return max(g.length for g in self.groups) + query_length, 0
+
+    def get_max_length(self) -> int:
+        caps = [g.capacity for g in self.groups]
+        return -1 if any(c is None for c in caps) else max(caps)  # type: ignore[type-var]
+
+    def reset(self) -> None:
+        for g in self.groups:
+            g.length = 0
+            g.comp_count = 0
+            if g.comp_key_sum is not None:
+                g.comp_key_sum.zero_()
+                g.comp_value_sum.zero_()
+
+    # eviction ----------------------------------------------------------------------------------
+    def after_attention(self, g: HeadGroup, probs: Tensor | None) -> None:
+        """Let the group's policy observe the block, then evict down to capacity."""
+        owner = self.owner
+        evicting = g.capacity is not None and g.length > g.capacity
+        if not evicting and not g.policy.observe_every_step:
+            owner.compact_group(g, kept=None)
+            return
+        owner.counters.max_stored = max(owner.counters.max_stored, g.length)
+        t0 = owner.clock()
+        ctx = self.context(g, probs)
+        extra = g.policy.extra_protected(ctx)
+        if extra is not None:
+            ctx.protected = ctx.protected | extra
+        g.policy.observe(ctx)
+        keep = g.policy.select(ctx) if evicting else None
+        t1 = owner.clock()
+        owner.counters.score_seconds += t1 - t0
+        if keep is not None:
+            owner.counters.evicted_tokens += (g.length - keep.shape[1]) * g.num_heads
+            old_len = g.length
+            g.gather(keep)
+            owner.compact_group(g, kept=keep, old_len=old_len)
+        else:
+            owner.compact_group(g, kept=None)
+        owner.counters.evict_seconds += owner.clock() - t1
+
+    def context(self, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
+        owner = self.owner
+        n = g.length
+        keys, values = g.kv()
+        pos = g.positions[:, :n]
+        cap = g.capacity if g.capacity is not None else n
+        return ScoreContext(
+            layer_idx=self.layer_idx,
+            heads=g.heads,
+            keys=keys[0, :, g.off :],
+            values=values[0, :, g.off :],
+            positions=pos,
+            query_positions=owner.step_original_positions,
+            probs=probs,
+            state=g.state_views(),
+            protected=owner.protected_mask(pos, g),
+            capacity=cap,
+            block_len=owner.step_len,
+            seen=owner.seen,
+        )
+
+
+@dataclass
+class StepInfo:
+    """What the attention function needs to know about the block being fed."""
+
+    length: int = 0
+    original_positions: Tensor | None = None  # [m] stream positions of the block's tokens
+    rotary_positions: Tensor | None = None  # [m] positions RoPE uses for the block (== original in absolute mode)
+    next_P: int = 0  # compact mode: rotary position of the next block after this one
+    masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+
+
+class BoundedCache(Cache):
+    """A transformers ``Cache`` whose layers never hold more than their capacity per KV head."""
+
+    def __init__(
+        self,
+        layer_specs: list[list[GroupSpec]],
+        *,
+        num_kv_heads: int,
+        num_attention_heads: int,
+        head_dim: int,
+        block_size: int,
+        sinks: int,
+        recent: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        positions_mode: str = "absolute",
+        max_positions: int | None = None,
+        rotator: Rotator | None = None,
+        sync_timing: bool = False,
+    ) -> None:
+        q_per_kv = num_attention_heads // num_kv_heads
+        layers = []
+        for idx, specs in enumerate(layer_specs):
+            groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device) for s in specs]
+            layers.append(BoundedLayer(self, idx, groups))
+        super().__init__(layers=layers)
+        self.num_kv_heads = num_kv_heads
+        self.num_attention_heads = num_attention_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.sinks = sinks
+        self.recent = recent
+        self.dtype = dtype
+        self.device = device
+        self.positions_mode = positions_mode  # "absolute" | "compact" | "auto"
+        self.compact = positions_mode == "compact"  # whether keys are currently at compact positions
+        self.compact_since: int | None = 0 if self.compact else None
+        self.max_positions = max_positions
+        self.rotator = rotator
+        self.sync_timing = sync_timing and device.type == "cuda"
+        self.seen = 0
+        self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
+        self.counters = CacheCounters()
+        self.step = StepInfo()
+        self.gqa_reduce = "mean"
+
+    # -- clocks and counters -------------------------------------------------------------------
+    def clock(self) -> float:
+        if self.sync_timing:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @property
+    def step_positions(self) -> Tensor:
+        assert self.step.original_positions is not None
+        return self.step.original_positions
+
+    @property
+    def step_original_positions(self) -> Tensor:
+        assert self.step.original_positions is not None
+        return self.step.original_positions
+
+    @property
+    def step_len(self) -> int:
+        return self.step.length
+
+    def groups(self) -> list[HeadGroup]:
+        return [g for layer in self.layers for g in layer.groups]  # type: ignore[attr-defined]
+
+    def lengths(self) -> list[int]:
+        return [g.length for g in self.groups()]
+
+    def allocated_bytes(self) -> int:
+        return sum(g.allocated_bytes() for g in self.groups())
+
+    def stored_bytes(self) -> int:
+        return sum(g.stored_bytes() for g in self.groups())
+
+    def promised_bytes(self) -> int | None:
+        """K/V bytes the budget promises: Σ over groups of heads × (capacity + compensation slot)."""
+        total = 0
+        for g in self.groups():
+            p = g.promised_tokens()
+            if p is None:
+                return None
+            total += p * g.num_heads * 2 * self.head_dim * g.keys.element_size()
+        return total
+
+    # -- protection --------------------------------------------------------------------------------
+    def protected_mask(self, pos: Tensor, g: HeadGroup) -> Tensor:
+        """Sinks, the recent window (engine's and the policy's), and pinned tokens."""
+        cap = g.capacity if g.capacity is not None else g.length
+        recent = max(self.recent, g.policy.protected_recent(cap))
+        end = self.seen + self.step.length  # tokens seen once this block is in
+        mask = (pos < self.sinks) | (pos >= end - recent)
+        if self.pin_start is not None:
+            mask |= pos >= self.pin_start
+        return mask
+
+    def min_capacity(self) -> int | None:
+        caps = [g.capacity for g in self.groups() if g.capacity is not None]
+        return min(caps) if caps else None
+
+    # -- positions -------------------------------------------------------------------------------
+    def begin_step(self, m: int) -> Tensor:
+        """Prepare a block of ``m`` tokens; returns the rotary position ids to give the model."""
+        original = torch.arange(self.seen, self.seen + m, device=self.device)
+        if not self.compact and self.positions_mode == "auto" and self.max_positions is not None:
+            if self.seen + m > self.max_positions:
+                self.switch_to_compact()
+        lengths_after = [
+            g.length + m if g.capacity is None else min(g.capacity, g.length + m) for g in self.groups()
+        ]
+        if self.compact:
+            P = max(self.lengths())
+            rotary = torch.arange(P, P + m, device=self.device)
+        else:
+            rotary = original
+        self.step = StepInfo(
+            length=m, original_positions=original, rotary_positions=rotary, next_P=max(lengths_after)
+        )
+        return rotary
+
+    def end_step(self) -> None:
+        self.seen += self.step.length
+        lengths = self.lengths()
+        self.counters.max_cached = max(self.counters.max_cached, max(lengths))
+        self.counters.max_stored = max(self.counters.max_stored, max(lengths))
+
+    def switch_to_compact(self) -> None:
+        """Re-rotate every stored key from its original position to its compact slot position."""
+        if self.rotator is None:
+            raise RuntimeError("compact positions need a RoPE rotator")
+        P = max(self.lengths())
+        for g in self.groups():
+            n = g.length
+            if n == 0:
+                continue
+            target = (P - n) + torch.arange(n, device=self.device)
+            delta = target.unsqueeze(0) - g.positions[:, :n]
+            self._rotate(g, delta)
+        self.compact = True
+        self.compact_since = self.seen
+
+    def compact_group(self, g: HeadGroup, kept: Tensor | None, old_len: int | None = None) -> None:
+        """In compact mode keep the invariant: token at rank r sits at rotary position P − len + r.
+
+        Before this step the group's tokens (cache + block) sit at contiguous rotary positions
+        ``base_old + j``; after eviction the next block starts at ``next_P``, so each kept token
+        moves by ``(next_P − len + r) − (base_old + kept[r])``. RoPE rotations compose, so the
+        stored key is rotated by that delta (float32), and only when it is non-zero.
+        """
+        if not self.compact:
+            return
+        n_now = g.length
+        n_before = old_len if old_len is not None else n_now
+        P_step = int(self.step.rotary_positions[0])  # rotary position of the block's first token
+        base_old = P_step - (n_before - self.step.length)
+        base_new = self.step.next_P - n_now
+        ranks = torch.arange(n_now, device=self.device)
+        old_slot = kept if kept is not None else ranks.unsqueeze(0).expand(g.num_heads, n_now)
+        delta = (base_new + ranks).unsqueeze(0) - (base_old + old_slot)
+        if kept is None and base_new == base_old:
+            return
+        self._rotate(g, delta)
+
+    def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
+        assert self.rotator is not None
+        n = g.length
+        if not bool((delta != 0).any()):
+            return
+        keys = g.keys[0, :, g.off : g.off + n]
+        keys.copy_(self.rotator.rotate(keys, delta))
+
+    # -- snapshots and persistence ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for li, layer in enumerate(self.layers):
+            for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
+                out.update(g.state_dict(f"l{li}.g{gi}"))
+        return out
+
+    def scalars(self) -> dict[str, Any]:
+        return {
+            "seen": self.seen,
+            "compact": self.compact,
+            "compact_since": self.compact_since,
+            "pin_start": self.pin_start,
+            "positions_mode": self.positions_mode,
+        }
+
+    def load(self, tensors: dict[str, Tensor], scalars: dict[str, Any]) -> None:
+        for li, layer in enumerate(self.layers):
+            for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
+                g.load_state_dict(tensors, f"l{li}.g{gi}")
+        self.seen = int(scalars["seen"])
+        self.compact = bool(scalars["compact"])
+        self.compact_since = scalars.get("compact_since")
+        self.pin_start = scalars.get("pin_start")
+
+    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """A copy of the stored tokens and counters (e.g. after the document, before a question)."""
+        return {k: v.clone() for k, v in self.state_dict().items()}, self.scalars()
+
+    def restore(self, snap: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
+        self.load(*snap)

@@ -1,0 +1,280 @@
+"""The block loop: feed tokens in blocks, evict after every block, decode with blocks of one.
+
+    feed(block) → BoundedCache.update appends K/V → kvtool_attention attends and evicts per layer
+               → next block
+
+Peak memory is independent of the document length: the cache holds at most ``capacity + block``
+tokens per KV head in preallocated buffers, attention scratch is one layer × one block, and logits
+are computed for the last token only (unless a caller asks for every row, as perplexity does).
+The engine knows nothing about any particular policy: it asks the policy for its head layout
+(``layer_groups``) and the cache/attention function do the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvtool import attention
+from kvtool.cache import BoundedCache
+from kvtool.errors import UsageError
+from kvtool.events import DecodeProgress, Listener, Note, PrefillProgress
+from kvtool.meter import MemoryMeter
+from kvtool.policies.base import Policy, PolicyEnv
+from kvtool.positions import Rotator
+
+POSITION_MODES = ("absolute", "compact", "auto")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options that apply to every policy."""
+
+    budget: int | None  # tokens per KV head and layer (None: unbounded, policy ``full``)
+    block_size: int = 128
+    sinks: int = 4  # first S tokens are never evicted
+    recent: int = 8  # last R tokens are never evicted
+    positions: str = "auto"  # absolute | compact | auto
+    gqa_reduce: str = "mean"  # how query-head probabilities become KV-head scores
+    sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise UsageError(f"--block-size must be at least 1 (got {self.block_size})")
+        if self.sinks < 0 or self.recent < 0:
+            raise UsageError("--sinks and --recent must be non-negative")
+        if self.budget is not None and self.budget < self.sinks + self.recent + 1:
+            raise UsageError(
+                f"--budget {self.budget} is too small: it must exceed sinks + recent = {self.sinks + self.recent}"
+            )
+        if self.positions not in POSITION_MODES:
+            raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
+        if self.gqa_reduce not in ("mean", "max"):
+            raise UsageError(f"gqa reduction must be mean or max (got {self.gqa_reduce!r})")
+
+
+def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
+    """The model facts a policy may use when it is built."""
+    c = model.config
+    heads = c.num_attention_heads
+    return PolicyEnv(
+        num_layers=c.num_hidden_layers,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        num_attention_heads=heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        budget=config.budget,
+        block_size=config.block_size,
+        sinks=config.sinks,
+        recent=config.recent,
+        **extra,
+    )
+
+
+Sampler = Callable[[Tensor], int]
+
+
+def greedy(logits: Tensor) -> int:
+    return int(torch.argmax(logits))
+
+
+def make_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
+    """Greedy at temperature 0; otherwise temperature + nucleus sampling with a seeded generator."""
+    if temperature <= 0:
+        return greedy
+    gen = torch.Generator().manual_seed(seed)
+
+    def sample(logits: Tensor) -> int:
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+    return sample
+
+
+class Engine:
+    """Streams tokens through ``model`` under ``policy`` with a bounded cache."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        policy: Policy,
+        config: EngineConfig,
+        listener: Listener | None = None,
+        env: PolicyEnv | None = None,
+    ) -> None:
+        config.validate()
+        self.model = model
+        self.policy = policy
+        self.config = config
+        self.listener = listener
+        self.env = env or policy.env or model_env(model, config)
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+        self.device = next(model.parameters()).device
+        self.dtype = _kv_dtype(model)
+        c = model.config
+        self.max_positions: int | None = getattr(c, "max_position_embeddings", None)
+        self.rotator: Rotator | None = Rotator.from_model(model) if config.positions != "absolute" else None
+        self.meter = MemoryMeter(self.device)
+        self.layer_specs = [policy.layer_groups(i, self.env) for i in range(self.env.num_layers)]
+        self._check_capacities()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _check_capacities(self) -> None:
+        for specs in self.layer_specs:
+            for s in specs:
+                if s.capacity is None:
+                    continue
+                recent = max(self.config.recent, s.policy.protected_recent(s.capacity))
+                if s.capacity < self.config.sinks + recent + 1:
+                    raise UsageError(
+                        f"budget too small for policy {self.policy.spec!r}: a head group of capacity {s.capacity} "
+                        f"must exceed sinks {self.config.sinks} + recent window {recent}"
+                    )
+
+    def new_cache(self) -> BoundedCache:
+        cache = BoundedCache(
+            self.layer_specs,
+            num_kv_heads=self.env.num_kv_heads,
+            num_attention_heads=self.env.num_attention_heads,
+            head_dim=self.env.head_dim,
+            block_size=self.config.block_size,
+            sinks=self.config.sinks,
+            recent=self.config.recent,
+            dtype=self.dtype,
+            device=self.device,
+            positions_mode=self.config.positions,
+            max_positions=self.max_positions,
+            rotator=self.rotator,
+            sync_timing=self.config.sync_timing,
+        )
+        cache.gqa_reduce = self.config.gqa_reduce
+        return cache
+
+    def emit(self, event: Any) -> None:
+        if self.listener is not None:
+            self.listener(event)
+
+    # -- feeding ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, cache: BoundedCache, ids: Tensor, logits_rows: int = 1) -> Tensor:
+        """Feed one block (≤ block size) and return logits of its last ``logits_rows`` tokens."""
+        m = ids.shape[-1]
+        was_compact = cache.compact
+        rotary = cache.begin_step(m)
+        if cache.compact and not was_compact:
+            self.emit(Note(f"positions: switched to compact at token {cache.seen} (model range {self.max_positions})"))
+        out = self.model(
+            input_ids=ids.view(1, m).to(self.device),
+            position_ids=rotary.view(1, m),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_rows,
+            kvtool_cache=cache,
+        )
+        cache.end_step()
+        return out.logits[0]
+
+    def pin(self, cache: BoundedCache, length: int) -> None:
+        """Protect the next ``length`` tokens (a question) until ``unpin``; they must fit every group."""
+        for g in cache.groups():
+            if g.capacity is None:
+                continue
+            if self.config.sinks + length > g.capacity:
+                raise UsageError(
+                    f"the question ({length} tokens with the chat template) does not fit the budget: a head group "
+                    f"holds {g.capacity} tokens including {self.config.sinks} sinks; raise --budget or shorten it"
+                )
+        cache.pin_start = cache.seen
+
+    def feed(
+        self,
+        cache: BoundedCache,
+        blocks: Iterable[Tensor],
+        total: int | None = None,
+        logits_rows: int = 1,
+        progress: bool = True,
+    ) -> Tensor | None:
+        """Feed token blocks (each ≤ block size; longer tensors are split). Returns the last logits."""
+        logits = None
+        t_start = time.perf_counter()
+        done = 0
+        forward_s = 0.0
+        for block in blocks:
+            for start in range(0, block.shape[-1], self.config.block_size):
+                ids = block[start : start + self.config.block_size]
+                t0 = cache.clock()
+                logits = self.step(cache, ids, logits_rows)
+                forward_s += cache.clock() - t0
+                done += ids.shape[-1]
+                if progress and self.listener is not None:
+                    self.emit(self.progress_event(cache, done, total, time.perf_counter() - t_start, forward_s))
+        return logits
+
+    def progress_event(self, cache: BoundedCache, done: int, total: int | None, seconds: float,
+                       forward_s: float) -> PrefillProgress:
+        lengths = cache.lengths()
+        c = cache.counters
+        return PrefillProgress(
+            tokens_done=done,
+            tokens_total=total,
+            seconds=seconds,
+            cache_min=min(lengths),
+            cache_mean=sum(lengths) / len(lengths),
+            cache_max=max(lengths),
+            evicted_total=c.evicted_tokens,
+            memory=self.meter.sample(),
+            time_split={
+                "forward": forward_s,
+                "probs": c.probs_seconds,
+                "score": c.score_seconds,
+                "evict": c.evict_seconds,
+            },
+        )
+
+    # -- decoding ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        cache: BoundedCache,
+        logits: Tensor,
+        max_new_tokens: int,
+        eos_ids: set[int],
+        sampler: Sampler = greedy,
+        on_token: Callable[[int], None] | None = None,
+    ) -> tuple[list[int], float]:
+        """Decode from ``logits`` with blocks of one token, evicting after each; returns (ids, seconds)."""
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens):
+            tok = sampler(logits[-1])
+            if tok in eos_ids:
+                break
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if len(out) == max_new_tokens:
+                break
+            logits = self.step(cache, torch.tensor([tok]), 1)
+            if self.listener is not None:
+                self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
+        return out, time.perf_counter() - t0
+
+
+def _kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    """K/V are stored in the activations' dtype (the model's compute dtype, also under 4/8-bit)."""
+    dtype = getattr(model, "dtype", None)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return dtype
+    for p in model.parameters():
+        if p.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            return p.dtype
+    return torch.float32

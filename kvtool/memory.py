@@ -1,0 +1,350 @@
+"""Memory formulas: one set shared by ``kvtool profile``, byte budgets and run statistics.
+
+Keeping every estimate here means the numbers a profile promises, the budget a "--budget 2GiB"
+turns into, and the prediction printed next to a run's measured peak cannot disagree.
+
+All functions work on a ``dims`` dict (see ``dims_from_config``) with the keys ``num_layers``,
+``num_kv_heads``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``intermediate_size`` and
+``vocab_size``. Element sizes (``elem``) may be a ``torch.dtype`` or its size in bytes. Everything is
+an estimate of *steady-state* peaks for batch size 1; constants are documented where they appear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+DIM_KEYS: tuple[str, ...] = (
+    "num_layers",
+    "num_kv_heads",
+    "num_attention_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+)
+
+#: Hidden-sized tensors alive at once for each token of a block: residual stream, normed input,
+#: query projection, attention output, o_proj output and the next residual (K/V projections are
+#: smaller under GQA and go straight into the cache). A deliberately round upper estimate.
+HIDDEN_TENSORS = 6
+#: Intermediate-sized MLP tensors alive at once per token: gate, up and act(gate) * up.
+INTERMEDIATE_TENSORS = 3
+#: Logits are taken as float32 (sampling and log-softmax upcast them), whatever the model dtype.
+LOGITS_BYTES = 4
+#: Attention probabilities a policy asks for are float32: scores plus their softmax.
+PROBS_COPIES = 2
+#: Bytes per parameter of quantized linear weights. bitsandbytes LLM.int8 stores 1 byte plus a
+#: per-row scale (negligible); NF4 stores half a byte plus one float32 absmax per 64-weight block
+#: (4 / 64 = 0.0625 byte) when double quantization is off, which we assume to stay on the safe side.
+QUANT_BYTES_PER_PARAM: dict[str, float] = {"8bit": 1.0, "4bit": 0.5 + 4 / 64}
+
+Dims = Mapping[str, int]
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a ``torch.dtype``, a dtype name ("bfloat16") or an int (returned as is)."""
+    if isinstance(dtype, bool):
+        raise TypeError(f"not a dtype: {dtype!r}")
+    if isinstance(dtype, int):
+        if dtype < 1:
+            raise ValueError(f"element size must be >= 1 byte: {dtype}")
+        return dtype
+    itemsize = getattr(dtype, "itemsize", None)
+    if isinstance(itemsize, int):
+        return itemsize
+    if isinstance(dtype, str):
+        names = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
+        if dtype.lower() in names:
+            return names[dtype.lower()]
+    raise TypeError(f"not a dtype: {dtype!r}")
+
+
+def dims_from_config(config: Any) -> dict[str, int]:
+    """Build ``dims`` from a transformers config (multimodal configs: their text config).
+
+    ``head_dim`` is ``config.head_dim`` when the config sets it (Gemma, Qwen3 decouple it from the
+    hidden size), else hidden_size // num_attention_heads. Missing KV heads mean plain multi-head
+    attention; a missing intermediate size (GPT-2's ``n_inner=None``) means 4 x hidden.
+    """
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        config = get_text()
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    return {
+        "num_layers": int(config.num_hidden_layers),
+        "num_kv_heads": int(kv_heads),
+        "num_attention_heads": heads,
+        "head_dim": int(head_dim),
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate),
+        "vocab_size": int(config.vocab_size),
+    }
+
+
+def llama_param_count(dims: Dims, tie_word_embeddings: bool) -> int:
+    """Parameters of a Llama-style decoder (no biases, RMSNorm, gated MLP) from its ``dims``.
+
+    Used to write profiles' expected memory from architecture numbers alone; for a loaded model
+    count ``model.parameters()`` instead.
+    """
+    hidden, d = dims["hidden_size"], dims["head_dim"]
+    attn = hidden * dims["num_attention_heads"] * d * 2 + hidden * dims["num_kv_heads"] * d * 2
+    mlp = 3 * hidden * dims["intermediate_size"]
+    per_layer = attn + mlp + 2 * hidden
+    embeddings = dims["vocab_size"] * hidden * (1 if tie_word_embeddings else 2)
+    return dims["num_layers"] * per_layer + hidden + embeddings
+
+
+def embedding_params(dims: Dims, tie_word_embeddings: bool) -> int:
+    """Parameters of the input embedding and LM head, which quantization leaves unquantized."""
+    return dims["vocab_size"] * dims["hidden_size"] * (1 if tie_word_embeddings else 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(dims: Dims, elem: Any) -> dict[str, int]:
+    """Bytes of K plus V for one token: per (layer, KV head), per layer, and for the whole model."""
+    per_layer_per_head = 2 * dims["head_dim"] * dtype_bytes(elem)
+    per_layer = per_layer_per_head * dims["num_kv_heads"]
+    return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
+
+
+def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int) -> dict[str, int]:
+    """KV memory at a budget of ``budget_tokens`` per KV head.
+
+    ``promised``: what the budget guarantees after every eviction, the same for every policy
+    (per-head capacities that sum to budget x heads promise the same bytes). ``allocated``: the
+    preallocated buffers, capacity plus one block of scratch that the incoming block is appended to
+    before eviction brings the cache back to capacity.
+    """
+    total = kv_bytes_per_token(dims, elem)["total"]
+    return {"promised": budget_tokens * total, "allocated": (budget_tokens + block_size) * total}
+
+
+def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int) -> int:
+    """float32 attention probabilities a policy asked for, one layer at a time.
+
+    ``rows`` query rows x (budget + block) keys x attention heads, scores plus softmax output.
+    ``rows = 0`` (policies that never look at attention) costs nothing. SDPA's own temporaries are
+    counted separately by ``sdpa_scratch_bytes`` (``predict_peak`` adds both).
+    """
+    if rows <= 0:
+        return 0
+    rows = min(rows, block)
+    return PROBS_COPIES * rows * (budget + block) * dims["num_attention_heads"] * 4
+
+
+def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
+    """Temporaries of the block's attention call itself, one layer at a time.
+
+    With a mask (a block attending to a compacted cache always has one) transformers repeats K and
+    V to every query head before SDPA, so K/V are expanded to ``num_attention_heads`` copies when
+    heads are grouped. The kernel may fall back to the math path, which materialises a float32
+    block x keys x heads score matrix; we count that worst case.
+    """
+    keys = budget + block
+    heads = dims["num_attention_heads"]
+    expanded = 0
+    if heads != dims["num_kv_heads"]:
+        expanded = 2 * keys * heads * dims["head_dim"] * dtype_bytes(elem)
+    scores = block * keys * heads * 4
+    return expanded + scores
+
+
+def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
+    """Per-token float32 policy state (``Policy.state_fields``) kept next to K/V, in the same
+    capacity-plus-one-block buffers, for every KV head of every layer."""
+    return n_fields * 4 * (budget + block) * dims["num_kv_heads"] * dims["num_layers"]
+
+
+def activation_bytes(dims: Dims, block: int, elem: Any, logits_rows: int = 1) -> int:
+    """Hidden states and MLP intermediates for one block of ``block`` tokens, plus the logits.
+
+    block x hidden x elem x ``HIDDEN_TENSORS`` + block x intermediate x elem x
+    ``INTERMEDIATE_TENSORS`` + logits_rows x vocab x ``LOGITS_BYTES``. Layers run one after the
+    other, so only one layer's worth is alive at a time. Only the last row's logits are computed
+    while reading (``logits_rows = 1``).
+    """
+    e = dtype_bytes(elem)
+    hidden = block * dims["hidden_size"] * e * HIDDEN_TENSORS
+    mlp = block * dims["intermediate_size"] * e * INTERMEDIATE_TENSORS
+    return hidden + mlp + logits_rows * dims["vocab_size"] * LOGITS_BYTES
+
+
+def weights_bytes(num_params: int, elem: Any, quantize: str = "none", unquantized_params: int = 0) -> int:
+    """Bytes of the model's weights.
+
+    ``quantize="none"``: every parameter at ``elem``. "8bit" / "4bit": linear weights at
+    ``QUANT_BYTES_PER_PARAM`` bytes each; ``unquantized_params`` (embeddings, LM head, which
+    bitsandbytes leaves alone — see ``embedding_params``) stay at ``elem``.
+    """
+    e = dtype_bytes(elem)
+    if quantize == "none":
+        return num_params * e
+    if quantize not in QUANT_BYTES_PER_PARAM:
+        raise ValueError(f"quantize must be one of none, {', '.join(QUANT_BYTES_PER_PARAM)}: got {quantize!r}")
+    quantized = max(0, num_params - unquantized_params)
+    return int(quantized * QUANT_BYTES_PER_PARAM[quantize]) + (num_params - quantized) * e
+
+
+# ---------------------------------------------------------------------------------------------
+# peaks
+# ---------------------------------------------------------------------------------------------
+
+
+def predict_peak(
+    dims: Dims,
+    *,
+    num_params: int,
+    elem: Any,
+    budget_tokens: int,
+    block_size: int,
+    quantize: str = "none",
+    rows: int = 0,
+    n_fields: int = 0,
+    runtime_baseline_bytes: int = 0,
+    unquantized_params: int = 0,
+) -> dict[str, int]:
+    """Predicted peak memory of a budgeted run, with every component.
+
+    ``rows`` is the policy's ``query_rows(block_size)``, ``n_fields`` its ``len(state_fields)``;
+    ``runtime_baseline_bytes`` is the process's memory before weights are loaded, measured by the
+    caller (RSS on CPU; 0 on CUDA, where the CUDA context is not counted by the allocator).
+    """
+    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size)
+    parts = {
+        "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
+        "kv_promised_bytes": kv["promised"],
+        "kv_allocated_bytes": kv["allocated"],
+        "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, budget_tokens, rows),
+        "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
+        "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
+        "activation_bytes": activation_bytes(dims, block_size, elem),
+        "runtime_baseline_bytes": runtime_baseline_bytes,
+    }
+    # The promise is contained in the allocation, so it is not added twice.
+    parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
+    return parts
+
+
+def dense_peak(
+    dims: Dims,
+    n_tokens: int,
+    *,
+    num_params: int,
+    elem: Any,
+    quantize: str = "none",
+    runtime_baseline_bytes: int = 0,
+    unquantized_params: int = 0,
+) -> int:
+    """Peak of plain transformers reading ``n_tokens`` in one prefill pass with a growing cache.
+
+    Weights + KV for every token + activations for all ``n_tokens`` at once (same constants as
+    ``activation_bytes``) + one row of logits. Attention scores are not counted: without a mask,
+    dense prefill gets SDPA's fused causal kernels, so this estimate is generous to dense.
+    """
+    return (
+        weights_bytes(num_params, elem, quantize, unquantized_params)
+        + n_tokens * kv_bytes_per_token(dims, elem)["total"]
+        + activation_bytes(dims, n_tokens, elem, logits_rows=1)
+        + runtime_baseline_bytes
+    )
+
+
+def _largest(fits: Callable[[int], bool]) -> int:
+    """Largest n >= 1 with ``fits(n)`` for a monotone predicate, or 0 if even 1 does not fit."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 48:  # nothing per token costs memory: no meaningful answer
+            raise ValueError("memory use does not grow with tokens; check dims")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_budget(
+    memory_bytes: int,
+    dims: Dims,
+    *,
+    num_params: int,
+    elem: Any,
+    block_size: int,
+    quantize: str = "none",
+    rows: int = 0,
+    n_fields: int = 0,
+    runtime_baseline_bytes: int = 0,
+    unquantized_params: int = 0,
+) -> int:
+    """Largest budget (tokens per KV head) whose ``predict_peak`` fits in ``memory_bytes``; 0 if none."""
+
+    def fits(budget: int) -> bool:
+        peak = predict_peak(
+            dims,
+            num_params=num_params,
+            elem=elem,
+            budget_tokens=budget,
+            block_size=block_size,
+            quantize=quantize,
+            rows=rows,
+            n_fields=n_fields,
+            runtime_baseline_bytes=runtime_baseline_bytes,
+            unquantized_params=unquantized_params,
+        )
+        return peak["predicted_peak_bytes"] <= memory_bytes
+
+    return _largest(fits)
+
+
+def dense_max_tokens(
+    memory_bytes: int,
+    dims: Dims,
+    *,
+    num_params: int,
+    elem: Any,
+    quantize: str = "none",
+    runtime_baseline_bytes: int = 0,
+    unquantized_params: int = 0,
+) -> int:
+    """Longest document (tokens) whose ``dense_peak`` fits in ``memory_bytes``; 0 if none."""
+
+    def fits(n: int) -> bool:
+        peak = dense_peak(
+            dims,
+            n,
+            num_params=num_params,
+            elem=elem,
+            quantize=quantize,
+            runtime_baseline_bytes=runtime_baseline_bytes,
+            unquantized_params=unquantized_params,
+        )
+        return peak <= memory_bytes
+
+    return _largest(fits)
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: "512 B", "1.50 KiB", "1.23 GiB"."""
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{sign}{value:.2f} {unit}"
+    raise AssertionError("unreachable")

@@ -1,0 +1,250 @@
+"""The policy contract: what a policy needs, the per-token state it keeps, and the score it returns.
+
+The engine never imports a concrete policy. It asks a policy three things:
+
+* which of the block's query rows it needs attention probabilities for (``query_rows``); the
+  attention function computes those rows only, and none at all when the answer is 0;
+* how to lay out each layer's KV heads (``layer_groups``): uniform policies use one group of all
+  heads with capacity = budget; RazorAttention splits heads into groups of different capacities;
+* a score per (KV head, token) for the tokens of a group (``score``); the engine keeps the top
+  ``capacity`` tokens (protected tokens always kept) and gathers K, V, positions and per-token
+  state in one pass.
+
+Running per-token state (e.g. H2O's accumulated attention) is declared in ``state_fields`` and
+lives in the cache next to K/V, so eviction gathers it and ``.kvc`` files save it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ScoreContext:
+    """Everything a policy may look at for one (layer, head group) at one step.
+
+    Shapes use ``h`` = KV heads in the group, ``n`` = tokens stored in the group *including* the
+    block just appended (the block is the last ``m`` tokens), ``r`` = query rows requested.
+    """
+
+    layer_idx: int
+    heads: list[int]  # KV head indices (within the layer) of this group
+    keys: Tensor  # [h, n, d], stored post-RoPE keys
+    values: Tensor  # [h, n, d]
+    positions: Tensor  # [h, n] int64, original position of each token in the stream
+    query_positions: Tensor  # [m] int64, original positions of the block's queries
+    probs: Tensor | None  # [h, r, n] float32 attention probs of the block's last r query rows,
+    #                        averaged over the query heads sharing each KV head (engine GQA rule)
+    state: dict[str, Tensor]  # name -> [h, n] float32 per-token state (views: in-place updates persist)
+    protected: Tensor  # [h, n] bool, tokens the engine always keeps (sinks, recent, pinned)
+    capacity: int  # tokens the group keeps after eviction
+    block_len: int  # m
+    seen: int = 0  # tokens seen before this block (position counter)
+
+    @property
+    def n(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def n_evict(self) -> int:
+        """How many tokens this step removes (0 when the group is within capacity)."""
+        return max(0, self.n - self.capacity)
+
+
+@dataclass
+class GroupSpec:
+    """A set of KV heads of one layer that share a capacity and a scoring policy.
+
+    ``capacity`` is in tokens per head (``None``: unbounded, the dense reference). With
+    ``compensation`` the group also holds one compensation token per head (RazorAttention eq. 4),
+    which counts as one token of the capacity promise.
+    """
+
+    heads: list[int]
+    capacity: int | None
+    policy: Policy
+    compensation: bool = False
+
+
+@dataclass
+class PolicyEnv:
+    """What a policy may know about the run when it is built."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_attention_heads: int
+    head_dim: int
+    budget: int | None
+    block_size: int = 128
+    sinks: int = 4
+    recent: int = 8
+    # Returns the retrieval-head map (layer -> list of KV heads); used by RazorAttention only.
+    retrieval_heads: Callable[[], dict[int, list[int]]] | None = None
+
+
+class Policy:
+    """Base class: one file per subclass under ``kvtool/policies/``.
+
+    Subclasses set ``name``, ``description``, ``paper`` and override ``score``; attention-based
+    policies also override ``query_rows``. Options are dataclass fields (set from
+    ``--policy-opt key=value`` and profiles).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    is_modifier: ClassVar[bool] = False
+    #: per-token float32 state kept in the cache and gathered on eviction (read it on the instance:
+    #: a policy may compute it from its options, as Scissorhands does)
+    state_fields: ClassVar[tuple[str, ...]] = ()
+    #: True if ``observe`` must run on every block (running statistics), not only when evicting
+    observe_every_step: ClassVar[bool] = False
+
+    env: PolicyEnv | None = None
+
+    # -- what the policy needs -------------------------------------------------------------
+    def query_rows(self, block_len: int) -> int:
+        """Number of the block's *last* query rows whose attention probabilities are needed."""
+        return 0
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether this policy ever asks for attention probabilities."""
+        return self.query_rows(128) > 0
+
+    def protected_recent(self, capacity: int) -> int:
+        """Extra most-recent tokens this policy always keeps (on top of the engine's window)."""
+        return 0
+
+    def extra_protected(self, ctx: ScoreContext) -> Tensor | None:
+        """Tokens this policy always keeps beyond the engine's set ([h, n] bool), e.g. VATP's first F.
+
+        The engine ORs this into ``ctx.protected`` before ``select``, so modifiers stacked on top see
+        them as protected instead of as +inf scores they would have to special-case.
+        """
+        return None
+
+    def layer_groups(self, layer_idx: int, env: PolicyEnv) -> list[GroupSpec]:
+        """Head layout of one layer: by default one group of all KV heads at the budget."""
+        return [GroupSpec(heads=list(range(env.num_kv_heads)), capacity=env.budget, policy=self)]
+
+    # -- running state and score -------------------------------------------------------------
+    def observe(self, ctx: ScoreContext) -> None:
+        """Update running per-token state from this block (called before ``score``)."""
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        """Return a fresh [h, n] tensor of retention scores: higher is kept.
+
+        Protected tokens need no special care. Never return a state tensor itself: modifiers may
+        edit the score in place. ``select`` is only called when the group exceeds its capacity.
+        """
+        raise NotImplementedError
+
+    def select(self, ctx: ScoreContext) -> Tensor:
+        """Return [h, capacity] sorted indices of the tokens to keep.
+
+        Default: top-``capacity`` of ``score`` with protected tokens forced in. Policies whose
+        choice is not a fixed ranking (CAOTE's greedy joint eviction) override this.
+        """
+        scores = self.score(ctx).float()
+        return keep_top(scores, ctx.protected, ctx.capacity)
+
+    # -- persistence of non-per-token state -----------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """The policy's options, for stats, metadata and ``.kvc`` files."""
+        from dataclasses import fields, is_dataclass
+
+        if not is_dataclass(self):
+            return {}
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name in ("base", "env") or f.name.startswith("_"):
+                continue
+            out[f.name] = getattr(self, f.name)
+        return out
+
+    @property
+    def spec(self) -> str:
+        return self.name
+
+
+class Modifier(Policy):
+    """A policy that transforms the score of a base policy (VATP, CAOTE, FastCAOTE).
+
+    Everything but the score is delegated to the base, so a modifier works with any
+    attention-based base and its running state.
+    """
+
+    is_modifier = True
+    base: Policy
+    #: the base a bare ``--policy <modifier>`` applies to (the modifier paper's own setting)
+    default_base: ClassVar[str] = "tova"
+
+    @property
+    def state_fields(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.base.state_fields
+
+    @property
+    def observe_every_step(self) -> bool:  # type: ignore[override]
+        return self.base.observe_every_step
+
+    def query_rows(self, block_len: int) -> int:
+        return self.base.query_rows(block_len)
+
+    def protected_recent(self, capacity: int) -> int:
+        return self.base.protected_recent(capacity)
+
+    def observe(self, ctx: ScoreContext) -> None:
+        self.base.observe(ctx)
+
+    def extra_protected(self, ctx: ScoreContext) -> Tensor | None:
+        return self.base.extra_protected(ctx)
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        return self.modify(ctx, self.base.score(ctx).float())
+
+    def modify(self, ctx: ScoreContext, scores: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        return {**self.base.options(), **{f"{self.name}.{k}": v for k, v in super().options().items()}}
+
+    @property
+    def spec(self) -> str:
+        return f"{self.base.spec}+{self.name}"
+
+
+def keep_top(scores: Tensor, protected: Tensor, capacity: int) -> Tensor:
+    """Indices [h, capacity], ascending, of the protected tokens plus the best-scored others."""
+    forced = scores.masked_fill(protected, float("inf"))
+    # nan scores (e.g. 0/0) are treated as "least worth keeping", never as keep-me.
+    forced = torch.nan_to_num(forced, nan=float("-inf"), posinf=float("inf"))
+    idx = torch.topk(forced, capacity, dim=-1, sorted=False).indices
+    return torch.sort(idx, dim=-1).values
+
+
+def normalise(scores: Tensor, eps: float = 1e-12) -> Tensor:
+    """Scale non-negative scores per head to sum to one (CAOTE eq. 22)."""
+    scores = scores.clamp_min(0)
+    return scores / scores.sum(dim=-1, keepdim=True).clamp_min(eps)
+
+
+@dataclass
+class _Registry:
+    bases: dict[str, type[Policy]] = field(default_factory=dict)
+    modifiers: dict[str, type[Modifier]] = field(default_factory=dict)
+
+
+REGISTRY = _Registry()
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available to ``--policy`` by its ``name``."""
+    table = REGISTRY.modifiers if cls.is_modifier else REGISTRY.bases
+    table[cls.name] = cls  # type: ignore[assignment]
+    return cls

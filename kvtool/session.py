@@ -1,0 +1,304 @@
+"""A session: model + tokenizer + settings, and the operations every command is made of.
+
+    Session(settings) → read(document) → cache (snapshot) → answer(question) → restore → answer(...)
+
+Settings are already merged (profile ⊕ flags) and validated; the session resolves what needs the
+model (byte budgets, the policy's head layout, razor calibration) and owns the memory meter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvtool import prompt
+from kvtool.cache import BoundedCache
+from kvtool.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.engine import Engine, EngineConfig, make_sampler, model_env
+from kvtool.errors import UsageError
+from kvtool.events import Listener, Note
+from kvtool.memory import dims_from_config, dtype_bytes
+from kvtool.model import LoadedModel, kvtool_home, load_model
+from kvtool.policies import Policy, build_policy
+from kvtool.settings import Settings, budget_tokens_from_bytes
+
+
+@dataclass
+class Answer:
+    question: str
+    answer: str
+    tokens: int
+    seconds: float
+    prompt_tokens: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ReadResult:
+    """A document read into a bounded cache (and what it cost)."""
+
+    cache: BoundedCache
+    document_tokens: int
+    prefix_tokens: int
+    seconds: float
+    sha256: str = ""
+    name: str = ""
+    snapshot: Any = field(default=None, repr=False)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into newly printable text (multi-byte safe)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.printed = text[self.printed :], len(text)
+        return piece
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def rechunk(pieces: Iterable[Tensor], size: int) -> Iterator[Tensor]:
+    """Regroup token tensors into blocks of exactly ``size`` (the last may be shorter)."""
+    buf: list[Tensor] = []
+    have = 0
+    for t in pieces:
+        buf.append(t)
+        have += t.numel()
+        while have >= size:
+            flat = torch.cat(buf)
+            yield flat[:size]
+            rest = flat[size:]
+            buf, have = ([rest] if rest.numel() else []), rest.numel()
+    if have:
+        yield torch.cat(buf)
+
+
+class Session:
+    """Loads the model once and runs reads and answers with one policy and budget."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        listener: Listener | None = None,
+        say: Callable[[str], None] | None = None,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.settings = settings
+        self.say = say or (lambda s: None)
+        self.listener = listener
+        self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
+                                           progress=self.say)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.dims = dims_from_config(self.model.config)
+        self.budget_tokens, self.budget_note = self._resolve_budget()
+        self.engine_config = EngineConfig(
+            budget=self.budget_tokens,
+            block_size=settings.block_size,
+            sinks=settings.sinks,
+            recent=settings.recent,
+            positions=settings.positions,
+        )
+        self.engine_config.validate()
+        env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
+        self.policy: Policy = build_policy(settings.policy, settings.policy_options, env)
+        self.engine = Engine(self.model, self.policy, self.engine_config, listener=listener, env=env)
+        self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
+        self.calibration: dict[str, Any] | None = None
+        self.last_read: ReadResult | None = None
+        self.answers: list[Answer] = []
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def _resolve_budget(self) -> tuple[int | None, str | None]:
+        if self.settings.policy.strip().lower() == "full":
+            return None, None
+        b = self.settings.parsed_budget
+        if b.tokens is not None:
+            return b.tokens, None
+        assert b.nbytes is not None
+        elem = dtype_bytes(self.loaded.dtype)
+        d = self.dims
+        tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem)
+        per_token = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * elem
+        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token, {self.loaded.dtype})"
+        return tokens, note
+
+    def _retrieval_heads(self) -> dict[int, list[int]]:
+        """RazorAttention's head map: calibrated once per model and reused (kvtool/calibrate.py)."""
+        from kvtool.calibrate import calibrate
+
+        opts = self.policy.options() if hasattr(self, "policy") else {}
+        self.say("razor: finding retrieval heads (one time per model) ...")
+        self.calibration = calibrate(
+            self.model,
+            identity=self.loaded.identity,
+            name=self.loaded.name,
+            home=kvtool_home(),
+            induction_frac=float(opts.get("induction", 0.14)),
+            echo_frac=float(opts.get("echo", 0.01)),
+        )
+        return {int(k): list(v) for k, v in self.calibration["kv_heads"].items()}
+
+    # -- reading --------------------------------------------------------------------------------------
+    def read(self, doc: Document) -> ReadResult:
+        """Prefill the chat prefix and the document, block by block; snapshot the cache."""
+        if self.budget_note:
+            self.emit(Note(self.budget_note))
+        cache = self.engine.new_cache()
+        prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
+        blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, self.settings.block_size)),
+                         self.settings.block_size)
+        t0 = time.perf_counter()
+        self._feed_with_progress(cache, blocks, doc, prefix.numel())
+        seconds = time.perf_counter() - t0
+        result = ReadResult(
+            cache=cache,
+            document_tokens=doc.tokens,
+            prefix_tokens=prefix.numel(),
+            seconds=seconds,
+            sha256=doc.sha256,
+            name=doc.name,
+        )
+        result.snapshot = cache.snapshot()
+        self.last_read = result
+        return result
+
+    def _feed_with_progress(self, cache: BoundedCache, blocks: Iterator[Tensor], doc: Document, extra: int) -> None:
+        engine = self.engine
+        done = 0
+        forward_s = 0.0
+        t0 = time.perf_counter()
+        for block in blocks:
+            t1 = cache.clock()
+            engine.step(cache, block, 1)
+            forward_s += cache.clock() - t1
+            done += block.numel()
+            if self.listener is not None:
+                total = estimate_tokens(doc)
+                total = None if total is None else total + extra
+                self.emit(engine.progress_event(cache, done, total, time.perf_counter() - t0, forward_s))
+
+    def emit(self, event: Any) -> None:
+        if self.listener is not None:
+            self.listener(event)
+
+    # -- answering ---------------------------------------------------------------------------------------
+    def answer(
+        self,
+        read: ReadResult,
+        suffix_text: str,
+        label: str,
+        on_text: Callable[[str], None] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> Answer:
+        """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting."""
+        cache = read.cache
+        cache.restore(read.snapshot)
+        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
+        self.engine.pin(cache, suffix.numel())
+        logits = self.engine.feed(cache, [suffix], progress=False)
+        assert logits is not None
+        detok = Detokenizer(self.tokenizer)
+
+        def on_token(tok: int) -> None:
+            piece = detok.push(tok)
+            if piece and on_text is not None:
+                on_text(piece)
+
+        s = self.settings
+        sampler = make_sampler(s.temperature, s.top_p, s.seed)
+        ids, seconds = self.engine.generate(
+            cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
+        )
+        cache.pin_start = None
+        ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
+                     prompt_tokens=suffix.numel())
+        self.answers.append(ans)
+        return ans
+
+    def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None) -> Answer:
+        if not question.strip():
+            raise UsageError("empty question")
+        return self.answer(read, prompt.question_suffix(self.tokenizer, question), question, on_text)
+
+    def summarize(self, read: ReadResult, length: str, on_text: Callable[[str], None] | None = None) -> Answer:
+        if length not in prompt.SUMMARY_LENGTHS:
+            raise UsageError(f"--length must be one of {', '.join(prompt.SUMMARY_LENGTHS)} (got {length!r})")
+        return self.answer(read, prompt.summary_suffix(self.tokenizer, length), f"summary ({length})", on_text)
+
+    # -- reporting ------------------------------------------------------------------------------------------
+    def stats(self, read: ReadResult | None = None, peak_bytes: int | None = None) -> dict[str, Any]:
+        """The ``--json`` stats object (README documents every key)."""
+        read = read or self.last_read
+        cache = read.cache if read else None
+        dec_tokens = sum(a.tokens for a in self.answers)
+        dec_seconds = sum(a.seconds for a in self.answers)
+        c = cache.counters if cache else None
+        out: dict[str, Any] = {
+            "model": self.loaded.name,
+            "policy": self.policy.spec,
+            "policy_options": {k: v for k, v in self.policy.options().items() if _jsonable(v)},
+            "budget": self.budget_tokens,
+            "block_size": self.settings.block_size,
+            "sinks": self.settings.sinks,
+            "recent": self.settings.recent,
+            "device": str(self.loaded.device),
+            "dtype": str(self.loaded.dtype).replace("torch.", ""),
+            "quantize": self.loaded.quantize,
+            "document_tokens": read.document_tokens if read else 0,
+            "prefix_tokens": read.prefix_tokens if read else 0,
+            "cached_tokens_max": c.max_cached if c else 0,
+            "evicted_tokens": c.evicted_tokens if c else 0,
+            "prefill_seconds": round(read.seconds, 4) if read else 0.0,
+            "prefill_tokens_per_second": round((read.document_tokens + read.prefix_tokens) / read.seconds, 2)
+            if read and read.seconds > 0
+            else 0.0,
+            "decode_tokens": dec_tokens,
+            "decode_tokens_per_second": round(dec_tokens / dec_seconds, 2) if dec_seconds > 0 else 0.0,
+            "kv_cache_bytes": cache.allocated_bytes() if cache else 0,
+            "kv_cache_stored_bytes": cache.stored_bytes() if cache else 0,
+            "kv_budget_bytes": cache.promised_bytes() if cache else None,
+            "peak_memory_bytes": peak_bytes if peak_bytes is not None else self.engine.meter.peak_bytes(),
+            "positions": self.settings.positions,
+            "compact_since_token": cache.compact_since if cache and cache.compact else None,
+            "time_split_seconds": {
+                "probs": round(c.probs_seconds, 4),
+                "score": round(c.score_seconds, 4),
+                "evict": round(c.evict_seconds, 4),
+            }
+            if c
+            else {},
+            "model_load_seconds": round(self.loaded.load_seconds, 3),
+        }
+        split = getattr(self.policy, "budget_split", None)
+        if callable(split) and self.budget_tokens is not None:
+            out["budget_split"] = split(self.engine.env)
+        if self.budget_note:
+            out["budget_conversion"] = self.budget_note
+        return out
+
+
+def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:
+    for it in iterables:
+        yield from it
+
+
+def _jsonable(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))

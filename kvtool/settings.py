@@ -1,0 +1,430 @@
+"""Run settings: defaults, YAML profiles and CLI overrides merged into one validated ``Settings``.
+
+Order of precedence (later wins): built-in defaults, then a profile, then options given on the
+command line. Everything the user can get wrong is reported as a one-line ``UsageError`` that
+names the offending field, so a typo in a profile never surfaces as a traceback deep in the engine.
+
+Budgets are kept as text in ``Settings.budget`` because a byte budget ("2GiB") can only be turned
+into tokens per head once the model's dimensions are known (``budget_tokens_from_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtool.errors import UsageError
+
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZE = ("none", "8bit", "4bit")
+POSITIONS = ("absolute", "compact", "auto")
+
+
+@dataclass
+class Settings:
+    """Everything one run needs besides the document and the question.
+
+    ``model=None`` means the embedded SmolLM2-135M-Instruct package. ``budget`` is text (see
+    ``parse_budget``); ``policy_options`` are the raw ``key=value`` strings the policy parses itself.
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "none"
+    policy: str = "keydiff"
+    policy_options: dict[str, str] = field(default_factory=dict)
+    budget: str = "1k"
+    block_size: int = 128
+    sinks: int = 4
+    recent: int = 8
+    positions: str = "auto"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> Settings:
+        """Check every field's type and range; raise a one-line ``UsageError`` naming the field.
+
+        Harmless type differences are normalised in place (``budget=4096`` becomes "4096",
+        ``temperature=1`` becomes 1.0) so later code sees one type per field. Returns ``self``.
+        """
+        for f in fields(self):
+            setattr(self, f.name, _FIELD_CHECKS[f.name](f.name, getattr(self, f.name)))
+        return self
+
+    @property
+    def parsed_budget(self) -> Budget:
+        """The budget as tokens or bytes (bytes still need the model's dimensions)."""
+        return parse_budget(self.budget)
+
+
+# ---------------------------------------------------------------------------------------------
+# budgets and sizes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed ``--budget``: exactly one of ``tokens`` (per KV head) and ``nbytes`` is set."""
+
+    tokens: int | None
+    nbytes: int | None
+    text: str
+
+
+# Token multipliers are binary on purpose: "4k" = 4096 tokens, "1m" = 1048576 tokens, which is how
+# context lengths are usually quoted. Byte units follow the usual convention: SI (KB = 1000) and
+# binary (KiB = 1024). A bare "k"/"m" is a token count, anything ending in "B" is a size.
+_TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_NUM_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+_BUDGET_HELP = "budget must be a token count like 4096 or 4k, or a size like 512MiB"
+_SIZE_HELP = "size must be a number of bytes like 8GiB, 512MiB, 2GB or 123B"
+
+
+def _split_number(text: str) -> tuple[float, str] | None:
+    m = _NUM_RE.match(text)
+    if not m:
+        return None
+    value = float(m.group(1))
+    if not math.isfinite(value):
+        return None
+    return value, m.group(2).lower()
+
+
+def parse_budget(text: str | int) -> Budget:
+    """Parse a KV budget: tokens per KV head ("4096", "4k" = 4096, "1.5k" = 1536, "1m") or a
+    byte size for the whole cache ("512MiB", "2GB", "1.5GiB"; SI GB = 1e9, binary GiB = 2**30).
+
+    Fractional results are rounded down. The result must be at least one token / one byte.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise UsageError(f"{_BUDGET_HELP}: got {text!r}")
+    raw = str(text).strip()
+    parts = _split_number(raw)
+    if parts is None:
+        raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
+    value, unit = parts
+    if unit in _TOKEN_UNITS:
+        tokens = int(value * _TOKEN_UNITS[unit])
+        if tokens < 1:
+            raise UsageError(f"budget must be at least 1 token: got {raw!r}")
+        return Budget(tokens=tokens, nbytes=None, text=raw)
+    if unit in _BYTE_UNITS:
+        nbytes = int(value * _BYTE_UNITS[unit])
+        if nbytes < 1:
+            raise UsageError(f"budget must be at least 1 byte: got {raw!r}")
+        return Budget(tokens=None, nbytes=nbytes, text=raw)
+    raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a memory size ("8GiB", "512MiB", "2GB", "123B"; a bare number is bytes) into bytes."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise UsageError(f"{_SIZE_HELP}: got {text!r}")
+    raw = str(text).strip()
+    parts = _split_number(raw)
+    if parts is None or (parts[1] and parts[1] not in _BYTE_UNITS):
+        raise UsageError(f"{_SIZE_HELP}: got {raw!r}")
+    value, unit = parts
+    nbytes = int(value * _BYTE_UNITS.get(unit, 1))
+    if nbytes < 1:
+        raise UsageError(f"size must be at least 1 byte: got {raw!r}")
+    return nbytes
+
+
+def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Tokens per KV head such that K and V of every layer and KV head fit in ``nbytes``.
+
+    This is the budget's promise (see ``memory.kv_bytes_at_budget``), not the preallocated buffers,
+    so "--budget 2GiB" means the same thing whatever the block size.
+    """
+    per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    tokens = nbytes // per_token if per_token > 0 else 0
+    if tokens < 1:
+        raise UsageError(
+            f"budget of {nbytes} bytes holds no token: one token of K+V for all layers and KV heads"
+            f" takes {per_token} bytes"
+        )
+    return int(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# field checks shared by Settings.validate, profiles and CLI overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def _int(minimum: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{name} must be an integer >= {minimum}: got {value!r}")
+        if value < minimum:
+            raise UsageError(f"{name} must be >= {minimum}: got {value}")
+        return value
+
+    return check
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise UsageError(f"{name} must be one of {', '.join(choices)}: got {value!r}")
+        return value
+
+    return check
+
+
+def _model(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{name} must be a model path or name (or null for the embedded model): got {value!r}")
+    # "~/models/..." in a profile means the user's home; no Hub id starts with "~".
+    return os.path.expanduser(value) if value.startswith("~") else value
+
+
+def _device(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not DEVICE_RE.match(value):
+        raise UsageError(f"{name} must be auto, cpu, cuda, cuda:N or mps: got {value!r}")
+    return value
+
+
+def _policy(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{name} must be a policy name like keydiff or h2o+vatp: got {value!r}")
+    return value
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _policy_options(name: str, value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"{name} must be a mapping of option names to values: got {value!r}")
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not k:
+            raise UsageError(f"{name} keys must be option names: got {k!r}")
+        if isinstance(v, (Mapping, list, tuple)) or v is None:
+            raise UsageError(f"{name}.{k} must be a single value: got {v!r}")
+        out[k] = _scalar_text(v)
+    return out
+
+
+def _budget(name: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise UsageError(f"{name} must be a token count like 4096 or 4k, or a size like 512MiB: got {value!r}")
+    parse_budget(value)  # its messages already start with "budget"
+    return str(value).strip()
+
+
+def _temperature(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"{name} must be a number >= 0: got {value!r}")
+    if value < 0:
+        raise UsageError(f"{name} must be >= 0: got {value}")
+    return float(value)
+
+
+def _top_p(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UsageError(f"{name} must be a number in (0, 1]: got {value!r}")
+    if not 0 < value <= 1:
+        raise UsageError(f"{name} must be in (0, 1]: got {value}")
+    return float(value)
+
+
+def _seed(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{name} must be an integer: got {value!r}")
+    return value
+
+
+# Each check returns the value coerced to the field's type (int budget -> "4096", 1 -> 1.0).
+_FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "model": _model,
+    "device": _device,
+    "dtype": _choice(DTYPES),
+    "quantize": _choice(QUANTIZE),
+    "policy": _policy,
+    "policy_options": _policy_options,
+    "budget": _budget,
+    "block_size": _int(1),
+    "sinks": _int(0),
+    "recent": _int(0),
+    "positions": _choice(POSITIONS),
+    "max_new_tokens": _int(1),
+    "temperature": _temperature,
+    "top_p": _top_p,
+    "seed": _seed,
+}
+
+SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
+GENERATION_KEYS: tuple[str, ...] = ("max_new_tokens", "temperature", "top_p", "seed")
+INFO_KEYS: tuple[str, ...] = ("description", "expected_memory", "requires_own_weights")
+PROFILE_KEYS: tuple[str, ...] = (
+    tuple(k for k in SETTINGS_FIELDS if k not in GENERATION_KEYS) + ("generation",) + INFO_KEYS
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# profiles
+# ---------------------------------------------------------------------------------------------
+
+
+def kvtool_home() -> Path:
+    """Per-user directory for kvtool files: ``$KVTOOL_HOME`` or ``~/.cache/kvtool``."""
+    home = os.environ.get("KVTOOL_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "kvtool"
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up by name, in order: ./profiles, the repository's profiles/ next
+    to the installed package, then $KVTOOL_HOME/profiles (duplicates removed)."""
+    import kvtool
+
+    candidates = [
+        Path.cwd() / "profiles",
+        Path(kvtool.__file__).resolve().parent.parent / "profiles",
+        kvtool_home() / "profiles",
+    ]
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for d in candidates:
+        key = d.resolve() if d.exists() else d
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out
+
+
+def find_profile(name_or_path: str | os.PathLike[str]) -> Path:
+    """Return the profile file: an existing path as given, else ``NAME.yaml`` in ``profile_dirs()``."""
+    text = os.fspath(name_or_path).strip()
+    if not text:
+        raise UsageError("profile name is empty")
+    direct = Path(text).expanduser()
+    if direct.is_file():
+        return direct
+    filename = text if text.endswith((".yaml", ".yml")) else f"{text}.yaml"
+    searched: list[str] = []
+    if "/" not in text and os.sep not in text:
+        for d in profile_dirs():
+            candidate = d / filename
+            if candidate.is_file():
+                return candidate
+            searched.append(str(candidate))
+    else:
+        searched.append(str(direct))
+    raise UsageError(f"profile {text!r} not found; looked in: {', '.join(searched)}")
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Load and check a profile; return a flat dict of ``Settings`` field values plus any of the
+    informational keys (description, expected_memory, requires_own_weights).
+
+    The ``generation:`` mapping is flattened into max_new_tokens/temperature/top_p/seed so the
+    result can be merged straight into ``Settings``. Values are coerced to the field types
+    (``budget: 4096`` becomes "4096", policy option values become strings).
+    """
+    import yaml
+
+    path = find_profile(name_or_path)
+    where = f"profile {path}"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise UsageError(f"{where}: invalid YAML{at}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: cannot read: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise UsageError(f"{where}: must be a mapping of keys to values, got {type(data).__name__}")
+
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in PROFILE_KEYS:
+            hint = " (put it under generation:)" if key in GENERATION_KEYS else ""
+            raise UsageError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(PROFILE_KEYS)}")
+        try:
+            if key == "generation":
+                if value is None:
+                    continue
+                if not isinstance(value, Mapping):
+                    raise UsageError(f"generation must be a mapping with keys {', '.join(GENERATION_KEYS)}")
+                for gkey, gvalue in value.items():
+                    if gkey not in GENERATION_KEYS:
+                        raise UsageError(f"unknown key generation.{gkey!s}; valid keys: {', '.join(GENERATION_KEYS)}")
+                    out[gkey] = _FIELD_CHECKS[gkey](f"generation.{gkey}", gvalue)
+            elif key == "description":
+                if value is not None and not isinstance(value, str):
+                    raise UsageError(f"description must be text: got {value!r}")
+                out[key] = value
+            elif key == "expected_memory":
+                if value is not None and not isinstance(value, Mapping):
+                    raise UsageError(f"expected_memory must be a mapping: got {value!r}")
+                out[key] = dict(value or {})
+            elif key == "requires_own_weights":
+                if not isinstance(value, bool):
+                    raise UsageError(f"requires_own_weights must be true or false: got {value!r}")
+                out[key] = value
+            else:
+                out[key] = _FIELD_CHECKS[key](key, value)
+        except UsageError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+    return out
+
+
+def resolve_settings(profile: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Defaults, then the profile (if any), then CLI ``overrides``; the result is validated.
+
+    An override of ``None`` means "not given on the command line" and is ignored. Unknown override
+    keys are a UsageError (a CLI/setting-name mismatch should not pass silently).
+    ``policy_options`` from the CLI are merged over the profile's, unless the CLI also selects a
+    different policy, in which case the profile's options (meant for its own policy) are dropped.
+    """
+    values: dict[str, Any] = {}
+    if profile is not None:
+        values.update({k: v for k, v in load_profile(profile).items() if k in SETTINGS_FIELDS})
+
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = [k for k in given if k not in SETTINGS_FIELDS]
+    if unknown:
+        raise UsageError(f"unknown setting {unknown[0]!r}; valid settings: {', '.join(SETTINGS_FIELDS)}")
+    if "policy" in given and given["policy"] != values.get("policy", Settings.policy):
+        # The profile's options were written for its own policy; they mean nothing to another one.
+        values.pop("policy_options", None)
+    for key, value in given.items():
+        coerced = _FIELD_CHECKS[key](key, value)
+        if key == "policy_options":
+            coerced = {**values.get("policy_options", {}), **coerced}
+        values[key] = coerced
+    return Settings(**values).validate()

@@ -1,0 +1,2 @@
+def is_kvc(path):
+    return False

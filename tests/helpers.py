@@ -1,0 +1,65 @@
+"""Tiny random models and small drivers shared by the engine tests (no downloads, < 1 s each)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from kvtool.cache import BoundedCache
+from kvtool.engine import Engine, EngineConfig, model_env
+from kvtool.policies import build_policy
+
+VOCAB = 101
+
+
+def tiny_llama(seed: int = 0, max_positions: int = 2048, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=max_positions, rope_theta=10000.0, **kw,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed: int = 0, max_positions: int = 2048) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=max_positions, use_sliding_window=False,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def make_engine(model, policy: str, budget: int | None, block_size: int = 16, positions: str = "absolute",
+                options: dict | None = None, sinks: int = 4, recent: int = 8, retrieval=None) -> Engine:
+    cfg = EngineConfig(budget=budget, block_size=block_size, sinks=sinks, recent=recent, positions=positions)
+    env = model_env(model, cfg, retrieval_heads=retrieval)
+    pol = build_policy(policy, options or {}, env)
+    return Engine(model, pol, cfg, env=env)
+
+
+def dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+def stream_logits(engine: Engine, ids: torch.Tensor, cache: BoundedCache | None = None,
+                  check=None) -> tuple[torch.Tensor, BoundedCache]:
+    """Feed ``ids`` block by block, returning the logits of every position."""
+    cache = cache or engine.new_cache()
+    out = []
+    bs = engine.config.block_size
+    for s in range(0, ids.numel(), bs):
+        block = ids[s : s + bs]
+        out.append(engine.step(cache, block, logits_rows=block.numel()))
+        if check is not None:
+            check(cache)
+    return torch.cat(out), cache
+
+
+ATTENTION_POLICIES = ["h2o", "tova", "snapkv", "scissorhands"]
+ALL_POLICIES = [
+    "full", "sink", "keydiff", *ATTENTION_POLICIES, "h2o+vatp", "scissorhands+vatp", "tova+caote",
+    "snapkv+fastcaote", "h2o+vatp+caote",
+]

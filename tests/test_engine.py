@@ -1,0 +1,222 @@
+"""Engine invariants on tiny random Llama and Qwen2 (GQA) models.
+
+1. Nothing evicted ⇒ logits equal dense transformers (any block size, any policy).
+2. Per (layer, head group) the cache never holds more than its capacity after a step.
+3. After eviction, outputs equal an independent masking reference: dense attention over the whole
+   sequence where each query sees exactly the tokens the cache held when it was processed.
+4. Protected tokens (sinks, recent window, pinned question) are never evicted.
+5. Attention-free policies never compute attention probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from kvtool.cache import BoundedLayer
+from kvtool.errors import UsageError
+from tests.helpers import (
+    ALL_POLICIES,
+    VOCAB,
+    dense_logits,
+    make_engine,
+    stream_logits,
+    tiny_llama,
+    tiny_qwen2,
+)
+
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("block_size", [1, 7, 128])
+@pytest.mark.parametrize("policy", ["full", "sink"])
+def test_no_eviction_reproduces_dense_logits(family, block_size, policy):
+    model = MODELS[family]()
+    ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(1))
+    dense = dense_logits(model, ids)
+    engine = make_engine(model, policy, None if policy == "full" else 256, block_size=block_size)
+    got, cache = stream_logits(engine, ids)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    assert cache.counters.evicted_tokens == 0
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_every_policy_reproduces_dense_logits_when_budget_covers_document(family, policy):
+    model = MODELS[family]()
+    ids = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
+    dense = dense_logits(model, ids)
+    engine = make_engine(model, policy, 200, block_size=16)
+    got, _ = stream_logits(engine, ids)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "full"])
+@pytest.mark.parametrize("factor", [1, 3, 10])
+def test_cache_never_exceeds_budget_prefill_and_decode(policy, factor):
+    model = tiny_qwen2()
+    budget = 48
+    ids = torch.randint(0, VOCAB, (budget * factor,), generator=torch.Generator().manual_seed(3))
+    engine = make_engine(model, policy, budget, block_size=16)
+    seen_max = []
+
+    def check(cache):
+        for g in cache.groups():
+            assert g.length <= g.capacity
+        seen_max.append(max(cache.lengths()))
+
+    _, cache = stream_logits(engine, ids, check=check)
+    # decoding: blocks of one token keep evicting
+    logits = engine.step(cache, torch.tensor([5]), 1)
+    ids_out, _ = engine.generate(cache, logits, 20, eos_ids=set())
+    for g in cache.groups():
+        assert g.length <= g.capacity
+    assert cache.counters.max_cached <= budget
+    assert cache.counters.max_stored <= budget + 16  # capacity + one block, never more
+    assert cache.seen == ids.numel() + 1 + 19
+
+
+def _record_visibility(monkeypatch):
+    """Record, per layer and step, the stream positions each KV head could see (before eviction)."""
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    original = BoundedLayer.after_attention
+
+    def spy(self, g, probs):
+        n = g.length
+        q = self.owner.step_original_positions.clone()
+        full = torch.zeros(len(self.owner.layers[0].groups[0].heads) if False else self.owner.num_kv_heads, n,
+                           dtype=torch.long) - 1
+        full[g.kv_index] = g.positions[:, :n].cpu()
+        seen.setdefault(self.layer_idx, []).append((q.cpu(), full))
+        return original(self, g, probs)
+
+    monkeypatch.setattr(BoundedLayer, "after_attention", spy)
+    return seen
+
+
+def _reference_logits(model, ids, visibility, num_kv_heads, q_per_kv):
+    """Dense forward of the whole sequence; layer l / head h / query t sees only what the cache held."""
+    T = ids.numel()
+    masks = {}
+    for layer, steps in visibility.items():
+        allowed = torch.zeros(num_kv_heads, T, T, dtype=torch.bool)
+        for q_pos, kv in steps:
+            for h in range(num_kv_heads):
+                pos = kv[h][kv[h] >= 0]
+                for t in q_pos.tolist():
+                    cols = pos[pos <= t]
+                    allowed[h, t, cols] = True
+        masks[layer] = allowed.repeat_interleave(q_per_kv, dim=0)  # [Hq, T, T]
+
+    def ref_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        allowed = masks[module.layer_idx]
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        v = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+        s = (query.double() @ k.double().transpose(-1, -2)) * scaling
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        out = torch.softmax(s, -1) @ v.double()
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvtool_ref", ref_attention)
+    model.set_attn_implementation("kvtool_ref")
+    with torch.no_grad():
+        out = model(ids[None]).logits[0]
+    model.set_attn_implementation("sdpa")
+    return out
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("policy", ["sink", "keydiff", "h2o", "tova", "snapkv+caote", "scissorhands+vatp"])
+def test_outputs_after_eviction_equal_masking_reference(monkeypatch, family, policy):
+    model = MODELS[family]()
+    ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(4))
+    visibility = _record_visibility(monkeypatch)
+    engine = make_engine(model, policy, 40, block_size=8, options={"window": "8"} if "snapkv" in policy else None)
+    got, cache = stream_logits(engine, ids)
+    assert cache.counters.evicted_tokens > 0
+    c = model.config
+    ref = _reference_logits(model, ids, visibility, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["sink", "keydiff", "h2o", "tova", "snapkv", "scissorhands", "tova+caote"])
+def test_protected_tokens_are_never_evicted(policy):
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(5))
+    engine = make_engine(model, policy, 40, block_size=8, sinks=4, recent=8)
+
+    def check(cache):
+        end = cache.seen
+        for g in cache.groups():
+            pos = g.positions[:, : g.length]
+            for h in range(pos.shape[0]):
+                present = set(pos[h].tolist())
+                assert {0, 1, 2, 3} <= present  # sinks
+                assert set(range(end - 8, end)) <= present  # recent window
+
+    stream_logits(engine, ids, check=check)
+
+
+def test_pinned_question_survives_until_answer():
+    model = tiny_llama()
+    engine = make_engine(model, "tova", 40, block_size=8)
+    cache = engine.new_cache()
+    doc = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(6))
+    engine.feed(cache, [doc], progress=False)
+    question = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(7))
+    start = cache.seen
+    engine.pin(cache, question.numel())
+    logits = engine.feed(cache, [question], progress=False)
+    engine.generate(cache, logits, 6, eos_ids=set())
+    for g in cache.groups():
+        for h in range(g.num_heads):
+            assert set(range(start, start + 20)) <= set(g.positions[h, : g.length].tolist())
+    with pytest.raises(UsageError):
+        engine.pin(cache, 39)
+
+
+@pytest.mark.parametrize("policy", ["sink", "keydiff"])
+def test_attention_free_policies_compute_no_probabilities(policy):
+    model = tiny_llama()
+    engine = make_engine(model, policy, 32, block_size=8)
+    ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(8))
+    _, cache = stream_logits(engine, ids)
+    assert cache.counters.evicted_tokens > 0
+    assert cache.counters.prob_rows == 0
+
+
+def test_attention_policies_compute_only_rows_they_ask_for():
+    model = tiny_llama()
+    engine = make_engine(model, "tova", 32, block_size=8)
+    ids = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(9))
+    _, cache = stream_logits(engine, ids)
+    # TOVA asks for one row per layer, and only on blocks that evict: 32 tokens fit, 4 blocks evict
+    assert cache.counters.prob_rows == 1 * 2 * 4
+
+
+def test_budget_validation():
+    model = tiny_llama()
+    with pytest.raises(UsageError):
+        make_engine(model, "sink", 12, sinks=4, recent=8)
+    with pytest.raises(UsageError):
+        make_engine(model, "snapkv", 30)  # snapkv keeps its last 32 tokens: needs more
+    with pytest.raises(UsageError):
+        make_engine(model, "sink", 64, block_size=0)
+
+
+def test_snapshot_restore_gives_identical_answers():
+    model = tiny_llama()
+    engine = make_engine(model, "h2o", 40, block_size=8)
+    cache = engine.new_cache()
+    engine.feed(cache, [torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(10))], progress=False)
+    snap = cache.snapshot()
+    q = torch.tensor([3, 4, 5, 6])
+    first = engine.feed(cache, [q], progress=False)
+    a, _ = engine.generate(cache, first, 8, eos_ids=set())
+    cache.restore(snap)
+    second = engine.feed(cache, [q], progress=False)
+    b, _ = engine.generate(cache, second, 8, eos_ids=set())
+    torch.testing.assert_close(first, second)
+    assert a == b

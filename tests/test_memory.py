@@ -1,0 +1,233 @@
+"""Memory formulas against hand-computed numbers, and the shipped profiles' numbers against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtool.memory import (
+    activation_bytes,
+    attention_scratch_bytes,
+    dense_max_tokens,
+    dense_peak,
+    dims_from_config,
+    dtype_bytes,
+    embedding_params,
+    format_bytes,
+    kv_bytes_at_budget,
+    kv_bytes_per_token,
+    largest_budget,
+    llama_param_count,
+    policy_state_bytes,
+    predict_peak,
+    sdpa_scratch_bytes,
+    weights_bytes,
+)
+
+# A tiny GQA model: 2 layers, 4 query heads sharing 2 KV heads of 8 dims.
+TINY = {
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "num_attention_heads": 4,
+    "head_dim": 8,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "vocab_size": 100,
+}
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+LLAMA_31_8B = {
+    "num_layers": 32,
+    "num_kv_heads": 8,
+    "num_attention_heads": 32,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
+LLAMA_32_3B = {
+    "num_layers": 28,
+    "num_kv_heads": 8,
+    "num_attention_heads": 24,
+    "head_dim": 128,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "vocab_size": 128256,
+}
+SMOLLM2_135M = {
+    "num_layers": 30,
+    "num_kv_heads": 3,
+    "num_attention_heads": 9,
+    "head_dim": 64,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+}
+
+
+def test_dtype_bytes() -> None:
+    assert dtype_bytes(torch.float32) == 4 and dtype_bytes(torch.bfloat16) == 2 and dtype_bytes(2) == 2
+    assert dtype_bytes("bfloat16") == 2
+    with pytest.raises(TypeError):
+        dtype_bytes("int4")
+
+
+def test_dims_from_config() -> None:
+    cfg = SimpleNamespace(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=100,
+    )
+    assert dims_from_config(cfg) == TINY  # head_dim = hidden // heads
+    cfg.head_dim = 16
+    assert dims_from_config(cfg)["head_dim"] == 16
+
+
+def test_dims_from_transformers_config() -> None:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        intermediate_size=1536,
+        vocab_size=49152,
+    )
+    assert dims_from_config(cfg) == SMOLLM2_135M
+
+
+def test_kv_formulas_by_hand() -> None:
+    # per layer per head: 2 * 8 * 2 bytes = 32; per layer: 64; total: 128
+    assert kv_bytes_per_token(TINY, torch.float16) == {"per_layer_per_head": 32, "per_layer": 64, "total": 128}
+    assert kv_bytes_at_budget(TINY, 2, budget_tokens=10, block_size=4) == {"promised": 1280, "allocated": 1792}
+
+
+def test_scratch_state_activations_by_hand() -> None:
+    # no attention rows: nothing; 3 rows x (10 + 4) keys x 4 heads x 4 bytes x 2 (scores + softmax)
+    assert attention_scratch_bytes(TINY, block=4, budget=10, rows=0) == 0
+    assert attention_scratch_bytes(TINY, block=4, budget=10, rows=3) == 3 * 14 * 4 * 4 * 2 == 1344
+    # repeated K/V: 2 * 14 keys * 4 heads * 8 dims * 2 bytes = 1792; scores: 4 * 14 * 4 * 4 = 896
+    assert sdpa_scratch_bytes(TINY, block=4, budget=10, elem=2) == 1792 + 896
+    no_gqa = {**TINY, "num_kv_heads": 4}
+    assert sdpa_scratch_bytes(no_gqa, block=4, budget=10, elem=2) == 896
+    # 2 fields * 4 bytes * 14 tokens * 2 KV heads * 2 layers
+    assert policy_state_bytes(TINY, budget=10, block=4, n_fields=2) == 448
+    assert policy_state_bytes(TINY, budget=10, block=4, n_fields=0) == 0
+    # 4 * 32 * 2 * 6 + 4 * 64 * 2 * 3 + 1 * 100 * 4
+    assert activation_bytes(TINY, block=4, elem=2) == 1536 + 1536 + 400
+    assert activation_bytes(TINY, block=4, elem=2, logits_rows=4) == 1536 + 1536 + 1600
+
+
+def test_weights_bytes() -> None:
+    assert weights_bytes(1000, torch.bfloat16) == 2000
+    assert weights_bytes(1000, 4, "8bit") == 1000
+    assert weights_bytes(1000, 2, "4bit") == 562  # 0.5 + 4/64 byte per param, rounded down
+    assert weights_bytes(1000, 2, "4bit", unquantized_params=200) == 450 + 400
+    with pytest.raises(ValueError):
+        weights_bytes(1000, 2, "3bit")
+
+
+def test_param_counts_match_published_sizes() -> None:
+    assert llama_param_count(LLAMA_31_8B, tie_word_embeddings=False) == 8_030_261_248
+    assert llama_param_count(LLAMA_32_3B, tie_word_embeddings=True) == 3_212_749_824
+    assert llama_param_count(SMOLLM2_135M, tie_word_embeddings=True) == 134_515_008
+    assert embedding_params(LLAMA_31_8B, tie_word_embeddings=False) == 2 * 128256 * 4096
+
+
+def tiny_peak(budget: int, **kw: Any) -> dict[str, int]:
+    args = {"num_params": 10_000, "elem": 2, "block_size": 4, "rows": 3, "n_fields": 2, "runtime_baseline_bytes": 5}
+    args.update(kw)
+    return predict_peak(TINY, budget_tokens=budget, **args)
+
+
+def test_predict_peak_sums_components() -> None:
+    p = tiny_peak(10)
+    assert p["weights_bytes"] == 20_000
+    assert p["kv_allocated_bytes"] == 1792 and p["kv_promised_bytes"] == 1280
+    assert p["attention_scratch_bytes"] == 1344 and p["policy_state_bytes"] == 448
+    assert p["predicted_peak_bytes"] == 20_000 + 1792 + 1344 + 2688 + 448 + 3472 + 5
+
+
+def test_largest_budget_consistent_and_monotonic() -> None:
+    kw = {"num_params": 10_000, "elem": 2, "block_size": 4, "rows": 3, "n_fields": 2, "runtime_baseline_bytes": 5}
+    last = 0
+    for memory in (20_000, 30_000, 50_000, 100_000, 1_000_000, 10_000_000):
+        b = largest_budget(memory, TINY, **kw)
+        assert b >= last
+        last = b
+        if b:
+            assert tiny_peak(b)["predicted_peak_bytes"] <= memory < tiny_peak(b + 1)["predicted_peak_bytes"]
+        else:
+            assert tiny_peak(1)["predicted_peak_bytes"] > memory
+    assert largest_budget(20_000, TINY, **kw) == 0  # the weights alone do not fit
+    assert last > 1000
+
+
+def test_dense_max_tokens_consistent_and_monotonic() -> None:
+    kw = {"num_params": 10_000, "elem": 2}
+    # per token: KV 128 + activations 32*2*6 + 64*2*3 = 896; fixed: 20_000 weights + 400 logits
+    assert dense_peak(TINY, 10, **kw) == 20_000 + 10 * 896 + 400
+    last = 0
+    for memory in (20_000, 21_296, 21_297, 50_000, 1_000_000):
+        n = dense_max_tokens(memory, TINY, **kw)
+        assert n >= last
+        last = n
+        if n:
+            assert dense_peak(TINY, n, **kw) <= memory < dense_peak(TINY, n + 1, **kw)
+    assert dense_max_tokens(21_296, TINY, **kw) == 1 and dense_max_tokens(21_295, TINY, **kw) == 0
+    # a budgeted run reads documents of any length; dense reads only what fits
+    assert largest_budget(1_000_000, TINY, num_params=10_000, elem=2, block_size=4) > 0
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(int(1.23 * 2**30)) == "1.23 GiB"
+    assert format_bytes(-2048) == "-2.00 KiB"
+
+
+@pytest.mark.parametrize(
+    ("profile", "dims", "tied", "elem", "quantize", "budget"),
+    [
+        ("default", SMOLLM2_135M, True, torch.float32, "none", 1024),
+        ("gpu-8b-4bit", LLAMA_31_8B, False, torch.bfloat16, "4bit", 4096),
+        ("gpu-3b-bf16", LLAMA_32_3B, True, torch.bfloat16, "none", 8192),
+    ],
+)
+def test_profile_expected_memory_matches_formulas(
+    profile: str, dims: dict[str, int], tied: bool, elem: torch.dtype, quantize: str, budget: int
+) -> None:
+    """The numbers written in the shipped profiles are what memory.py computes (no drift)."""
+    from kvtool.settings import load_profile, parse_budget
+
+    data = load_profile(PROFILES / f"{profile}.yaml")
+    assert data["quantize"] == quantize
+    assert data["dtype"] in ("auto", str(elem).removeprefix("torch."))
+    expected = data["expected_memory"]
+    assert expected["assumed_dtype"] == str(elem).removeprefix("torch.")
+    num_params = llama_param_count(dims, tied)
+    unquantized = embedding_params(dims, tied)
+    assert parse_budget(data["budget"]).tokens == budget
+    peak = predict_peak(
+        dims,
+        num_params=num_params,
+        elem=elem,
+        budget_tokens=budget,
+        block_size=data["block_size"],
+        quantize=quantize,
+        unquantized_params=unquantized,
+    )
+    assert expected["num_params"] == num_params
+    assert expected["unquantized_params"] == unquantized
+    for key, value in peak.items():
+        assert expected[key] == value, key
+    assert expected["predicted_peak"] == format_bytes(peak["predicted_peak_bytes"])

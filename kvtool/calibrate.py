@@ -335,8 +335,7 @@ def head_scores(
             body(input_ids=ids.to(_model_device(model)), use_cache=False)
     finally:
         _ACTIVE = None
-        if original is not None:
-            model.set_attn_implementation(original)
+        model.set_attn_implementation(original or "sdpa")
         model.train(was_training)
     if not results:
         raise KvtoolError(
@@ -499,14 +498,16 @@ def calibrate(
     repeats: int = 4,
     seed: int = 0,
     max_tokens: int | None = None,
+    exclude_ids: Iterable[int] | None = None,
 ) -> dict[str, Any]:
     """Load the model's calibration from ``home`` if it matches, else compute it and save it.
 
     A saved file is reused when its identity, repeats and seed match and its K equals the requested
     K (or, when K is None, is at least :func:`default_k`: a longer probe is never worse). If only
     the fractions differ the heads are re-selected from the saved scores (no forward pass) and the
-    file is updated. ``force`` recomputes regardless. Returns the saved dict (``kv_heads`` maps
-    layer → KV heads).
+    file is updated. ``force`` recomputes regardless. ``exclude_ids`` (e.g. the tokenizer's
+    ``all_special_ids``) are kept out of the random probe on top of the config's bos/eos/pad ids.
+    Returns the saved dict (``kv_heads`` maps layer → KV heads).
     """
     head_count(induction_frac, 1)  # validate the fractions before any work
     head_count(echo_frac, 1)
@@ -522,7 +523,7 @@ def calibrate(
             data.update(select_retrieval_heads(data, induction_frac, echo_frac))
             save_calibration(path, data)
             return data
-    scores = head_scores(model, want_k, repeats, seed, progress, max_tokens=max_tokens)
+    scores = head_scores(model, want_k, repeats, seed, progress, max_tokens=max_tokens, exclude_ids=exclude_ids)
     data = {"format": FORMAT, "version": FORMAT_VERSION, "model": name, "identity": identity, **scores}
     data.update(select_retrieval_heads(scores, induction_frac, echo_frac))
     save_calibration(path, data)

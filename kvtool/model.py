@@ -315,8 +315,6 @@ def _load(
         raise KvtoolError(f"could not load the tokenizer from {path}: {_one_line(exc)}") from None
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
-        if bnb_config is None and kind == "gguf":
-            model = model.to(dtype=dtype)  # GGUF dequantization does not always honour dtype=
         if device.type != "cuda":
             model = model.to(device)
     except torch.cuda.OutOfMemoryError:

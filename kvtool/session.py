@@ -137,7 +137,8 @@ class Session:
         d = self.dims
         tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem)
         per_token = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * elem
-        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token, {self.loaded.dtype})"
+        dtype = str(self.loaded.dtype).replace("torch.", "")
+        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
         return tokens, note
 
     def _retrieval_heads(self) -> dict[int, list[int]]:

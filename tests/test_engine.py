@@ -86,8 +86,7 @@ def _record_visibility(monkeypatch):
     def spy(self, g, probs):
         n = g.length
         q = self.owner.step_original_positions.clone()
-        full = torch.zeros(len(self.owner.layers[0].groups[0].heads) if False else self.owner.num_kv_heads, n,
-                           dtype=torch.long) - 1
+        full = torch.full((self.owner.num_kv_heads, n), -1, dtype=torch.long)
         full[g.kv_index] = g.positions[:, :n].cpu()
         seen.setdefault(self.layer_idx, []).append((q.cpu(), full))
         return original(self, g, probs)
@@ -137,7 +136,8 @@ def test_outputs_after_eviction_equal_masking_reference(monkeypatch, family, pol
     got, cache = stream_logits(engine, ids)
     assert cache.counters.evicted_tokens > 0
     c = model.config
-    ref = _reference_logits(model, ids, visibility, c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads)
+    q_per_kv = c.num_attention_heads // c.num_key_value_heads
+    ref = _reference_logits(model, ids, visibility, c.num_key_value_heads, q_per_kv)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 

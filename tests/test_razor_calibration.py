@@ -140,6 +140,36 @@ def test_on_the_fly_scores_match_eager_attention(monkeypatch):
     assert max(max(r) for r in s["echo"]) > 0.01  # not trivially zero
 
 
+def test_sliding_window_mask_is_respected():
+    """Mistral with a window shorter than the probe: sdpa hands the scorer a boolean mask."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=512,
+        sliding_window=10,
+    )
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    s = cal.head_scores(model, K=6)
+    ids, offset = cal.probe_tokens(model, 6)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+    for layer, attn in enumerate(out.attentions):
+        echo, ind = cal.scores_from_attention(attn[0], 6, 4, offset)
+        torch.testing.assert_close(echo, torch.tensor(s["echo"][layer]), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ind, torch.tensor(s["induction"][layer]), atol=1e-5, rtol=1e-4)
+
+
 def test_eager_model_keeps_eager_and_same_scores():
     model = _random_model()
     ref = cal.head_scores(model, K=6)
@@ -396,3 +426,32 @@ def test_razor_default_fallback_is_keydiff():
     env = _env({0: [0]})
     pol = build_policy("razor", {}, env)
     assert pol.layer_groups(0, env)[0].policy.name == "keydiff"
+
+
+def test_razor_end_to_end_with_engine(tmp_path):
+    """Calibration runs lazily inside Engine set-up (engine attention active) and is restored after."""
+    from kvtool import attention
+    from tests.helpers import make_engine, stream_logits
+
+    model = _random_model(scale=1.0)
+    ident = "feedfacefeedface" * 4
+    calls = []
+
+    def heads():
+        calls.append(1)
+        return cal.calibrate(model, ident, "tiny", tmp_path, K=8, induction_frac=0.25, echo_frac=0.125)["kv_heads"]
+
+    B, block = 40, 8
+    engine = make_engine(model, "razor", budget=B, block_size=block, retrieval=heads, options={"window": 12})
+    assert calls == [1] and model.config._attn_implementation == attention.NAME
+    assert cal.calibration_path(ident, tmp_path).is_file()
+    ids = torch.randint(3, 64, (120,), generator=torch.Generator().manual_seed(0))
+    logits, cache = stream_logits(engine, ids)
+    assert torch.isfinite(logits).all()
+    hkv, hd = 2, 16
+    elem = cache.groups()[0].keys.element_size()
+    assert cache.promised_bytes() <= 2 * B * hkv * hd * elem * 2  # 2 layers × B × Hkv tokens of K and V
+    assert cache.stored_bytes() <= cache.promised_bytes()
+    assert any(g.compensation for g in cache.groups()) or all(
+        len(h) == hkv for h in engine.policy.retrieval_heads().values()
+    )

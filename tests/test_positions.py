@@ -1,0 +1,125 @@
+"""Position re-indexing (``--positions compact|auto``) on tiny RoPE models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.cache import HeadGroup
+from kvtool.errors import UsageError
+from kvtool.positions import Rotator
+from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama, tiny_qwen2
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
+@pytest.mark.parametrize("mode", ["compact", "auto"])
+def test_compact_without_eviction_equals_dense(make, mode):
+    model = make()
+    ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(0))
+    dense = dense_logits(model, ids)
+    got, cache = stream_logits(make_engine(model, "sink", 128, block_size=16, positions=mode), ids)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    assert cache.compact == (mode == "compact")
+
+
+def test_compact_with_scaled_rope_equals_dense():
+    model = tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(1))
+    dense = dense_logits(model, ids)
+    got, _ = stream_logits(make_engine(model, "sink", 128, block_size=16, positions="compact"), ids)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+
+
+def _rotate64(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    ang = delta.double()[..., None] * inv_freq.double()
+    ang = torch.cat((ang, ang), -1)
+    half = k.shape[-1] // 2
+    k = k.double()
+    return k * ang.cos() + torch.cat((-k[..., half:], k[..., :half]), -1) * ang.sin()
+
+
+@pytest.mark.parametrize("policy", ["sink", "h2o", "keydiff"])
+def test_rerotated_keys_equal_keys_rotated_once_to_their_slot(monkeypatch, policy):
+    """After many evictions every stored key equals its first key rotated once (float64) to its slot."""
+    model = tiny_llama()
+    first: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
+    original_append = HeadGroup.append
+
+    def spy(self, key_states, value_states, positions):
+        li = self._layer_idx
+        rot = self._owner.step.rotary_positions
+        ks = key_states if self.all_heads else key_states.index_select(1, self.kv_index)
+        for h, head in enumerate(self.heads):
+            for j, p in enumerate(positions.tolist()):
+                first[(li, head, p)] = (ks[0, h, j].clone(), int(rot[j]))
+        return original_append(self, key_states, value_states, positions)
+
+    monkeypatch.setattr(HeadGroup, "append", spy)
+    engine = make_engine(model, policy, 32, block_size=8, positions="compact")
+    cache = engine.new_cache()
+    for li, layer in enumerate(cache.layers):
+        for g in layer.groups:
+            g._layer_idx, g._owner = li, cache
+    ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(2))
+    stream_logits(engine, ids, cache=cache)
+    assert cache.counters.evicted_tokens > 0
+    inv = engine.rotator.inv_freq
+    P = max(cache.lengths())
+    for li, layer in enumerate(cache.layers):
+        for g in layer.groups:
+            n = g.length
+            for h, head in enumerate(g.heads):
+                for r in range(n):
+                    pos = int(g.positions[h, r])
+                    k0, p0 = first[(li, head, pos)]
+                    expected = _rotate64(k0, torch.tensor(P - n + r - p0), inv)
+                    torch.testing.assert_close(g.keys[0, h, g.off + r].double(), expected, atol=1e-5, rtol=1e-5)
+    # the largest distance a query sees is bounded by budget + block
+    assert int(cache.begin_step(1)[0]) <= 32 + 8
+
+
+def test_auto_switches_exactly_when_the_counter_would_leave_the_trained_range():
+    model = tiny_llama(max_positions=64)
+    engine = make_engine(model, "sink", 40, block_size=8, positions="auto")
+    notes = []
+    engine.listener = notes.append
+    cache = engine.new_cache()
+    ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(3))
+    for s in range(0, 120, 8):
+        before = cache.compact
+        rotary = cache.seen  # absolute position the block would start at
+        engine.step(cache, ids[s : s + 8], 1)
+        if not before and cache.compact:
+            assert rotary + 8 > 64 and rotary <= 64  # first block that would reach position 64
+            assert cache.compact_since == rotary
+    assert cache.compact and cache.compact_since == 64
+    assert any("compact" in getattr(n, "message", "") for n in notes)
+
+
+def test_auto_matches_absolute_until_the_switch():
+    model = tiny_llama(max_positions=64)
+    ids = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(4))
+    a, _ = stream_logits(make_engine(model, "sink", 40, block_size=8, positions="auto"), ids)
+    b, _ = stream_logits(make_engine(model, "sink", 40, block_size=8, positions="absolute"), ids)
+    torch.testing.assert_close(a, b)
+
+
+def test_compact_positions_keep_long_streams_in_range():
+    model = tiny_qwen2(max_positions=64)
+    engine = make_engine(model, "tova", 24, block_size=8, positions="compact")
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5))
+    cache = engine.new_cache()
+    for s in range(0, 300, 8):
+        logits = engine.step(cache, ids[s : s + 8], 1)
+        assert torch.isfinite(logits).all()
+        assert cache.step.rotary_positions.max() < 24 + 8
+
+
+def test_unsupported_position_schemes_are_clear_errors():
+    with pytest.raises(UsageError):
+        Rotator(torch.ones(4), head_dim=16)  # partial rotary
+    model = tiny_llama(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(UsageError, match="dynamic"):
+        make_engine(model, "sink", 64, positions="compact")
+    make_engine(model, "sink", 64, positions="absolute")  # absolute needs no rotation

@@ -224,7 +224,7 @@ def _register_extra_commands() -> None:
     """Commands that live in their own modules (one concept per module)."""
     import importlib
 
-    for name in ("cli_cache", "cli_eval", "cli_profile"):
+    for name in ("cli_cache", "cli_calibrate", "cli_eval", "cli_profile"):
         try:
             mod = importlib.import_module(f"kvtool.{name}")
         except ModuleNotFoundError:  # TEMP during development

@@ -40,7 +40,7 @@ def _run(
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
     with dashboard(quiet) as dash:
-        session = Session(settings, listener=dash, say=sayer(quiet))
+        session = Session(settings, listener=dash, say=sayer(quiet), show_progress=not quiet)
         meter = session.engine.meter
         with meter.track():
             if kind == "kvc":

@@ -99,8 +99,11 @@ class Session:
         listener: Listener | None = None,
         say: Callable[[str], None] | None = None,
         loaded: LoadedModel | None = None,
+        show_progress: bool = False,
     ) -> None:
         self.settings = settings
+        self.show_progress = show_progress
+        self.calibration: dict[str, Any] | None = None
         self.say = say or (lambda s: None)
         self.listener = listener
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
@@ -121,7 +124,6 @@ class Session:
         self.policy: Policy = build_policy(settings.policy, settings.policy_options, env)
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=listener, env=env)
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
-        self.calibration: dict[str, Any] | None = None
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
 
@@ -141,20 +143,26 @@ class Session:
         note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
         return tokens, note
 
-    def _retrieval_heads(self) -> dict[int, list[int]]:
+    def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/calibrate.py)."""
+        from rich.console import Console
+        from rich.progress import Progress
+
         from kvtool.calibrate import calibrate
 
-        opts = self.policy.options() if hasattr(self, "policy") else {}
-        self.say("razor: finding retrieval heads (one time per model) ...")
-        self.calibration = calibrate(
-            self.model,
-            identity=self.loaded.identity,
-            name=self.loaded.name,
-            home=kvtool_home(),
-            induction_frac=float(opts.get("induction", 0.14)),
-            echo_frac=float(opts.get("echo", 0.01)),
-        )
+        console = Console(stderr=True)
+        with Progress(console=console, disable=not self.show_progress, transient=True) as bar:
+            task = bar.add_task("razor: calibrating retrieval heads", total=None)
+            self.calibration = calibrate(
+                self.model,
+                identity=self.loaded.identity,
+                name=self.loaded.name,
+                home=kvtool_home(),
+                induction_frac=induction_frac,
+                echo_frac=echo_frac,
+                exclude_ids=list(self.tokenizer.all_special_ids),
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
         return {int(k): list(v) for k, v in self.calibration["kv_heads"].items()}
 
     # -- reading --------------------------------------------------------------------------------------

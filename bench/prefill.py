@@ -1,0 +1,375 @@
+"""Prefill benchmark: kvtool's bounded engine against dense transformers, in one run.
+
+    python bench/prefill.py                       # the default table (see --help), ~1 hour on 2 CPU cores
+    python bench/prefill.py --quick               # 2K/8K/32K, sink only: the issue-2 comparison (~5 min)
+
+Every row runs in a fresh child process so its peak memory is its own (peak RSS on CPU,
+``torch.cuda.max_memory_allocated`` on CUDA). Rows:
+
+* ``dense``     transformers, one plain forward of the whole document (SDPA), growing KV;
+* ``chunked``   transformers' chunked prefill at the same block size (``DynamicCache``, no eviction);
+* ``kvtool:P``  kvtool with policy P at the given budget and block size.
+
+Each row reports prefill tokens/s, peak memory, the per-block time split (model forward,
+attention-probability computation, policy scoring, eviction/gather), and decode tokens/s after
+the document. Ratios to dense and chunked come from the same run. Targets (issue 9) are checked
+at the end and every miss says by how much. ``--json PATH`` writes all rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "corpus"
+sys.path.insert(0, str(ROOT))
+
+
+def parse_tokens(text: str) -> int:
+    text = text.strip().lower()
+    return int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+
+
+# ---------------------------------------------------------------------------------------------- child
+def corpus_ids(tokenizer, n: int):
+    """The first n tokens of the shared corpus (novels first, then essays), cached per tokenizer."""
+    import torch
+
+    cache = Path(os.environ.get("KVTOOL_BENCH_CACHE", "/tmp/kvtool-bench")) / f"corpus-{tokenizer.vocab_size}.pt"
+    if cache.exists():
+        ids = torch.load(cache)
+    else:
+        files = [CORPUS / "sherlock_holmes.txt", CORPUS / "pride_and_prejudice.txt",
+                 *sorted((CORPUS / "paul_graham_essays").glob("*.txt"))]
+        ids = torch.tensor(
+            [t for f in files for t in tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]]
+        )
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ids, cache)
+    if ids.numel() < n:
+        ids = ids.repeat(n // ids.numel() + 1)
+    return ids[:n]
+
+
+def peak_bytes(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(spec: dict) -> dict:
+    import torch
+
+    from kvtool.model import load_model
+
+    torch.set_grad_enabled(False)
+    loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
+    model, device = loaded.model, loaded.device
+    ids = corpus_ids(loaded.tokenizer, spec["length"] + spec.get("continuation", 0))
+    doc, cont = ids[: spec["length"]], ids[spec["length"] :]
+    kind, block = spec["kind"], spec["block_size"]
+    out = {**spec, "params": sum(p.numel() for p in model.parameters())}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    decode_n = spec.get("decode_tokens", 0)
+    if kind in ("dense", "chunked"):
+        from transformers import DynamicCache
+
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+        sync(device)
+        t0 = time.perf_counter()
+        if kind == "dense":
+            res = model(doc[None].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        else:
+            for s in range(0, doc.numel(), block):
+                res = model(doc[None, s : s + block].to(device), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1)
+        sync(device)
+        out["prefill_seconds"] = time.perf_counter() - t0
+        logits = res.logits[0, -1]
+        t1 = time.perf_counter()
+        for _ in range(decode_n):
+            tok = logits.argmax().view(1, 1)
+            logits = model(tok, past_key_values=cache, use_cache=True).logits[0, -1]
+        sync(device)
+        out["decode_seconds"] = time.perf_counter() - t1
+    else:
+        from kvtool.engine import Engine, EngineConfig, model_env
+        from kvtool.policies import build_policy
+
+        cfg = EngineConfig(budget=spec["budget"], block_size=block, positions=spec.get("positions", "auto"),
+                           sync_timing=device.type == "cuda")
+        retrieval = None
+        if spec["policy"].startswith("razor"):
+            from kvtool.calibrate import calibrate
+            from kvtool.model import kvtool_home
+
+            def retrieval():
+                data = calibrate(model, identity=loaded.identity, name=loaded.name, home=kvtool_home())
+                return {int(k): v for k, v in data["kv_heads"].items()}
+
+        env = model_env(model, cfg, retrieval_heads=retrieval)
+        policy = build_policy(spec["policy"], {}, env)
+        engine = Engine(model, policy, cfg, env=env)
+        cache = engine.new_cache()
+        sync(device)
+        t0 = time.perf_counter()
+        for s in range(0, doc.numel(), block):
+            logits = engine.step(cache, doc[s : s + block], 1)
+        sync(device)
+        out["prefill_seconds"] = time.perf_counter() - t0
+        c = cache.counters
+        out["split_seconds"] = {"probs": c.probs_seconds, "score": c.score_seconds, "evict": c.evict_seconds}
+        out["evicted_tokens"] = c.evicted_tokens
+        out["cached_tokens_max"] = c.max_cached
+        out["compact_since"] = cache.compact_since if cache.compact else None
+        if spec.get("continuation"):
+            out["continuation_logits"] = _continuation_nll(engine, cache, logits, cont)
+        t1 = time.perf_counter()
+        tok_logits = logits[-1]
+        for _ in range(decode_n):
+            tok_logits = engine.step(cache, tok_logits.argmax().view(1).cpu(), 1)[-1]
+        sync(device)
+        out["decode_seconds"] = time.perf_counter() - t1
+    out["peak_bytes"] = peak_bytes(device)
+    out["device"] = str(device)
+    return out
+
+
+def _continuation_nll(engine, cache, logits, cont) -> float:
+    """Mean negative log-likelihood of the continuation, fed token by token (eviction keeps running)."""
+    import torch
+
+    nll = 0.0
+    for i in range(cont.numel()):
+        nll -= float(torch.log_softmax(logits[-1].float(), -1)[cont[i]])
+        logits = engine.step(cache, cont[i : i + 1], 1)
+    return nll / max(1, cont.numel())
+
+
+def dense_continuation_nll(spec: dict) -> float:
+    import torch
+
+    from kvtool.model import load_model
+
+    torch.set_grad_enabled(False)
+    loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
+    ids = corpus_ids(loaded.tokenizer, spec["length"] + spec["continuation"])
+    logits = loaded.model(ids[None].to(loaded.device)).logits[0].float()
+    n = spec["length"]
+    lp = torch.log_softmax(logits[n - 1 : -1], -1)
+    return float(-lp.gather(1, ids[n:, None].to(lp.device)).mean())
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def child(spec: dict) -> dict:
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, __file__, "--run-one", json.dumps(spec)], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        return {**spec, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def roofline_gflops(device_name: str) -> float:
+    import torch
+
+    dev = torch.device(device_name)
+    a = torch.randn(2048, 2048, device=dev)
+    b = torch.randn(2048, 2048, device=dev)
+    best = 0.0
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        sync(dev)
+        best = max(best, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def row_label(r: dict) -> str:
+    return r["kind"] if r["kind"] != "kvtool" else f"kvtool:{r['policy']}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-one", help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", default="2k,8k,32k,128k")
+    ap.add_argument("--policies", default="sink,keydiff,tova,snapkv+caote,h2o+vatp,razor")
+    ap.add_argument("--budget", default="1k")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--dense-max", default="32k", help="longest document for the dense and chunked rows")
+    ap.add_argument("--long-policies", default=None,
+                    help="policies run at lengths above 32k (default: all of --policies)")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--sweep", default="32,64,128,256,512", help="block sizes for the speed/fidelity sweep ('' = skip)")
+    ap.add_argument("--sweep-length", default="4k")
+    ap.add_argument("--sweep-policy", default="snapkv+caote")
+    ap.add_argument("--sweep-continuation", type=int, default=64)
+    ap.add_argument("--memory-lengths", default="4k,128k", help="the two lengths of the flat-memory target")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the issue-2 table)")
+    ap.add_argument("--json", dest="json_path", default=None)
+    args = ap.parse_args()
+    if args.run_one:
+        print(json.dumps(run_one(json.loads(args.run_one))))
+        return
+    if args.quick:
+        args.lengths, args.policies, args.sweep, args.memory_lengths = "2k,8k,32k", "sink", "", ""
+    lengths = [parse_tokens(x) for x in args.lengths.split(",") if x]
+    policies = [p for p in args.policies.split(",") if p]
+    long_policies = policies if args.long_policies is None else [p for p in args.long_policies.split(",") if p]
+    budget, block = parse_tokens(args.budget), args.block_size
+    dense_max = parse_tokens(args.dense_max)
+    base = {"model": args.model, "device": args.device, "dtype": args.dtype, "budget": budget, "block_size": block,
+            "decode_tokens": args.decode_tokens}
+
+    import torch
+
+    device_name = "cuda" if (args.device in ("auto", "cuda") and torch.cuda.is_available()) else "cpu"
+    roof = roofline_gflops(device_name)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+          f"{torch.get_num_threads()}, device {device_name}; fp32 matmul roofline {roof:.0f} GFLOP/s", flush=True)
+    rows: list[dict] = []
+    mem_lengths = [parse_tokens(x) for x in args.memory_lengths.split(",") if x]
+    for n in sorted(set(lengths) | set(mem_lengths)):
+        specs = []
+        if n <= dense_max and n in lengths:
+            specs += [{**base, "kind": "dense", "length": n}, {**base, "kind": "chunked", "length": n}]
+        run_policies = policies if n <= 32 * 1024 else long_policies
+        specs += [{**base, "kind": "kvtool", "policy": p, "length": n} for p in run_policies]
+        for spec in specs:
+            r = child(spec)
+            rows.append(r)
+            print_row(r, roof, rows)
+    sweep_rows = []
+    if args.sweep:
+        n = parse_tokens(args.sweep_length)
+        ref = dense_continuation_nll({**base, "length": n, "continuation": args.sweep_continuation})
+        print(f"\nblock-size sweep: {args.sweep_policy}, budget {budget}, {n} tokens, dense continuation "
+              f"ppl {pow(2.718281828, ref):.3f}", flush=True)
+        for bs in [int(x) for x in args.sweep.split(",")]:
+            r = child({**base, "kind": "kvtool", "policy": args.sweep_policy, "length": n, "block_size": bs,
+                       "continuation": args.sweep_continuation, "decode_tokens": 0})
+            r["dense_continuation_nll"] = ref
+            sweep_rows.append(r)
+            if "error" in r:
+                print(f"  block {bs:4d}: ERROR {r['error']}")
+                continue
+            ppl = pow(2.718281828, r["continuation_logits"])
+            gap = ppl / pow(2.718281828, ref) - 1
+            print(f"  block {bs:4d}: {n / r['prefill_seconds']:7.1f} tok/s   continuation ppl {ppl:8.3f} "
+                  f"(gap to dense {gap * 100:+.2f}%)", flush=True)
+    check_targets(rows, roof, budget, mem_lengths)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({"roofline_gflops": roof, "rows": rows, "sweep": sweep_rows},
+                                                   indent=1))
+
+
+def find(rows, kind, n, policy=None):
+    for r in rows:
+        if r["kind"] == kind and r["length"] == n and (policy is None or r.get("policy") == policy) and "error" not in r:
+            return r
+    return None
+
+
+def print_row(r: dict, roof: float, rows: list[dict]) -> None:
+    n = r["length"]
+    if "error" in r:
+        print(f"{n:>7} {row_label(r):<22} ERROR: {r['error']}", flush=True)
+        return
+    tps = n / r["prefill_seconds"]
+    dense = find(rows, "dense", n)
+    chunked = find(rows, "chunked", n)
+    ratio_d = f"{tps / (n / dense['prefill_seconds']):5.2f}x" if dense else "   - "
+    ratio_c = f"{tps / (n / chunked['prefill_seconds']):5.2f}x" if chunked else "   - "
+    dec = r["decode_tokens"] / r["decode_seconds"] if r.get("decode_seconds") else 0.0
+    flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
+    split = ""
+    if "split_seconds" in r:
+        s = r["split_seconds"]
+        total = r["prefill_seconds"]
+        fwd = total - s["probs"] - s["score"] - s["evict"]
+        split = (f" split fwd {fwd / total:5.1%} probs {s['probs'] / total:5.1%} score {s['score'] / total:5.1%}"
+                 f" evict {s['evict'] / total:5.1%}")
+    if n == min(x["length"] for x in rows):
+        pass
+    print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
+          f"{fmt_bytes(r['peak_bytes']):>10}  decode {dec:6.1f} tok/s  {flops:5.1f} GFLOP/s "
+          f"({flops / roof:4.0%} of roofline){split}", flush=True)
+
+
+def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[int]) -> None:
+    print("\ntargets (issue 9):")
+
+    def report(name: str, value: float, target: float, higher_is_better: bool = True, unit: str = "") -> None:
+        ok = value >= target if higher_is_better else value <= target
+        gap = "" if ok else f"  MISSED by {abs(value - target) / max(abs(target), 1e-9):.1%}"
+        print(f"  {'ok  ' if ok else 'MISS'} {name}: {value:.3f}{unit} (target {'≥' if higher_is_better else '≤'} "
+              f"{target}{unit}){gap}")
+
+    policies = sorted({r["policy"] for r in rows if r["kind"] == "kvtool"})
+    if len(mem_lengths) == 2:
+        a, b = mem_lengths
+        for p in policies:
+            ra, rb = find(rows, "kvtool", a, p), find(rows, "kvtool", b, p)
+            if ra and rb:
+                report(f"peak memory {b // 1024}K / {a // 1024}K, {p}", rb["peak_bytes"] / ra["peak_bytes"], 1.05,
+                       higher_is_better=False)
+    for p in policies:
+        r, c = find(rows, "kvtool", 2048, p), find(rows, "chunked", 2048)
+        if r and c:
+            target = 0.95 if p in ("sink", "keydiff") else 0.85
+            report(f"2K prefill vs chunked, {p}", c["prefill_seconds"] / r["prefill_seconds"], target)
+    for p in policies:
+        r, d = find(rows, "kvtool", 32768, p), find(rows, "dense", 32768)
+        if r and d:
+            report(f"32K prefill vs dense one-pass, {p}", d["prefill_seconds"] / r["prefill_seconds"], 3.0)
+        r8, r128 = find(rows, "kvtool", 8192, p), find(rows, "kvtool", 131072, p)
+        if r8 and r128:
+            report(f"tok/s 128K / 8K, {p}", (131072 / r128["prefill_seconds"]) / (8192 / r8["prefill_seconds"]), 0.9)
+        r4, r128d = find(rows, "kvtool", 4096, p) or find(rows, "kvtool", 2048, p), find(rows, "kvtool", 131072, p)
+        if r4 and r128d and r4.get("decode_seconds") and r128d.get("decode_seconds"):
+            report(f"decode tok/s after 128K / after {r4['length'] // 1024}K, {p}",
+                   r4["decode_seconds"] / r128d["decode_seconds"], 0.9)
+    for p in policies:
+        r = find(rows, "kvtool", 2048, p)
+        if r:
+            s = r["split_seconds"]
+            share = (s["score"] + s["evict"]) / r["prefill_seconds"]
+            target = 0.05 if p in ("sink", "keydiff", "razor") else 0.15
+            report(f"scoring + eviction share of block time, {p}", share, target, higher_is_better=False)
+            flops = 2 * r["params"] * 2048 / r["prefill_seconds"] / 1e9
+            report(f"prefill FLOP rate / roofline, {p}", flops / roof, 0.45)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""``kvtool prefill`` (read a document once, save the compressed cache) and ``kvtool inspect`` (show one).
+
+``ask`` and ``summarize`` accept the ``.kvc`` file in place of the document (kvtool/runner.py); the file
+format is in kvtool/store.py and docs/kvc-format.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+
+from kvtool.cli import (
+    BlockOpt,
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    PolicyOpt,
+    PolicyOptOpt,
+    PositionsOpt,
+    ProfileOpt,
+    QuantOpt,
+    QuietOpt,
+    RecentOpt,
+    SinksOpt,
+    dashboard,
+    emit_json,
+    overrides,
+    sayer,
+)
+from kvtool.errors import UsageError
+
+
+def prefill(
+    file: Annotated[str, typer.Argument(help="Text file to read, or '-' for stdin.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The .kvc cache file to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the output file if it exists.")] = False,
+    policy: PolicyOpt = None,
+    policy_opt: PolicyOptOpt = None,
+    budget: BudgetOpt = None,
+    block_size: BlockOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantOpt = None,
+    positions: PositionsOpt = None,
+    sinks: SinksOpt = None,
+    recent: RecentOpt = None,
+    profile: ProfileOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
+    from kvtool import store
+    from kvtool.document import open_document
+    from kvtool.session import Session
+    from kvtool.settings import resolve_settings
+
+    # Bad input fails before the model loads.
+    if file != "-" and store.is_kvc(file):
+        raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
+    store.check_output(output, force, source=file)
+    doc = open_document(file)
+    settings = resolve_settings(
+        profile,
+        overrides(
+            policy=policy, policy_opt=policy_opt, budget=budget, block_size=block_size, model=model, device=device,
+            dtype=dtype, quantize=quantize, positions=positions, sinks=sinks, recent=recent,
+        ),
+    )
+    say = sayer(quiet)
+    with dashboard(quiet) as dash:
+        session = Session(settings, listener=dash, say=say)
+        meter = session.engine.meter
+        with meter.track():
+            read = session.read(doc)
+        nbytes = store.save_cache(output, session, read, force=force)
+        stats = session.stats(read, meter.peak_bytes())
+    tokens = max(read.cache.lengths())
+    say(f"wrote {output} ({store.human_bytes(nbytes)}, {tokens} tokens/head, {session.dims['num_layers']} layers)")
+    if json_out:
+        emit_json({"output": output, "bytes": nbytes, "stats": stats})
+
+
+def inspect(
+    file: Annotated[str, typer.Argument(help="A .kvc cache written by `kvtool prefill`.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a saved cache: metadata, per-layer cache lengths, size on disk (the model is not loaded)."""
+    from kvtool import store
+
+    if not os.path.exists(file):
+        raise UsageError(f"no such file: {file}")
+    if os.path.isdir(file):
+        raise UsageError(f"{file} is a directory, not a .kvc file")
+    if not store.is_kvc(file):
+        raise UsageError(f"{file} is not a kvtool cache (.kvc); make one with `kvtool prefill`")
+    info = store.describe(store.read_header(file))
+    if json_out:
+        emit_json(info)
+        return
+    _print_inspect(info)
+
+
+def _print_inspect(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtool.store import human_bytes
+
+    meta = info["metadata"]
+    model = meta.get("model") or {}
+    settings = meta.get("settings") or {}
+    pol = meta.get("policy") or {}
+    doc = meta.get("document") or {}
+    cache = meta.get("cache") or {}
+    promised = info["kv_promised_bytes"]
+    kv = info["kv_bytes"]
+    ratio = f" ({100 * kv / promised:.0f}% of the budget's {human_bytes(promised)})" if promised else ""
+    opts = " ".join(f"{k}={v}" for k, v in sorted((pol.get("options") or {}).items()))
+    budget = settings.get("budget_tokens")
+    budget_text = settings.get("budget")
+    quant = meta.get("quantize")
+    mode = settings.get("positions")
+    if cache.get("compact"):
+        mode = f"{mode} (compact since token {cache.get('compact_since')})"
+    rows = [
+        ("file", info["path"]),
+        ("size on disk", f"{human_bytes(info['size_bytes'])} ({info['size_bytes']:,} bytes)"),
+        ("K/V bytes", f"{human_bytes(kv)}{ratio}"),
+        ("header", human_bytes(info["header_bytes"])),
+        ("kvtool", f"{meta.get('kvtool_version')} (kvc format {meta.get('format_version')})"),
+        ("created", str(meta.get("created"))),
+        ("model", f"{model.get('name')} ({model.get('source')})"),
+        ("model identity", str(model.get("identity"))),
+        ("dtype", str(meta.get("dtype")) + (f", quantize {quant}" if quant not in (None, "none") else "")),
+        ("policy", pol.get("spec", "?") + (f"  {opts}" if opts else "")),
+        ("budget", "none (full)" if budget is None else f"{budget} tokens per KV head (--budget {budget_text})"),
+        ("block size", str(settings.get("block_size"))),
+        ("sinks / recent", f"{settings.get('sinks')} / {settings.get('recent')}"),
+        ("positions", str(mode)),
+        ("position counter", f"{cache.get('seen', 0):,} tokens seen"),
+        ("document", f"{doc.get('name')} ({doc.get('tokens', 0):,} tokens)"),
+        ("document sha256", str(doc.get("sha256"))),
+        ("chat prefix", f"{(meta.get('prompt') or {}).get('prefix_tokens')} tokens"),
+    ]
+    console = Console(highlight=False)
+    table = Table(title="kvtool cache", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+
+    layers = Table(title="cache per layer (tokens per KV head)")
+    for col in ("layer", "group", "KV heads", "length", "capacity"):
+        layers.add_column(col, justify="right" if col != "KV heads" else "left")
+    for layer in info["layers"]:
+        for gi, g in enumerate(layer["groups"]):
+            heads = g.get("heads")
+            cap = g.get("capacity")
+            cap_text = "unbounded" if cap is None else str(cap) + (" + comp" if g.get("compensation") else "")
+            layers.add_row(str(layer["layer"]), str(gi), ",".join(map(str, heads)) if heads else "?",
+                           str(g["length"]), cap_text)
+    console.print(layers)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``prefill`` and ``inspect`` to the CLI (idempotent: ``main`` may run more than once)."""
+    have = {c.name or (c.callback.__name__ if c.callback else None) for c in app.registered_commands}
+    if "prefill" not in have:
+        app.command("prefill")(prefill)
+    if "inspect" not in have:
+        app.command("inspect")(inspect)

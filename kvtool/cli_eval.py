@@ -1,0 +1,186 @@
+"""``kvtool eval needle | ppl | attn-error``: evaluate eviction policies over a (policy × budget) grid.
+
+Everything is validated before the model loads; the model is loaded once per command. Progress goes to
+stderr (rich), results to stdout as rich tables, or one JSON object with ``--json`` (see kvtool/eval).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvtool.cli import (
+    BlockOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    PositionsOpt,
+    QuantOpt,
+    QuietOpt,
+    RecentOpt,
+    SinksOpt,
+    emit_json,
+)
+
+eval_app = typer.Typer(
+    name="eval",
+    help="Evaluate eviction policies: needle in a haystack, perplexity, attention-output error.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+DEFAULT_HAYSTACK = "paul_graham_essays"  # under <repo>/../shared/corpus
+DEFAULT_TEXT = "sherlock_holmes.txt"
+
+PoliciesOpt = Annotated[str, typer.Option("--policies", help="Comma list of policies (base[+modifier...]).")]
+BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Comma list of KV budgets per head: 256,512 or 1k.")]
+EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for passkeys and sample offsets.")]
+TextOpt = Annotated[str | None, typer.Option("--text", help="A UTF-8 text file, or a directory of .txt files "
+                                             "(default: ../shared/corpus/sherlock_holmes.txt beside the repo).")]
+ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
+ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
+SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text at seeded offsets.")]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``eval`` group to the main app (idempotent: main() may run many times in one process)."""
+    if any(g.name == "eval" for g in app.registered_groups):
+        return
+    app.add_typer(eval_app, name="eval")
+
+
+def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
+    from kvtool.eval import make_grid
+
+    return make_grid(policies, budgets, always_full=always_full, **kw)
+
+
+def _finish(rep: dict[str, Any], json_out: bool, render: Any) -> None:
+    if json_out:
+        emit_json(rep)
+    else:
+        render(rep, Console())
+
+
+@eval_app.command("needle")
+def needle(
+    haystack: Annotated[str | None, typer.Option("--haystack", help="A text file or a directory of .txt files "
+                                                 "(default: ../shared/corpus/paul_graham_essays).")] = None,
+    lengths: Annotated[str, typer.Option("--lengths", help="Document lengths in tokens.")] = "1k,2k",
+    depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
+    policies: PoliciesOpt = "full,sink,h2o,keydiff",
+    budgets: BudgetsOpt = "256",
+    needle_text: Annotated[str | None, typer.Option("--needle", help="Needle sentence (default: a random "
+                                                    "pass key per trial).")] = None,
+    question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
+    answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
+    trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new pass key each).")] = 1,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
+    block_size: BlockOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantOpt = None,
+    positions: PositionsOpt = None,
+    sinks: SinksOpt = None,
+    recent: RecentOpt = None,
+    seed: EvalSeedOpt = 0,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is always included."""
+    from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
+    from kvtool.eval.needle import NeedleTask, custom_needle, render_needle, run_needle
+
+    grid = _grid(policies, budgets, True, block_size=block_size, model=model, device=device, dtype=dtype,
+                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
+                 max_new_tokens=max_new_tokens)
+    path = resolve_input(haystack, DEFAULT_HAYSTACK, "--haystack")
+    task = NeedleTask(
+        grid=grid,
+        haystack_path=path,
+        haystack="",
+        lengths=parse_token_list(lengths, "--lengths", minimum=32),
+        depths=parse_depths(depths),
+        trials=positive(trials, "--trials"),
+        needle=custom_needle(needle_text, question, answer),
+        max_new_tokens=max_new_tokens,
+    )
+    task.haystack = load_text(path, "--haystack")
+    _finish(run_needle(task, Reporter(quiet, "needle")), json_out, render_needle)
+
+
+def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any) -> Any:
+    from kvtool.eval import load_text, parse_tokens, positive, resolve_input
+    from kvtool.eval.ppl import WindowTask
+
+    path = resolve_input(text, DEFAULT_TEXT, "--text")
+    n = parse_tokens(context, "--context")
+    m = parse_tokens(continuation, "--continuation")
+    k = positive(samples, "--samples")
+    return WindowTask(grid=grid, text_path=path, text=load_text(path, "--text"), context=n, continuation=m,
+                      samples=k)
+
+
+@eval_app.command("ppl")
+def ppl(
+    text: TextOpt = None,
+    context: ContextOpt = "1k",
+    continuation: ContinuationOpt = "64",
+    samples: SamplesOpt = 2,
+    policies: PoliciesOpt = "full,sink,h2o,tova,keydiff",
+    budgets: BudgetsOpt = "256",
+    block_size: BlockOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantOpt = None,
+    positions: PositionsOpt = None,
+    sinks: SinksOpt = None,
+    recent: RecentOpt = None,
+    seed: EvalSeedOpt = 0,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
+    from kvtool.eval import Reporter
+    from kvtool.eval.ppl import render_ppl, run_ppl
+
+    grid = _grid(policies, budgets, False, block_size=block_size, model=model, device=device, dtype=dtype,
+                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed)
+    task = _window_task(text, context, continuation, samples, grid)
+    _finish(run_ppl(task, Reporter(quiet, "ppl")), json_out, render_ppl)
+
+
+@eval_app.command("attn-error")
+def attn_error(
+    text: TextOpt = None,
+    context: ContextOpt = "512",
+    continuation: ContinuationOpt = "32",
+    samples: SamplesOpt = 2,
+    policies: PoliciesOpt = "sink,h2o,tova,keydiff",
+    budgets: BudgetsOpt = "256",
+    block_size: BlockOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantOpt = None,
+    positions: PositionsOpt = None,
+    sinks: SinksOpt = None,
+    recent: RecentOpt = None,
+    seed: EvalSeedOpt = 0,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
+    from kvtool.eval import Reporter
+    from kvtool.eval.attn_error import render_attn_error, run_attn_error
+
+    grid = _grid(policies, budgets, False, block_size=block_size, model=model, device=device, dtype=dtype,
+                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed)
+    task = _window_task(text, context, continuation, samples, grid)
+    _finish(run_attn_error(task, Reporter(quiet, "attn-error")), json_out, render_attn_error)

@@ -1,0 +1,142 @@
+"""``kvtool profile``: the predicted memory plan of a run; with ``--doc``, measured against a real prefill.
+
+The plan itself is :func:`kvtool.profiling.plan` (formulas in :mod:`kvtool.memory`). This module parses
+the flags, measures the runtime baseline, loads the model (its real dimensions and parameter bytes),
+optionally reads a document under the meter, and prints a table or one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from kvtool.cli import (
+    BlockOpt,
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    ModelOpt,
+    PolicyOpt,
+    PolicyOptOpt,
+    ProfileOpt,
+    QuantOpt,
+    QuietOpt,
+    dashboard,
+    emit_json,
+    overrides,
+    sayer,
+)
+from kvtool.errors import UsageError
+
+DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this text file ('-' = stdin) and report the "
+                                            "measured peak against the prediction.")]
+DocTokensOpt = Annotated[int | None, typer.Option("--doc-tokens", help="Document length in tokens for the dense "
+                                                  "(no eviction) comparison.")]
+MemoryOpt = Annotated[str | None, typer.Option("--memory", help="Memory available (8GiB, 512MiB, 2GB): largest "
+                                               "budget that fits and longest document dense transformers holds.")]
+
+
+def profile(
+    model: ModelOpt = None,
+    budget: BudgetOpt = None,
+    block_size: BlockOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    quantize: QuantOpt = None,
+    policy: PolicyOpt = None,
+    policy_opt: PolicyOptOpt = None,
+    profile_name: ProfileOpt = None,
+    doc: DocOpt = None,
+    doc_tokens: DocTokensOpt = None,
+    memory: MemoryOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Predicted memory plan (weights, KV, scratch, activations, peak); --doc measures a real prefill."""
+    run_profile(
+        overrides(model=model, budget=budget, block_size=block_size, dtype=dtype, device=device,
+                  quantize=quantize, policy=policy, policy_opt=policy_opt),
+        profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out, quiet=quiet,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile")(profile)
+
+
+def process_rss() -> int:
+    """Resident memory of this process now (psutil), after a garbage collection."""
+    import psutil
+
+    gc.collect()
+    return int(psutil.Process().memory_info().rss)
+
+
+def run_profile(
+    overrides: dict[str, Any],
+    profile: str | None = None,
+    doc: str | None = None,
+    doc_tokens: int | None = None,
+    memory: str | None = None,
+    json_out: bool = False,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Everything ``kvtool profile`` does after flag parsing; returns the printed plan."""
+    # Everything heavy is imported first so the baseline counts the runtime, not the model.
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from rich.console import Console
+
+    from kvtool import profiling
+    from kvtool.document import open_document
+    from kvtool.session import Session
+    from kvtool.settings import parse_size, resolve_settings
+
+    # Bad input fails before seconds are spent loading the model.
+    if doc_tokens is not None and doc_tokens < 1:
+        raise UsageError(f"--doc-tokens must be at least 1: got {doc_tokens}")
+    limit = parse_size(memory) if memory is not None else None
+    settings = resolve_settings(profile, overrides)
+    document = open_document(doc) if doc is not None else None
+
+    rss_before_load = process_rss()
+    say = sayer(quiet)
+    with dashboard(quiet) as dash:
+        session = Session(settings, listener=dash if document is not None else None, say=say)
+        on_cuda = session.loaded.device.type == "cuda"
+        baseline = 0 if on_cuda else rss_before_load
+        result = profiling.plan(session, settings, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
+        if document is not None:
+            meter = session.engine.meter
+            with meter.track():
+                read = session.read(document)
+            peak = meter.peak_bytes()
+            if result["budget_tokens"] is None:
+                # policy full keeps every token read: its prediction needs the length, known only now
+                n = read.document_tokens + read.prefix_tokens
+                result = profiling.plan(session, settings, doc_tokens=n, memory=limit, runtime_baseline=baseline)
+            # the dense comparison: --doc-tokens if given, else the document just read
+            dense_n = doc_tokens if doc_tokens is not None else read.document_tokens
+            result["dense"] = profiling.plan(session, settings, doc_tokens=dense_n, runtime_baseline=baseline)["dense"]
+            predicted = result["predicted_peak_bytes"]
+            result["measured"] = {
+                "peak_bytes": int(peak),
+                "metric": "cuda_max_allocated" if on_cuda else "rss_peak",
+                "predicted_peak_bytes": predicted,
+                "ratio": round(peak / predicted, 4) if predicted else None,
+                "document_tokens": read.document_tokens,
+                "prefix_tokens": read.prefix_tokens,
+                "seconds": round(read.seconds, 3),
+                "kv_allocated_bytes": read.cache.allocated_bytes(),
+                "kv_promised_bytes": read.cache.promised_bytes(),
+            }
+    if json_out:
+        emit_json(result)
+    else:
+        # a pipe or file gets a table wide enough not to wrap the descriptions
+        profiling.render(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
+    return result

@@ -1,0 +1,329 @@
+"""Evaluation tasks (``kvtool eval ...``): needle-in-a-haystack, perplexity and attention-output error.
+
+Every task runs a grid of (policy, budget) *runs* over the same inputs with one model loaded once:
+
+    parse + validate options (no model)  →  load_model once  →  one Session per run (``loaded=``)
+    →  task loop with a progress bar on stderr  →  rich tables on stdout, or one JSON object (--json)
+
+``full`` ignores budgets, so it is one run (budget ``null``) however many budgets are given.
+
+JSON (one object on stdout)::
+
+    {"task": "needle" | "ppl" | "attn-error", "settings": {...}, "results": [...], "seconds": float, ...}
+
+This package only holds what the three tasks share; the metrics are in :mod:`kvtool.eval.metrics`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import io
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtool.document import SNIFF_BYTES, Document
+from kvtool.errors import UsageError
+from kvtool.settings import Settings, parse_budget, resolve_settings
+
+#: Text larger than this is cut (perplexity windows and haystacks never need more).
+MAX_TEXT_BYTES = 64 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------- option parsing
+
+
+def split_list(text: str, name: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",")]
+    items = [t for t in items if t]
+    if not items:
+        raise UsageError(f"{name} must be a comma-separated list (got {text!r})")
+    return items
+
+
+def parse_tokens(text: str | int, name: str, minimum: int = 1) -> int:
+    """A token count: ``512``, ``2k`` (= 2048), ``1.5k``. Byte sizes are rejected."""
+    try:
+        b = parse_budget(text)
+    except UsageError:
+        raise UsageError(f"{name} must be a token count like 512 or 2k (got {text!r})") from None
+    if b.tokens is None:
+        raise UsageError(f"{name} must be a token count like 512 or 2k, not a size (got {text!r})")
+    if b.tokens < minimum:
+        raise UsageError(f"{name} must be at least {minimum} (got {text!r})")
+    return b.tokens
+
+
+def parse_token_list(text: str, name: str, minimum: int = 1) -> list[int]:
+    out: list[int] = []
+    for item in split_list(text, name):
+        n = parse_tokens(item, name, minimum)
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def parse_policies(text: str, always_full: bool = False) -> list[str]:
+    """Comma list of policy specs (``h2o+vatp`` allowed), deduplicated; checked against the registry."""
+    from kvtool.policies import PolicyEnv, build_policy
+
+    specs: list[str] = []
+    for item in split_list(text, "--policies"):
+        spec = "+".join(p.strip().lower() for p in item.split("+") if p.strip())
+        if spec not in specs:
+            specs.append(spec)
+    if always_full and "full" not in specs:
+        specs.insert(0, "full")
+    dummy = PolicyEnv(num_layers=2, num_kv_heads=2, num_attention_heads=4, head_dim=8, budget=64)
+    for spec in specs:
+        build_policy(spec, {}, dummy)  # names, modifiers and their bases: UsageError if wrong
+    return specs
+
+
+def parse_budgets(text: str, sinks: int, recent: int) -> list[str]:
+    """Comma list of budgets (tokens per KV head like 256 or 1k; byte sizes like 64MiB also work)."""
+    out: list[str] = []
+    for item in split_list(text, "--budgets"):
+        b = parse_budget(item)
+        if b.tokens is not None and b.tokens <= sinks + recent:
+            raise UsageError(f"budget {item} is too small: it must exceed sinks + recent = {sinks + recent}")
+        text = str(b.tokens) if b.tokens is not None else b.text
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def parse_depths(text: str) -> list[float]:
+    out: list[float] = []
+    for item in split_list(text, "--depths"):
+        try:
+            d = float(item)
+        except ValueError:
+            raise UsageError(f"--depths must be numbers between 0 and 1 (got {item!r})") from None
+        if not 0.0 <= d <= 1.0:
+            raise UsageError(f"--depths must be between 0 and 1 (got {item!r})")
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def positive(value: int, name: str) -> int:
+    if value < 1:
+        raise UsageError(f"{name} must be at least 1 (got {value})")
+    return value
+
+
+# --------------------------------------------------------------------------------------------- the grid
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (policy, budget) cell of the grid; ``budget`` is None for ``full``."""
+
+    policy: str
+    budget: str | None
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.budget is None else f"{self.policy}@{self.budget}"
+
+
+@dataclass
+class Grid:
+    settings: Settings  # shared settings (model, device, block size, ...); policy/budget set per run
+    policies: list[str]
+    budgets: list[str]
+
+    def runs(self) -> list[Run]:
+        out: list[Run] = []
+        for p in self.policies:
+            if p == "full":
+                out.append(Run("full", None))
+            else:
+                out.extend(Run(p, b) for b in self.budgets)
+        return out
+
+    def settings_for(self, run: Run) -> Settings:
+        return dataclasses.replace(self.settings, policy=run.policy, budget=run.budget or self.settings.budget)
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "policies": self.policies,
+            "budgets": self.budgets,
+            "block_size": s.block_size,
+            "sinks": s.sinks,
+            "recent": s.recent,
+            "positions": s.positions,
+            "seed": s.seed,
+        }
+
+
+def make_grid(policies: str, budgets: str, always_full: bool = False, **overrides: Any) -> Grid:
+    """Validate the shared settings and the (policy, budget) grid; loads nothing."""
+    settings = resolve_settings(None, {k: v for k, v in overrides.items() if v is not None})
+    return Grid(
+        settings=settings,
+        policies=parse_policies(policies, always_full),
+        budgets=parse_budgets(budgets, settings.sinks, settings.recent),
+    )
+
+
+def load_once(grid: Grid, say: Any = None) -> Any:
+    """Load the model once for the whole grid (every Session gets it through ``loaded=``)."""
+    from kvtool.model import load_model
+
+    s = grid.settings
+    return load_model(s.model, s.device, s.dtype, s.quantize, progress=say)
+
+
+def make_session(grid: Grid, run: Run, loaded: Any, say: Any = None) -> Any:
+    from kvtool.session import Session
+
+    return Session(grid.settings_for(run), listener=None, say=say, loaded=loaded)
+
+
+def model_settings(loaded: Any) -> dict[str, Any]:
+    return {
+        "model": loaded.name,
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "quantize": loaded.quantize,
+    }
+
+
+# --------------------------------------------------------------------------------------------- text
+
+
+def default_corpus() -> Path:
+    """``shared/corpus`` beside the repository (``<repo>/../shared/corpus``)."""
+    import kvtool
+
+    return Path(kvtool.__file__).resolve().parents[2] / "shared" / "corpus"
+
+
+def resolve_input(path: str | None, default_name: str, option: str) -> Path:
+    """The path given, else ``default_corpus()/default_name``; a clear UsageError when neither exists."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise UsageError(f"{option}: no such file or directory: {p}")
+        return p
+    p = default_corpus() / default_name
+    if not p.exists():
+        raise UsageError(f"no {option} given and the default {p} does not exist; pass {option} PATH")
+    return p
+
+
+def load_text(path: Path, option: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """A UTF-8 file, or a directory's ``*.txt`` files concatenated in sorted order (blank line between).
+
+    At most ``max_bytes`` are read in all (the tasks need far less).
+    """
+    if path.is_dir():
+        files = sorted(f for f in path.glob("*.txt") if f.is_file())
+        if not files:
+            raise UsageError(f"{option}: {path} has no .txt files")
+    else:
+        files = [path]
+    parts: list[str] = []
+    left = max_bytes
+    for f in files:
+        if left <= 0:
+            break
+        try:
+            with open(f, "rb") as fh:
+                data = fh.read(left)
+        except OSError as e:
+            raise UsageError(f"{option}: cannot read {f}: {e.strerror or e}") from None
+        left -= len(data)
+        if b"\x00" in data[:SNIFF_BYTES]:
+            raise UsageError(f"{option}: {f} looks binary (NUL bytes); kvtool reads UTF-8 text")
+        try:
+            text = codecs.getincrementaldecoder("utf-8")().decode(data, final=left > 0)
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{option}: {f} is not UTF-8 text (invalid byte at offset {e.start})") from None
+        text = text.replace("\r\n", "\n").strip()
+        if text:
+            parts.append(text)
+    joined = "\n\n".join(parts)
+    if not joined.strip():
+        raise UsageError(f"{option}: {path} is empty")
+    return joined
+
+
+def text_document(text: str, name: str) -> Document:
+    """An in-memory ``Document`` (what ``open_document`` returns for a file) for ``Session.read``."""
+    data = text.encode("utf-8")
+    return Document(path=name, size=len(data), head=data[:SNIFF_BYTES], stream=io.BytesIO(data[SNIFF_BYTES:]))
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+
+class Reporter:
+    """A rich progress bar on stderr (nothing when quiet); ``say`` prints above it."""
+
+    def __init__(self, quiet: bool, title: str) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        from kvtool.cli import stderr_console
+
+        self.quiet = quiet
+        self.title = title
+        self.console = stderr_console()
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=quiet,
+            transient=False,
+        )
+        self.task: Any = None
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            self.console.print(msg, highlight=False, markup=False)
+
+    @contextmanager
+    def bar(self, total: int) -> Iterator[Reporter]:
+        self.task = self.progress.add_task(self.title, total=total)
+        with self.progress:
+            yield self
+
+    def doing(self, what: str) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description=f"{self.title}: {what}")
+
+    def advance(self, n: int = 1) -> None:
+        if self.task is not None:
+            self.progress.advance(self.task, n)
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)
+
+
+def report(task: str, settings: dict[str, Any], results: list[dict[str, Any]], seconds: float,
+           **extra: Any) -> dict[str, Any]:
+    """The ``--json`` object every task prints."""
+    return {"task": task, "settings": settings, "results": results, **extra, "seconds": seconds}

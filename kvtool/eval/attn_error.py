@@ -1,0 +1,153 @@
+"""Attention-output error under eviction (CAOTE App. E.4, Fig. 3), per layer.
+
+For each of K windows of N context + M continuation tokens (the same windows as ``kvtool eval ppl``):
+
+* the **dense reference** is policy ``full`` through the engine (nothing evicted: exactly dense attention);
+* each (policy, budget) run feeds the same tokens: the context in blocks, then the M continuation tokens one
+  at a time, as in generation.
+
+While the continuation is fed, a forward pre-hook on every layer's ``self_attn.o_proj`` captures its input —
+the attention output before the output projection, ``[1, 1, H·d]`` — for both runs. The error of a layer is
+
+    mean over the M tokens and the H query heads of  ‖o_dense − o_policy‖₂ / ‖o_dense‖₂
+
+(:func:`kvtool.eval.metrics.normalised_error`), averaged over the K windows. Both runs are teacher-forced on
+the same tokens, so a layer's error includes what earlier layers' eviction changed in its input, as in the
+paper's end-to-end measurement. Hooks are removed afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvtool.errors import KvtoolError
+from kvtool.eval import Reporter, Run, Timer, load_once, make_session, model_settings, report
+from kvtool.eval.metrics import normalised_error
+from kvtool.eval.ppl import WindowTask, make_windows
+
+
+def o_proj_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every decoder layer's ``self_attn.o_proj`` (Llama, Qwen2, Mistral, ... layouts)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    out = []
+    for layer in layers or []:
+        o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+        if o is None:
+            break
+        out.append(o)
+    if not out or len(out) != len(layers):
+        raise KvtoolError("attn-error needs a model whose decoder layers have self_attn.o_proj (Llama/Qwen style)")
+    return out
+
+
+class OutputCapture:
+    """Forward pre-hooks on each ``o_proj`` that record its input while ``active`` ([m, H, d] per call)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = o_proj_modules(model)
+        self.heads = model.config.num_attention_heads
+        self.active = False
+        self.rows: list[list[Tensor]] = [[] for _ in self.modules]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> OutputCapture:
+        for i, mod in enumerate(self.modules):
+            self._handles.append(mod.register_forward_pre_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, i: int) -> Any:
+        def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            if self.active:
+                x = args[0].detach()
+                self.rows[i].append(x[0].float().cpu().reshape(x.shape[1], self.heads, -1))
+
+        return pre
+
+    def take(self) -> list[Tensor]:
+        """The captured outputs per layer, [tokens, H, d], and a fresh start."""
+        out = [torch.cat(r) for r in self.rows]
+        self.rows = [[] for _ in self.modules]
+        return out
+
+
+def capture_outputs(engine: Any, cap: OutputCapture, ids: Tensor, n_context: int) -> list[Tensor]:
+    """Feed the context in blocks, then each continuation token alone; attention outputs of the latter."""
+    from kvtool import attention
+
+    engine.model.set_attn_implementation(attention.NAME)
+    cache = engine.new_cache()
+    bs = engine.config.block_size
+    cap.active = False
+    for s in range(0, n_context, bs):
+        engine.step(cache, ids[s : min(s + bs, n_context)], 1)
+    cap.active = True
+    try:
+        for i in range(n_context, ids.numel()):
+            engine.step(cache, ids[i : i + 1], 1)
+    finally:
+        cap.active = False
+    return cap.take()
+
+
+def run_attn_error(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
+    timer = Timer()
+    torch.manual_seed(task.grid.settings.seed)
+    loaded = load_once(task.grid, reporter.say)
+    windows = make_windows(task, loaded.tokenizer)
+    runs = task.grid.runs()
+    reference = make_session(task.grid, Run("full", None), loaded, reporter.say)
+    sessions = [make_session(task.grid, run, loaded, reporter.say) for run in runs]
+    n = task.context
+    errors: list[list[list[float]]] = [[] for _ in runs]  # run -> sample -> layer
+    with OutputCapture(loaded.model) as cap, reporter.bar(len(windows) * (1 + len(runs))):
+        num_layers = len(cap.modules)
+        for k, w in enumerate(windows):
+            reporter.doing(f"sample {k + 1}/{len(windows)} dense (full)")
+            dense = capture_outputs(reference.engine, cap, w.ids, n)
+            reporter.advance()
+            for r, (run, session) in enumerate(zip(runs, sessions, strict=True)):
+                reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
+                got = capture_outputs(session.engine, cap, w.ids, n)
+                errors[r].append([normalised_error(a, b) for a, b in zip(dense, got, strict=True)])
+                reporter.advance()
+    results = []
+    for run, session, per_sample in zip(runs, sessions, errors, strict=True):
+        layers = [sum(s[i] for s in per_sample) / len(per_sample) for i in range(num_layers)]
+        results.append({
+            "policy": run.policy,
+            "budget": session.budget_tokens,
+            "layers": layers,
+            "mean": sum(layers) / len(layers),
+            "max": max(layers),
+        })
+    settings = {**model_settings(loaded), **task.settings(), "offsets": [w.offset for w in windows],
+                "num_layers": num_layers, "num_heads": loaded.model.config.num_attention_heads,
+                "reference": "policy full through the engine (no eviction)"}
+    return report("attn-error", settings, results, timer.seconds())
+
+
+def render_attn_error(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    s = rep["settings"]
+    t = Table(title=f"attention-output error ‖o_dense − o‖/‖o_dense‖ per layer, mean over heads "
+                    f"({s['model']}, {s['continuation']} tokens after {s['context']}, {s['samples']} sample(s))")
+    t.add_column("layer", justify="right")
+    results = rep["results"]
+    for r in results:
+        t.add_column(r["policy"] if r["budget"] is None else f"{r['policy']} @ {r['budget']}", justify="right")
+    for i in range(s["num_layers"]):
+        t.add_row(str(i), *[f"{r['layers'][i]:.4f}" for r in results])
+    t.add_section()
+    t.add_row("mean", *[f"{r['mean']:.4f}" for r in results], style="bold")
+    console.print(t)
+    console.print(f"{rep['seconds']:.1f} s", style="dim")

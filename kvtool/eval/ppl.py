@@ -1,0 +1,208 @@
+"""Perplexity under eviction (CAOTE §4.3 / Table 4): M continuation tokens given N context tokens.
+
+For each of K windows of N + M tokens taken from the text at seeded offsets:
+
+* **dense reference**: one plain transformers forward over the N + M tokens with ``attn_implementation="sdpa"``
+  (no kvtool cache, no eviction), keeping the logits that predict the M continuation tokens;
+* **policy run** (every (policy, budget) of the grid, ``full`` included when listed): the engine feeds the N
+  context tokens in blocks of ``--block-size`` (evicting after each block), then the continuation **one token
+  at a time** (``Engine.step(cache, ids[i:i+1], 1)``) so eviction runs exactly as in generation. The first
+  continuation token is predicted by the last context logits; the last continuation token is never fed.
+
+Reported per run (pooled over the K·M predicted tokens): perplexity, gap to dense (absolute and %),
+mean KL(dense ‖ policy) of the next-token distributions and top-1 agreement with dense.
+
+If the tokenizer adds a BOS token by default, each window starts with it (it counts as one of the N context
+tokens), so the model sees what it was trained to see at the start of a sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvtool.errors import UsageError
+from kvtool.eval import Grid, Reporter, Timer, load_once, make_session, model_settings, report
+from kvtool.eval.metrics import kl_divergence, mean_nll, top1_agreement
+
+#: Only this much of the text is tokenized to draw windows from.
+MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
+
+
+@dataclass
+class WindowTask:
+    """Options shared by ``ppl`` and ``attn-error``: K windows of N context + M continuation tokens."""
+
+    grid: Grid
+    text_path: Path
+    text: str
+    context: int
+    continuation: int
+    samples: int
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "text": str(self.text_path),
+            "context": self.context,
+            "continuation": self.continuation,
+            "samples": self.samples,
+            **self.grid.describe(),
+        }
+
+
+@dataclass
+class Window:
+    offset: int  # token offset of the window in the tokenized text
+    ids: Tensor  # [N + M] (BOS first when the tokenizer adds one)
+
+
+def bos_prefix(tokenizer: Any) -> list[int]:
+    """[bos] when the tokenizer puts a BOS token in front of text by default, else []."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    ids = tokenizer("a")["input_ids"]
+    return [int(bos)] if ids and ids[0] == bos else []
+
+
+def pick_offsets(total: int, width: int, samples: int, seed: int) -> list[int]:
+    """K window offsets in ``[0, total − width]``, deterministic under ``seed``.
+
+    When the windows fit side by side, the text is cut into K equal segments with one window at a random
+    offset inside each (no overlap, spread over the whole text); otherwise offsets are drawn uniformly.
+    """
+    if total < width:
+        raise UsageError(f"the text has {total} tokens, fewer than context + continuation = {width}")
+    rng = random.Random(seed)
+    if samples * width <= total:
+        seg = total // samples
+        return [i * seg + rng.randint(0, seg - width) for i in range(samples)]
+    return sorted(rng.randint(0, total - width) for _ in range(samples))
+
+
+def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
+    prefix = bos_prefix(tokenizer)
+    ids = tokenizer(task.text[:MAX_WINDOW_TEXT_CHARS], add_special_tokens=False)["input_ids"]
+    width = task.context + task.continuation - len(prefix)
+    offsets = pick_offsets(len(ids), width, task.samples, task.grid.settings.seed)
+    return [Window(o, torch.tensor(prefix + list(ids[o : o + width]), dtype=torch.long)) for o in offsets]
+
+
+# --------------------------------------------------------------------------------------------- forward passes
+
+
+@torch.inference_mode()
+def dense_logits(model: torch.nn.Module, ids: Tensor, m: int) -> Tensor:
+    """Logits [m, V] predicting the last ``m`` tokens of ``ids``: one plain SDPA forward, no eviction."""
+    from kvtool import attention
+
+    device = next(model.parameters()).device
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model(input_ids=ids.view(1, -1).to(device), use_cache=False, logits_to_keep=m + 1)
+    finally:
+        model.set_attn_implementation(attention.NAME)  # back to the engine's attention
+    return out.logits[0, :m].float().cpu()
+
+
+def stream_logits(engine: Any, ids: Tensor, n_context: int) -> Tensor:
+    """Logits [M, V] predicting ``ids[n_context:]``: context in blocks, then the continuation token by token."""
+    from kvtool import attention
+
+    engine.model.set_attn_implementation(attention.NAME)
+    cache = engine.new_cache()
+    bs = engine.config.block_size
+    logits = None
+    for s in range(0, n_context, bs):
+        logits = engine.step(cache, ids[s : min(s + bs, n_context)], 1)
+    assert logits is not None
+    rows = [logits[-1].float().cpu()]
+    for i in range(n_context, ids.numel() - 1):
+        rows.append(engine.step(cache, ids[i : i + 1], 1)[-1].float().cpu())
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------------------------- task
+
+
+def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
+    timer = Timer()
+    torch.manual_seed(task.grid.settings.seed)
+    loaded = load_once(task.grid, reporter.say)
+    windows = make_windows(task, loaded.tokenizer)
+    runs = task.grid.runs()
+    sessions = [make_session(task.grid, run, loaded, reporter.say) for run in runs]
+    n, m = task.context, task.continuation
+    dense_nll: list[float] = []
+    per_run: list[list[dict[str, Any]]] = [[] for _ in runs]
+    seconds = [0.0] * len(runs)
+    with reporter.bar(len(windows) * (1 + len(runs))):
+        for k, w in enumerate(windows):
+            reporter.doing(f"sample {k + 1}/{len(windows)} dense")
+            targets = w.ids[n:]
+            dense = dense_logits(loaded.model, w.ids, m)
+            d_nll = mean_nll(dense, targets)
+            dense_nll.append(d_nll)
+            reporter.advance()
+            for r, (run, session) in enumerate(zip(runs, sessions, strict=True)):
+                reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
+                t = Timer()
+                q = stream_logits(session.engine, w.ids, n)
+                seconds[r] += t.seconds()
+                per_run[r].append({
+                    "offset": w.offset,
+                    "nll": mean_nll(q, targets),
+                    "dense_nll": d_nll,
+                    "kl": kl_divergence(dense, q),
+                    "top1": top1_agreement(dense, q),
+                })
+                reporter.advance()
+    dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
+    results = []
+    for run, session, rows, secs in zip(runs, sessions, per_run, seconds, strict=True):
+        ppl = math.exp(sum(x["nll"] for x in rows) / len(rows))  # every sample has M tokens: pooled mean
+        gap = ppl - dense_ppl
+        results.append({
+            "policy": run.policy,
+            "budget": session.budget_tokens,
+            "ppl": ppl,
+            "dense_ppl": dense_ppl,
+            "ppl_gap": gap,
+            "ppl_gap_pct": 100.0 * gap / dense_ppl,
+            "kl": sum(x["kl"] for x in rows) / len(rows),
+            "top1": sum(x["top1"] for x in rows) / len(rows),
+            "tokens": len(rows) * m,
+            "seconds": round(secs, 3),
+            "samples": [
+                {"offset": x["offset"], "ppl": math.exp(x["nll"]), "dense_ppl": math.exp(x["dense_nll"]),
+                 "kl": x["kl"], "top1": x["top1"]}
+                for x in rows
+            ],
+        })
+    settings = {**model_settings(loaded), **task.settings(), "offsets": [w.offset for w in windows],
+                "reference": "dense transformers forward (sdpa, no eviction)"}
+    reference = {"ppl": dense_ppl, "samples": [{"offset": w.offset, "ppl": math.exp(x)}
+                                               for w, x in zip(windows, dense_nll, strict=True)]}
+    return report("ppl", settings, results, timer.seconds(), reference=reference)
+
+
+def render_ppl(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    s = rep["settings"]
+    t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
+                    f"{s['samples']} sample(s)); dense ppl {rep['reference']['ppl']:.4f}")
+    for col in ("policy", "budget", "ppl", "gap", "gap %", "KL(dense‖policy)", "top-1", "seconds"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in rep["results"]:
+        t.add_row(r["policy"], "-" if r["budget"] is None else str(r["budget"]), f"{r['ppl']:.4f}",
+                  f"{r['ppl_gap']:+.4f}", f"{r['ppl_gap_pct']:+.2f}", f"{r['kl']:.5f}", f"{r['top1']:.3f}",
+                  f"{r['seconds']:.1f}")
+    console.print(t)
+    console.print(f"{rep['seconds']:.1f} s", style="dim")

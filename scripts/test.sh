@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite, real-model tests included, plus ruff.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check kvtool tests bench
+python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,327 @@
+"""kvtool eval: metrics by hand, needle insertion, ppl/attn-error invariants and the --json schemas.
+
+Everything runs on a tiny random Llama with a byte-level tokenizer (one token per ASCII character), so the
+whole file takes seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvtool.cli import main
+from kvtool.errors import UsageError
+from kvtool.eval import make_grid, parse_policies, parse_token_list, text_document
+from kvtool.eval.metrics import (
+    contains_answer,
+    kl_divergence,
+    mean_nll,
+    normalised_error,
+    perplexity,
+    top1_agreement,
+)
+from kvtool.eval.needle import Haystack, custom_needle, insert_needle, passkey_needle, sentence_boundaries
+from kvtool.eval.ppl import dense_logits, pick_offsets, stream_logits
+from kvtool.model import CHATML_TEMPLATE
+from tests.helpers import VOCAB, make_engine, tiny_llama
+
+# --------------------------------------------------------------------------------------------- fixtures
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: every byte is a token; decode/offsets are exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("eval") / "tiny-byte-llama"
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+SENTENCES = [
+    "The river ran north past the old mill.",
+    "Nobody remembered who built it!",
+    "Was it the baker or the smith?",
+    "Rain fell for three days and the roads turned to mud.",
+]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text(" ".join(SENTENCES * 20), encoding="utf-8")  # ~3.3k bytes = tokens
+    return path
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    code = main([*argv, "--json", "--quiet"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    lines = out.out.strip().splitlines()
+    assert len(lines) == 1, out.out
+    rep = json.loads(lines[0])
+    assert set(rep) >= {"task", "settings", "results", "seconds"}
+    assert isinstance(rep["seconds"], float)
+    return rep
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def test_perplexity_by_hand() -> None:
+    uniform = torch.zeros(3, 4)
+    assert perplexity(uniform, torch.tensor([0, 1, 3])) == pytest.approx(4.0)
+    # p(target) = 3/4 and 1/4: mean NLL = (ln 4/3 + ln 4) / 2
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, math.log(3.0)]])
+    nll = (math.log(4 / 3) + math.log(4)) / 2
+    assert mean_nll(logits, torch.tensor([1, 0])) == pytest.approx(nll)
+    assert perplexity(logits, torch.tensor([1, 0])) == pytest.approx(math.exp(nll))
+
+
+def test_kl_by_hand() -> None:
+    p = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    assert kl_divergence(p, p) == pytest.approx(0.0, abs=1e-7)
+    q = torch.log(torch.tensor([[0.25, 0.75], [0.9, 0.1]]))
+    row0 = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert kl_divergence(p, q) == pytest.approx(row0 / 2, rel=1e-5)  # mean over the 2 positions
+    assert kl_divergence(p + 7.0, p) == pytest.approx(0.0, abs=1e-7)  # logits, not probabilities
+
+
+def test_top1_agreement_by_hand() -> None:
+    p = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 3.0]])
+    assert top1_agreement(p, q) == 0.5
+    assert top1_agreement(p, p) == 1.0
+
+
+def test_normalised_error_by_hand() -> None:
+    a = torch.tensor([[3.0, 4.0], [1.0, 0.0]])  # 2 heads, d = 2
+    b = torch.tensor([[0.0, 4.0], [1.0, 0.0]])
+    assert normalised_error(a, b) == pytest.approx((3 / 5 + 0) / 2)
+    assert normalised_error(a, a) == 0.0
+    tokens = torch.stack([a, a])  # leading token dim averages too
+    assert normalised_error(tokens, torch.stack([b, a])) == pytest.approx(0.15)
+
+
+def test_contains_answer() -> None:
+    assert contains_answer("The pass key is 48213.", "48213")
+    assert contains_answer("It is  New\n York", "new york")  # whitespace and case normalised
+    assert not contains_answer("It is New York", "new york", case_sensitive=True)
+    assert not contains_answer("4821 3", "48213")
+    assert not contains_answer("anything", "  ")
+
+
+# --------------------------------------------------------------------------------------------- needle
+
+
+def test_passkey_needle_is_seeded_per_trial() -> None:
+    a, b = passkey_needle(0, 0), passkey_needle(0, 1)
+    assert a == passkey_needle(0, 0) and a != b
+    assert a.question == "What is the pass key?"
+    assert a.answer.isdigit() and len(a.answer) == 5 and a.text.count(a.answer) == 2
+
+
+def test_insert_needle_depth_0_and_1_exact() -> None:
+    hay = " ".join(SENTENCES)
+    doc, at = insert_needle(hay, "NEEDLE.", 0.0)
+    assert at == 0 and doc == "NEEDLE. " + hay
+    doc, at = insert_needle(hay, "NEEDLE.", 1.0)
+    assert doc == hay + " NEEDLE." and doc[at:] == "NEEDLE."
+
+
+def test_insert_needle_middle_on_sentence_boundary() -> None:
+    hay = " ".join(SENTENCES * 3)
+    doc, at = insert_needle(hay, "NEEDLE.", 0.5)
+    assert doc[at : at + 7] == "NEEDLE."
+    assert doc[: at - 1].endswith((".", "!", "?"))  # right after a sentence end
+    assert doc.replace(" NEEDLE.", "", 1) == hay
+    boundaries = sentence_boundaries(hay)
+    nearest = min(abs(b - len(hay) / 2) for b in boundaries)
+    assert abs((at - 1) - len(hay) / 2) == nearest
+
+
+def test_insert_needle_without_sentences_falls_back_to_whitespace() -> None:
+    doc, at = insert_needle("aaa bbb ccc ddd", "N", 0.5)
+    assert doc == "aaa bbb N ccc ddd" or doc == "aaa bbb ccc N ddd" or doc == "aaa N bbb ccc ddd"
+    assert doc[at] == "N"
+
+
+def test_haystack_cut_and_repeat() -> None:
+    tok = byte_tokenizer()
+    hay = Haystack("Short text. Very short.", tok, 100)
+    assert hay.repeated
+    text, starts = hay.cut(60)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) == 60 and len(starts) == 60
+    hay = Haystack(" ".join(SENTENCES * 10), tok, 100)
+    assert not hay.repeated and hay.cut(10)[0] == SENTENCES[0][:10]
+
+
+def test_text_document_reads_like_a_file() -> None:
+    from kvtool.document import iter_text
+
+    text = "x" * 10000 + " é " + "y" * 100
+    assert "".join(iter_text(text_document(text, "<t>"))) == text
+
+
+def test_custom_needle_needs_all_three() -> None:
+    assert custom_needle(None, None, None) is None
+    with pytest.raises(UsageError):
+        custom_needle("The code is 7.", None, "7")
+    assert custom_needle("The  code is 7.", "Code?", "7").text == "The code is 7."
+
+
+# --------------------------------------------------------------------------------------------- options
+
+
+def test_grid_full_once_and_validation() -> None:
+    grid = make_grid("sink,h2o+vatp", "256,1k", always_full=True)
+    assert [r.label for r in grid.runs()] == ["full", "sink@256", "sink@1024", "h2o+vatp@256", "h2o+vatp@1024"]
+    assert parse_token_list("1k,2k", "--lengths") == [1024, 2048]
+    for bad in ("nope", "sink+vatp", "h2o+nope"):
+        with pytest.raises(UsageError):
+            parse_policies(bad)
+    with pytest.raises(UsageError, match="too small"):
+        make_grid("sink", "10")
+
+
+def test_pick_offsets_deterministic_and_in_range() -> None:
+    a = pick_offsets(1000, 100, 4, seed=3)
+    assert a == pick_offsets(1000, 100, 4, seed=3) and a != pick_offsets(1000, 100, 4, seed=4)
+    assert all(250 * i <= o <= 250 * i + 150 for i, o in enumerate(a))  # one per segment, no overlap
+    assert all(0 <= o <= 50 for o in pick_offsets(150, 100, 5, seed=0))
+    with pytest.raises(UsageError):
+        pick_offsets(50, 100, 1, seed=0)
+
+
+# --------------------------------------------------------------------------------------------- ppl / attn-error
+
+
+def test_full_matches_dense_and_eviction_does_not() -> None:
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(0))
+    n, m = 64, 16
+    dense = dense_logits(model, ids, m)
+    targets = ids[n:]
+    full = stream_logits(make_engine(model, "full", None, block_size=16), ids, n)
+    assert perplexity(full, targets) == pytest.approx(perplexity(dense, targets), rel=1e-5)
+    assert kl_divergence(dense, full) == pytest.approx(0.0, abs=1e-6)
+    assert top1_agreement(dense, full) == 1.0
+    sink = stream_logits(make_engine(model, "sink", 16, block_size=16), ids, n)
+    assert kl_divergence(dense, sink) > 1e-6
+
+
+def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "96",
+                    "--continuation", "8", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
+                    "--block-size", "32"], capsys)
+    assert rep["task"] == "ppl"
+    s = rep["settings"]
+    assert s["context"] == 96 and s["continuation"] == 8 and s["samples"] == 2 and len(s["offsets"]) == 2
+    assert s["model"] == "tiny-byte-llama" and s["budgets"] == ["24"] and s["policies"] == ["full", "sink"]
+    assert rep["reference"]["ppl"] > 1
+    full, sink = rep["results"]
+    keys = {"policy", "budget", "ppl", "dense_ppl", "ppl_gap", "ppl_gap_pct", "kl", "top1", "tokens", "seconds",
+            "samples"}
+    assert set(full) == keys and set(sink) == keys
+    assert (full["policy"], full["budget"], sink["policy"], sink["budget"]) == ("full", None, "sink", 24)
+    assert abs(full["ppl_gap"]) < 1e-3 * full["dense_ppl"] and abs(full["ppl_gap_pct"]) < 0.1
+    assert full["kl"] == pytest.approx(0.0, abs=1e-5) and full["top1"] == 1.0 and full["tokens"] == 16
+    assert sink["kl"] > 0
+    assert set(full["samples"][0]) == {"offset", "ppl", "dense_ppl", "kl", "top1"}
+    # deterministic under --seed
+    again = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "96",
+                      "--continuation", "8", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
+                      "--block-size", "32"], capsys)
+    assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["offsets"] == s["offsets"]
+
+
+def test_cli_attn_error_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = run_json(["eval", "attn-error", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
+                    "--continuation", "6", "--samples", "1", "--policies", "full,sink", "--budgets", "16"], capsys)
+    assert rep["task"] == "attn-error"
+    assert rep["settings"]["num_layers"] == 2 and rep["settings"]["num_heads"] == 4
+    full, sink = rep["results"]
+    assert set(full) == {"policy", "budget", "layers", "mean", "max"}
+    assert full["layers"] == [0.0, 0.0] and full["mean"] == 0.0
+    assert all(e > 0 for e in sink["layers"]) and sink["budget"] == 16
+
+
+def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rep = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
+                    "--lengths", "200,300", "--depths", "0,1", "--policies", "sink", "--budgets", "160",
+                    "--max-new-tokens", "3", "--trials", "2"], capsys)
+    assert rep["task"] == "needle"
+    s = rep["settings"]
+    assert s["lengths"] == [200, 300] and s["depths"] == [0.0, 1.0] and s["trials"] == 2
+    assert s["needle"] == "passkey" and s["policies"] == ["full", "sink"]  # full always included
+    cells = rep["results"]
+    assert len(cells) == 2 * 2 * 2
+    keys = {"policy", "budget", "length", "depth", "needle_token", "document_tokens", "trials", "correct",
+            "accuracy", "answers"}
+    assert all(set(c) == keys for c in cells)
+    assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}
+    for c in cells:
+        assert len(c["answers"]) == 2 and set(c["answers"][0]) == {"trial", "expected", "answer", "correct"}
+        assert c["accuracy"] == c["correct"] / 2
+        assert abs(c["document_tokens"] - c["length"]) <= 2  # byte tokenizer: ≈ exact length
+        assert c["needle_token"] == (0 if c["depth"] == 0 else c["document_tokens"] - c["needle_token"] > 0)
+    keys = {c["answers"][0]["expected"] for c in cells}
+    assert keys == {passkey_needle(0, 0).answer}
+    assert {(r["policy"], r["budget"]) for r in rep["summary"]} == {("full", None), ("sink", 160)}
+
+
+def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["eval", "needle", "--haystack", str(text_file), "--model", str(tiny_dir), "--lengths", "200",
+                 "--depths", "0.5", "--policies", "full", "--max-new-tokens", "2", "--needle",
+                 "The code word is zebra.", "--question", "What is the code word?", "--answer", "zebra",
+                 "--quiet"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "needle accuracy" in out.out and "length \\ depth" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["needle", "--depths", "0,1.5"], "--depths"),
+        (["needle", "--policies", "nope"], "unknown policy"),
+        (["needle", "--budgets", "8"], "too small"),
+        (["needle", "--lengths", "2MiB"], "--lengths"),
+        (["needle", "--haystack", "/nonexistent/hay"], "no such file"),
+        (["needle", "--needle", "x"], "--answer"),
+        (["ppl", "--text", "/nonexistent.txt"], "no such file"),
+        (["ppl", "--context", "0"], "--context"),
+        (["attn-error", "--samples", "0"], "--samples"),
+    ],
+)
+def test_usage_errors_before_model_load(argv: list[str], message: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # the model path does not exist: the option error must come first (validated before loading)
+    code = main(["eval", *argv, "--model", str(tmp_path / "no-model"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1

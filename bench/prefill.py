@@ -296,7 +296,8 @@ def main() -> None:
 
 def find(rows, kind, n, policy=None):
     for r in rows:
-        if r["kind"] == kind and r["length"] == n and (policy is None or r.get("policy") == policy) and "error" not in r:
+        same_policy = policy is None or r.get("policy") == policy
+        if r["kind"] == kind and r["length"] == n and same_policy and "error" not in r:
             return r
     return None
 
@@ -320,8 +321,6 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
         fwd = total - s["probs"] - s["score"] - s["evict"]
         split = (f" split fwd {fwd / total:5.1%} probs {s['probs'] / total:5.1%} score {s['score'] / total:5.1%}"
                  f" evict {s['evict'] / total:5.1%}")
-    if n == min(x["length"] for x in rows):
-        pass
     print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
           f"{fmt_bytes(r['peak_bytes']):>10}  decode {dec:6.1f} tok/s  {flops:5.1f} GFLOP/s "
           f"({flops / roof:4.0%} of roofline){split}", flush=True)

@@ -42,7 +42,6 @@ FORMAT_VERSION = 1  # bump on any change an older kvtool could misread
 MIN_FORMAT_VERSION = 1  # oldest format this kvtool still loads
 META_KEY = "kvtool"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # sanity limit on the JSON header
-SNIFF_BYTES = 1024 * 1024  # how much of a file content detection reads at most
 _MARKER = b'"' + FORMAT.encode() + b'"'
 
 #: Settings a ``.kvc`` fixes: they built the cache, so a later run must use the same values.
@@ -141,19 +140,34 @@ def _require(meta: dict[str, Any], path: str, *keys: str) -> None:
 def is_kvc(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a ``.kvc`` file, by content (whatever its name); never raises.
 
-    A safetensors file starts with an 8-byte little-endian header length and ``{``. The length of a real
-    header is far below 4 GiB, so bytes 4..7 are NUL, which no UTF-8 text document contains; the marker
-    ``"kvtool-kvc"`` must appear early in the header. A truncated or damaged file is still recognised here
-    (so the user gets "truncated or corrupted", not "binary file"); ``read_header`` validates it.
+    A safetensors file starts with an 8-byte little-endian header length and ``{``. A real header is far
+    shorter than 4 GiB, so bytes 4..7 are NUL, which no UTF-8 text document contains (kvtool rejects NUL
+    bytes in documents). A complete header is parsed and must carry ``__metadata__.format == "kvtool-kvc"``.
+    Damaged files are still recognised, so the user hears "truncated or corrupted" rather than "binary
+    file": a header that does not parse but holds the marker, a header cut short, or a binary file named
+    ``*.kvc``. ``read_header`` then validates and reports.
     """
     try:
         if not os.path.isfile(path):  # never read a pipe or device here: that would consume its data
             return False
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            head = f.read(SNIFF_BYTES)
+            head = f.read(9)
+            safetensors_like = len(head) == 9 and head[4:8] == b"\0\0\0\0" and head[8:9] == b"{"
+            if safetensors_like:
+                n = int.from_bytes(head[:8], "little")
+                if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
+                    raw = b"{" + f.read(n - 1)
+                    try:
+                        md = json.loads(raw.decode("utf-8")).get("__metadata__") or {}
+                        return isinstance(md, dict) and md.get("format") == FORMAT
+                    except (UnicodeDecodeError, ValueError, AttributeError):
+                        return _MARKER in raw  # a damaged kvtool header
+                return True  # the header is cut short (or its length damaged): only read_header can tell
+            named = os.fspath(path).lower().endswith(".kvc")
+            return named and b"\0" in head + f.read(8192)  # binary and named .kvc: never a text document
     except (OSError, ValueError, TypeError):
         return False
-    return len(head) > 9 and head[4:8] == b"\0\0\0\0" and head[8:9] == b"{" and _MARKER in head
 
 
 def read_header(path: str | os.PathLike[str]) -> KvcHeader:

@@ -100,14 +100,13 @@ def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
 @torch.inference_mode()
 def dense_logits(model: torch.nn.Module, ids: Tensor, m: int) -> Tensor:
     """Logits [m, V] predicting the last ``m`` tokens of ``ids``: one plain SDPA forward, no eviction."""
-    from kvtool import attention
-
     device = next(model.parameters()).device
+    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
     model.set_attn_implementation("sdpa")
     try:
         out = model(input_ids=ids.view(1, -1).to(device), use_cache=False, logits_to_keep=m + 1)
     finally:
-        model.set_attn_implementation(attention.NAME)  # back to the engine's attention
+        model.set_attn_implementation(previous)  # the engine's "kvtool" when a Session built one
     return out.logits[0, :m].float().cpu()
 
 
@@ -115,6 +114,7 @@ def stream_logits(engine: Any, ids: Tensor, n_context: int) -> Tensor:
     """Logits [M, V] predicting ``ids[n_context:]``: context in blocks, then the continuation token by token."""
     from kvtool import attention
 
+    attention.register()
     engine.model.set_attn_implementation(attention.NAME)
     cache = engine.new_cache()
     bs = engine.config.block_size

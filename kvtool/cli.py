@@ -14,14 +14,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-import click
 import typer
+from typer.exceptions import TyperException
 from rich.console import Console
 
 from kvtool import __version__
 from kvtool.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, KvtoolError, UsageError
 
+class _Group(typer.core.TyperGroup):
+    """Turns kvtool's errors into one stderr line and an exit code inside the app itself.
+
+    So the same codes come out of ``main()``, the console script and Typer's test runner.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvtoolError as e:
+            print(f"kvtool: error: {e}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            print("kvtool: interrupted", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
 app = typer.Typer(
+    cls=_Group,
     name="kvtool",
     help="Read documents longer than memory allows: block-wise prefill under a strict KV-cache budget.",
     no_args_is_help=True,
@@ -236,19 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and turn every failure into one line and an exit code."""
     _register_extra_commands()
     try:
-        app(args=argv, standalone_mode=False, prog_name="kvtool")
-        return 0
-    except KvtoolError as e:
+        rc = app(args=argv, standalone_mode=False, prog_name="kvtool")
+        return rc if isinstance(rc, int) else 0
+    except KvtoolError as e:  # raised outside a command (e.g. while registering)
         print(f"kvtool: error: {e}", file=sys.stderr)
         return e.exit_code
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return int(e.exit_code or 0)
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("kvtool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except click.ClickException as e:
-        print(f"kvtool: error: {e.format_message()}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(e, click.UsageError) else e.exit_code
+    except TyperException as e:  # usage errors from the command-line parser
+        fmt = getattr(e, "format_message", None)
+        print(f"kvtool: error: {fmt() if fmt else e}", file=sys.stderr)
+        return int(getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE)
     except KeyboardInterrupt:
         print("kvtool: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -36,7 +36,7 @@ from kvtool.errors import UsageError
 
 def prefill(
     file: Annotated[str, typer.Argument(help="Text file to read, or '-' for stdin.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="The .kvc cache file to write.")],
+    output: Annotated[str | None, typer.Option("--output", "-o", help="The .kvc file to write (required).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the output file if it exists.")] = False,
     policy: PolicyOpt = None,
     policy_opt: PolicyOptOpt = None,
@@ -60,6 +60,8 @@ def prefill(
     from kvtool.settings import resolve_settings
 
     # Bad input fails before the model loads.
+    if not output:
+        raise UsageError("prefill needs an output file: -o/--output OUT.kvc")
     if file != "-" and store.is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
     store.check_output(output, force, source=file)

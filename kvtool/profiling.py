@@ -313,12 +313,23 @@ def render_split(split: list[Mapping[str, Any]], console: Any) -> None:
         for k in row:
             if k not in keys:
                 keys.append(k)
-    table = Table(title="razor budget split (per layer)")
+    table = Table(title="razor budget split (tokens per layer: retrieval heads keep most of the budget)")
     for k in keys:
-        table.add_column(str(k))
+        table.add_column(_SPLIT_HEADERS.get(k, str(k)), no_wrap=True)
     for row in split:
         table.add_row(*(_cell(row.get(k)) for k in keys))
     console.print(table)
+
+
+_SPLIT_HEADERS = {
+    "retrieval_heads": "retrieval heads",
+    "retrieval_capacity": "each keeps",
+    "other_heads": "other heads",
+    "other_capacity": "each keeps",
+    "total_tokens": "used",
+    "budget_tokens": "budget",
+    "unused_tokens": "unused",
+}
 
 
 def _cell(v: Any) -> str:

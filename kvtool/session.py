@@ -24,7 +24,7 @@ from kvtool.errors import UsageError
 from kvtool.events import Listener, Note
 from kvtool.memory import dims_from_config, dtype_bytes
 from kvtool.model import LoadedModel, kvtool_home, load_model
-from kvtool.policies import Policy, build_policy
+from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.settings import Settings, budget_tokens_from_bytes
 
 
@@ -106,6 +106,11 @@ class Session:
         self.calibration: dict[str, Any] | None = None
         self.say = say or (lambda s: None)
         self.listener = listener
+        if loaded is None:  # fail fast on bad options, before seconds of model loading
+            check_policy(settings.policy, settings.policy_options)
+            if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
+                EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size,
+                             sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say)
         self.model = self.loaded.model

@@ -63,3 +63,39 @@ ALL_POLICIES = [
     "full", "sink", "keydiff", *ATTENTION_POLICIES, "h2o+vatp", "scissorhands+vatp", "tova+caote",
     "snapkv+fastcaote", "h2o+vatp+caote",
 ]
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in milliseconds: any UTF-8 text round-trips."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the cache is small and the pass key is 12345 hello world"] * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_checkpoint(directory, seed: int = 0, layers: int = 2, hidden: int = 64):
+    """A tiny random Llama checkpoint directory with a real tokenizer and chat template."""
+    from pathlib import Path
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return Path(directory)

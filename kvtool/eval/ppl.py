@@ -139,6 +139,10 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     runs = task.grid.runs()
     sessions = [make_session(task.grid, run, loaded, reporter.say) for run in runs]
     n, m = task.context, task.continuation
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if limit is not None and n + m > limit:
+        reporter.say(f"note: context + continuation = {n + m} exceeds the model's {limit} positions; the dense "
+                     "reference runs past its trained range")
     dense_nll: list[float] = []
     per_run: list[list[dict[str, Any]]] = [[] for _ in runs]
     seconds = [0.0] * len(runs)

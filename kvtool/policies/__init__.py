@@ -32,6 +32,7 @@ __all__ = [
     "PolicyEnv",
     "ScoreContext",
     "build_policy",
+    "check_policy",
     "describe_policies",
     "keep_top",
     "register",
@@ -132,6 +133,11 @@ def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> P
             f"unknown policy option(s) {', '.join(unknown)} for {spec!r}; valid: {', '.join(valid) or 'none'}"
         )
     return policy
+
+
+def check_policy(spec: str, options: dict[str, Any] | None) -> None:
+    """Validate a policy spec and its options before any model is loaded (fast failure)."""
+    build_policy(spec, options, PolicyEnv(num_layers=1, num_kv_heads=1, num_attention_heads=1, head_dim=2, budget=None))
 
 
 def _option_names(parts: list[str]) -> set[str]:

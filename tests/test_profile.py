@@ -1,0 +1,278 @@
+"""``kvtool profile``: plan numbers by hand, byte budgets, the CLI's JSON and text, measured vs predicted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvtool.cli import main
+from kvtool.memory import llama_param_count, predict_peak
+from kvtool.profiling import ModelInfo, plan, resolve_budget
+from kvtool.settings import Settings, resolve_settings
+
+# Hand-computable dims: 2 layers, 4 query heads sharing 2 KV heads of 16 dims.
+DIMS = {
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "vocab_size": 100,
+}
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "hello", "world", "the", "cache", "is", "small"]
+CORPUS = Path("/work/shared/corpus/sherlock_holmes.txt")
+
+
+def _info(**kw) -> ModelInfo:
+    base = {"name": "hand", "dims": DIMS, "num_params": 1000, "dtype": "float32", "rows": 16, "n_fields": 1}
+    return ModelInfo(**{**base, **kw})
+
+
+def _settings(**kw) -> Settings:
+    return resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", **kw})
+
+
+# ---------------------------------------------------------------------------------------------
+# pure plan numbers
+
+
+def test_plan_matches_hand_computation() -> None:
+    p = plan(_info(), _settings(), doc_tokens=1000, memory=None, runtime_baseline=1000)
+    # K+V per token: 2 x 16 dims x 4 bytes = 128 per (layer, KV head); x 2 KV heads; x 2 layers
+    assert p["kv_bytes_per_token"] == {"per_layer_per_head": 128, "per_layer": 256, "total": 512}
+    assert p["budget_tokens"] == 64 and p["budget_conversion"] is None
+    # promised: 64 tokens; allocated: 64 + one block of 16
+    assert p["kv_bytes_at_budget"] == {"promised": 64 * 512, "allocated": 80 * 512}
+    # float32 probs and softmax: 2 copies x 16 rows x 80 keys x 4 heads x 4 bytes
+    assert p["attention_scratch_bytes"] == 2 * 16 * 80 * 4 * 4 == 40960
+    # SDPA: K and V repeated to 4 heads (2 x 80 x 4 x 16 x 4) + float32 scores 16 x 80 x 4 x 4
+    assert p["sdpa_scratch_bytes"] == 40960 + 20480
+    # one float32 field x 80 slots x 2 KV heads x 2 layers
+    assert p["policy_state_bytes"] == 4 * 80 * 2 * 2 == 1280
+    # 16 tokens x (64 hidden x 4 B x 6 tensors + 96 intermediate x 4 B x 3 tensors) + 100 logits x 4 B
+    assert p["activation_bytes"] == 16 * 64 * 4 * 6 + 16 * 96 * 4 * 3 + 100 * 4 == 43408
+    assert p["weights_bytes"] == 4000 and p["runtime_baseline_bytes"] == 1000
+    assert p["predicted_peak_bytes"] == 1000 + 4000 + 40960 + 40960 + 61440 + 1280 + 43408 == 193048
+    # dense: every token's K+V, and activations for all 1000 tokens at once
+    assert p["dense"] == {
+        "doc_tokens": 1000,
+        "kv_bytes": 512000,
+        "predicted_peak_bytes": 1000 + 4000 + 512000 + 1000 * (64 * 4 * 6 + 96 * 4 * 3) + 400,
+    }
+    assert "memory" not in p and "measured" not in p and "budget_split" not in p
+
+
+def test_plan_agrees_with_predict_peak_and_real_weight_bytes() -> None:
+    base = plan(_info(), _settings())
+    ref = predict_peak(DIMS, num_params=1000, elem=4, budget_tokens=64, block_size=16, rows=16, n_fields=1)
+    assert base["predicted_peak_bytes"] == ref["predicted_peak_bytes"]
+    assert base["runtime_baseline_bytes"] == 0  # None: nothing measured (CUDA)
+    # a loaded model's real bytes replace the formula's, everywhere
+    real = plan(_info(weights_bytes=5000), _settings())
+    assert real["weights_bytes"] == 5000
+    assert real["predicted_peak_bytes"] == base["predicted_peak_bytes"] + 1000
+
+
+def test_memory_limit_largest_budget_and_dense_max() -> None:
+    limit = 400_000
+    p = plan(_info(weights_bytes=9000), _settings(), memory=limit, runtime_baseline=2000)
+    mem = p["memory"]
+    assert mem["limit_bytes"] == limit and mem["fits"] is True
+    best = mem["largest_budget_tokens"]
+    at = plan(_info(weights_bytes=9000), _settings(budget=str(best)), runtime_baseline=2000)
+    over = plan(_info(weights_bytes=9000), _settings(budget=str(best + 1)), runtime_baseline=2000)
+    assert at["predicted_peak_bytes"] <= limit < over["predicted_peak_bytes"]
+    n = mem["dense_max_tokens"]
+    d_at = plan(_info(weights_bytes=9000), _settings(), doc_tokens=n, runtime_baseline=2000)["dense"]
+    d_over = plan(_info(weights_bytes=9000), _settings(), doc_tokens=n + 1, runtime_baseline=2000)["dense"]
+    assert d_at["predicted_peak_bytes"] <= limit < d_over["predicted_peak_bytes"]
+    assert 0 < n < best  # dense spends its memory on activations of the whole document too
+    assert plan(_info(), _settings(), memory=1000)["memory"]["fits"] is False
+
+
+def test_budget_bytes_are_converted_with_model_dims_and_dtype() -> None:
+    p = plan(_info(), _settings(budget="40KiB"))
+    assert p["budget_tokens"] == 40960 // 512 == 80
+    assert p["budget_conversion"] == "budget 40KiB = 80 tokens per KV head (512 bytes of K+V per token in float32)"
+    half = plan(_info(dtype="bfloat16"), _settings(budget="40KiB"))
+    assert half["budget_tokens"] == 160 and "256 bytes of K+V per token in bfloat16" in half["budget_conversion"]
+    assert resolve_budget(_settings(budget="2k"), DIMS, torch.float32) == (2048, None)
+
+
+def test_full_policy_needs_a_length() -> None:
+    s = _settings(policy="full")
+    p = plan(_info(rows=0, n_fields=0), s)
+    assert p["budget_tokens"] is None and p["kv_bytes_at_budget"] is None and p["predicted_peak_bytes"] is None
+    q = plan(_info(rows=0, n_fields=0), s, doc_tokens=300)
+    assert q["kv_bytes_at_budget"]["promised"] == 300 * 512 and q["predicted_peak_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI on a tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("profile") / "tiny-llama"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=32, max_position_embeddings=4096,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(str(directory))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<|im_end|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["profile", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _tiny_doc(tmp_path: Path, words: int) -> Path:
+    doc = tmp_path / "doc.txt"
+    vocab = WORDS[5:]
+    doc.write_text(" ".join(vocab[i % len(vocab)] for i in range(words)) + "\n", encoding="utf-8")
+    return doc
+
+
+def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
+                          "cpu", "--memory", "1GiB", "--doc-tokens", "5000", "--json", "--quiet")
+    assert code == 0, err
+    assert err == ""
+    p = json.loads(out)
+    for key in ("model", "dtype", "budget_tokens", "budget_conversion", "kv_bytes_per_token", "kv_bytes_at_budget",
+                "attention_scratch_bytes", "policy_state_bytes", "activation_bytes", "weights_bytes",
+                "runtime_baseline_bytes", "predicted_peak_bytes", "dense", "memory"):
+        assert key in p, key
+    assert p["model"] == "tiny-llama" and p["dtype"] == "float32" and p["policy"] == "keydiff"
+    # 2 (K,V) x 16 dims x 4 B x 2 KV heads x 2 layers = 512 B per token: 32 KiB = 64 tokens per KV head
+    assert p["kv_bytes_per_token"] == {"per_layer_per_head": 128, "per_layer": 256, "total": 512}
+    assert p["budget_tokens"] == 64
+    assert p["budget_conversion"] == "budget 32KiB = 64 tokens per KV head (512 bytes of K+V per token in float32)"
+    assert p["kv_bytes_at_budget"] == {"promised": 64 * 512, "allocated": 80 * 512}
+    dims = {"num_layers": 2, "num_kv_heads": 2, "num_attention_heads": 4, "head_dim": 16, "hidden_size": 64,
+            "intermediate_size": 96, "vocab_size": 32}
+    assert p["num_params"] == llama_param_count(dims, tie_word_embeddings=False)
+    assert p["weights_bytes"] == 4 * p["num_params"]
+    assert p["runtime_baseline_bytes"] > 0  # CPU: measured RSS before the weights
+    assert p["attention_scratch_bytes"] == 0 and p["policy_state_bytes"] == 0  # keydiff reads no attention
+    assert p["dense"]["doc_tokens"] == 5000 and p["dense"]["kv_bytes"] == 5000 * 512
+    assert p["memory"]["limit_bytes"] == 1024**3 and p["memory"]["largest_budget_tokens"] > 64
+    assert p["memory"]["dense_max_tokens"] > 0 and p["memory"]["fits"] is True
+    assert "measured" not in p and "budget_split" not in p
+
+
+def test_cli_text_prints_conversion_and_table(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
+                          "cpu", "--policy", "h2o", "--memory", "1GiB", "--quiet")
+    assert code == 0, err
+    assert "budget 32KiB = 64 tokens per KV head (512 bytes of K+V per token in float32)" in out
+    for label in ("runtime baseline", "weights", "KV per token, per layer per head", "KV allocated",
+                  "attention scratch (policy)", "policy score state", "activations", "predicted peak",
+                  "largest budget"):
+        assert label in out, label
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--memory", "lots"], "size must be"),
+        (["--doc-tokens", "0"], "--doc-tokens must be at least 1"),
+        (["--budget", "3B"], "holds no token"),
+        (["--budget", "many"], "budget must be"),
+        (["--block-size", "0"], "block_size must be"),
+        (["--doc", "/nonexistent/doc.txt"], "no such file"),
+    ],
+)
+def test_cli_bad_values_are_one_line_usage_errors(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--device", "cpu", "--quiet", *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_cli_razor_reports_budget_split(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))  # the calibration is saved there
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "64", "--block-size", "16", "--device",
+                          "cpu", "--policy", "razor", "--json", "--quiet")
+    assert code == 0, err
+    p = json.loads(out)
+    split = p["budget_split"]
+    assert [row["layer"] for row in split] == [0, 1]
+    for row in split:
+        assert row["budget_tokens"] == 64 * 2 and row["total_tokens"] + row["unused_tokens"] == 128
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "64", "--block-size", "16", "--device",
+                          "cpu", "--policy", "razor", "--quiet")
+    assert code == 0, err
+    assert "razor budget split" in out
+
+
+def test_measured_vs_predicted_tiny_model(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _tiny_doc(tmp_path, 600)
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32", "--block-size", "16", "--device",
+                          "cpu", "--policy", "h2o", "--doc", str(doc), "--json", "--quiet")
+    assert code == 0, err
+    p = json.loads(out)
+    m = p["measured"]
+    print(f"\ntiny model: measured {m['peak_bytes']} B / predicted {p['predicted_peak_bytes']} B = "
+          f"ratio {m['ratio']:.3f} (runtime baseline {p['runtime_baseline_bytes']} B dominates; "
+          f"weights {p['weights_bytes']} B)")
+    assert m["document_tokens"] == 600 and m["seconds"] > 0
+    assert m["metric"] == "rss_peak"
+    assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]  # formula == the real buffers
+    assert m["ratio"] == pytest.approx(m["peak_bytes"] / p["predicted_peak_bytes"], rel=1e-3)
+    assert 0.75 <= m["ratio"] <= 1.25
+    assert p["dense"]["doc_tokens"] == 600  # with --doc and no --doc-tokens: the document read
+
+
+@pytest.mark.real_model
+def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
+    """The embedded SmolLM2-135M on ~2K tokens of Sherlock Holmes, budget 512, in a fresh process (as a user
+    runs it: the runtime baseline is then the CLI's own, not this test process's)."""
+    if not CORPUS.is_file():
+        pytest.skip(f"corpus not found: {CORPUS}")
+    doc = tmp_path / "sherlock_2k.txt"
+    doc.write_text(CORPUS.read_text(encoding="utf-8")[:8200], encoding="utf-8")
+    code = "import sys; from kvtool.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "profile", "--budget", "512", "--device", "cpu", "--doc", str(doc), "--json",
+         "--quiet"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr
+    p = json.loads(proc.stdout)
+    m = p["measured"]
+    print(f"\nSmolLM2-135M: measured {m['peak_bytes'] / 2**20:.1f} MiB / predicted "
+          f"{p['predicted_peak_bytes'] / 2**20:.1f} MiB = ratio {m['ratio']:.3f} "
+          f"({m['document_tokens']} tokens in {m['seconds']:.1f} s; baseline "
+          f"{p['runtime_baseline_bytes'] / 2**20:.1f} MiB, weights {p['weights_bytes'] / 2**20:.1f} MiB)")
+    assert p["model"] == "SmolLM2-135M-Instruct" and p["budget_tokens"] == 512
+    assert 1500 <= m["document_tokens"] <= 2600
+    assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
+    assert 0.75 <= m["ratio"] <= 1.25

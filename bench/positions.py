@@ -48,7 +48,7 @@ def run(mode: str, ids, checkpoints: list[int], cont: int, args, loaded) -> dict
             logits = engine.step(cache, ids[pos : pos + step], 1)
             pos += step
         nll = 0.0
-        for i in range(cont):
+        for _ in range(cont):
             nll -= float(torch.log_softmax(logits[-1].float(), -1)[ids[pos]])
             logits = engine.step(cache, ids[pos : pos + 1], 1)
             pos += 1

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.exceptions import TyperException
 from rich.console import Console
+from typer.exceptions import TyperException
 
 from kvtool import __version__
 from kvtool.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, KvtoolError, UsageError
+
 
 class _Group(typer.core.TyperGroup):
     """Turns kvtool's errors into one stderr line and an exit code inside the app itself.

@@ -517,6 +517,7 @@ class BoundedCache(Cache):
             "positions_mode": self.positions_mode,
         }
 
+    @torch.inference_mode()
     def load(self, tensors: dict[str, Tensor], scalars: dict[str, Any]) -> None:
         for li, layer in enumerate(self.layers):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]

@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except TyperException as e:  # usage errors from the command-line parser
         fmt = getattr(e, "format_message", None)
-        print(f"kvtool: error: {fmt() if fmt else e}", file=sys.stderr)
+        msg = fmt() if fmt else str(e)
+        if msg:  # "no arguments: show help" has already printed the help and has no message
+            print(f"kvtool: error: {msg}", file=sys.stderr)
         return int(getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE)
     except KeyboardInterrupt:
         print("kvtool: interrupted", file=sys.stderr)
@@ -289,3 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

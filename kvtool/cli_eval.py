@@ -71,7 +71,7 @@ def needle(
     haystack: Annotated[str | None, typer.Option("--haystack", help="A text file or a directory of .txt files "
                                                  "(default: ../shared/corpus/paul_graham_essays).")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="Document lengths in tokens.")] = "1k,2k",
-    depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1].")] = "0,0.25,0.5,0.75,1",
+    depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1].")] = "0,0.5,1",
     policies: PoliciesOpt = "full,sink,h2o,keydiff",
     budgets: BudgetsOpt = "256",
     needle_text: Annotated[str | None, typer.Option("--needle", help="Needle sentence (default: a random "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import io
 import os
 import sys
 from collections.abc import Iterator
@@ -71,6 +72,13 @@ def open_document(path: str) -> Document:
     except UnicodeDecodeError as e:
         raise UsageError(f"{name} is not UTF-8 text (invalid byte at offset {e.start})") from None
     return Document(path=path, size=size, head=head, stream=stream)
+
+
+def text_document(text: str, name: str = "<text>") -> Document:
+    """A Document over an in-memory string (evaluation haystacks, tests): same reader, same checks."""
+    data = text.encode("utf-8")
+    stream = io.BytesIO(data)
+    return Document(path=name, size=len(data), head=stream.read(SNIFF_BYTES), stream=stream)
 
 
 def iter_text(doc: Document, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:

@@ -52,6 +52,8 @@ class ReadResult:
     sha256: str = ""
     name: str = ""
     snapshot: Any = field(default=None, repr=False)
+    loaded_from: str | None = None  # a .kvc file: ``seconds`` is then the original prefill's time
+    load_seconds: float = 0.0
 
 
 class Detokenizer:
@@ -301,6 +303,9 @@ class Session:
             else {},
             "model_load_seconds": round(self.loaded.load_seconds, 3),
         }
+        if read is not None and read.loaded_from:
+            out["loaded_from"] = read.loaded_from
+            out["cache_load_seconds"] = round(read.load_seconds, 4)
         split = getattr(self.policy, "budget_split", None)
         if callable(split) and self.budget_tokens is not None:
             out["budget_split"] = split(self.engine.env)

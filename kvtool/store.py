@@ -615,9 +615,11 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
         cache=cache,
         document_tokens=int(doc.get("tokens", 0)),
         prefix_tokens=int(meta["prompt"].get("prefix_tokens", 0)),
-        seconds=time.perf_counter() - t0,
+        seconds=float(meta.get("prefill_seconds", 0.0) or 0.0),
         sha256=str(doc.get("sha256", "")),
         name=str(doc.get("name", "")),
+        loaded_from=str(p),
+        load_seconds=time.perf_counter() - t0,
     )
     result.snapshot = cache.snapshot()
     session.last_read = result

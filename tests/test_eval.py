@@ -235,13 +235,13 @@ def test_full_matches_dense_and_eviction_does_not() -> None:
 
 
 def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "96",
-                    "--continuation", "8", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
+    rep = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
+                    "--continuation", "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
                     "--block-size", "32"], capsys)
     assert rep["task"] == "ppl"
     s = rep["settings"]
-    assert s["context"] == 96 and s["continuation"] == 8 and s["samples"] == 2 and len(s["offsets"]) == 2
-    assert s["model"] == "tiny-byte-llama" and s["budgets"] == ["24"] and s["policies"] == ["full", "sink"]
+    assert s["context"] == 64 and s["continuation"] == 6 and s["samples"] == 2 and len(s["offsets"]) == 2
+    assert s["model"] == "tiny-byte-llama" and s["budgets"] == [24] and s["policies"] == ["full", "sink"]
     assert rep["reference"]["ppl"] > 1
     full, sink = rep["results"]
     keys = {"policy", "budget", "ppl", "dense_ppl", "ppl_gap", "ppl_gap_pct", "kl", "top1", "tokens", "seconds",
@@ -249,12 +249,12 @@ def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFix
     assert set(full) == keys and set(sink) == keys
     assert (full["policy"], full["budget"], sink["policy"], sink["budget"]) == ("full", None, "sink", 24)
     assert abs(full["ppl_gap"]) < 1e-3 * full["dense_ppl"] and abs(full["ppl_gap_pct"]) < 0.1
-    assert full["kl"] == pytest.approx(0.0, abs=1e-5) and full["top1"] == 1.0 and full["tokens"] == 16
+    assert full["kl"] == pytest.approx(0.0, abs=1e-5) and full["top1"] == 1.0 and full["tokens"] == 12
     assert sink["kl"] > 0
     assert set(full["samples"][0]) == {"offset", "ppl", "dense_ppl", "kl", "top1"}
     # deterministic under --seed
-    again = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "96",
-                      "--continuation", "8", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
+    again = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
+                      "--continuation", "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
                       "--block-size", "32"], capsys)
     assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["offsets"] == s["offsets"]
 

@@ -154,7 +154,7 @@ class Grid:
         s = self.settings
         return {
             "policies": self.policies,
-            "budgets": self.budgets,
+            "budgets": [int(b) if b.isdigit() else b for b in self.budgets],
             "block_size": s.block_size,
             "sinks": s.sinks,
             "recent": s.recent,

@@ -50,7 +50,7 @@ def kl_divergence(p_logits: Tensor, q_logits: Tensor) -> float:
         raise ValueError(f"shape mismatch: {tuple(p.shape)} vs {tuple(q.shape)}")
     logp = F.log_softmax(p, dim=-1)
     logq = F.log_softmax(q, dim=-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)  # ≥ 0: only rounding makes it negative
     return float(kl.mean())
 
 

@@ -201,8 +201,8 @@ def render_ppl(rep: dict[str, Any], console: Any) -> None:
 
     s = rep["settings"]
     t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
-                    f"{s['samples']} sample(s)); dense ppl {rep['reference']['ppl']:.4f}")
-    for col in ("policy", "budget", "ppl", "gap", "gap %", "KL(dense‖policy)", "top-1", "seconds"):
+                    f"{s['samples']} sample(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy)")
+    for col in ("policy", "budget", "ppl", "gap", "gap %", "KL", "top-1", "seconds"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in rep["results"]:
         t.add_row(r["policy"], "-" if r["budget"] is None else str(r["budget"]), f"{r['ppl']:.4f}",

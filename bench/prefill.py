@@ -225,6 +225,7 @@ def main() -> None:
     ap.add_argument("--budget", default="1k")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--dense-max", default="32k", help="longest document for the dense and chunked rows")
+    ap.add_argument("--chunked-max", default="8k", help="longest document for the chunked row (targets use 2K)")
     ap.add_argument("--long-policies", default=None,
                     help="policies run at lengths above 32k (default: all of --policies)")
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -249,6 +250,7 @@ def main() -> None:
     long_policies = policies if args.long_policies is None else [p for p in args.long_policies.split(",") if p]
     budget, block = parse_tokens(args.budget), args.block_size
     dense_max = parse_tokens(args.dense_max)
+    chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "device": args.device, "dtype": args.dtype, "budget": budget, "block_size": block,
             "decode_tokens": args.decode_tokens}
 
@@ -263,7 +265,9 @@ def main() -> None:
     for n in sorted(set(lengths) | set(mem_lengths)):
         specs = []
         if n <= dense_max and n in lengths:
-            specs += [{**base, "kind": "dense", "length": n}, {**base, "kind": "chunked", "length": n}]
+            specs.append({**base, "kind": "dense", "length": n})
+        if n <= chunked_max and n in lengths:
+            specs.append({**base, "kind": "chunked", "length": n})
         run_policies = policies if n <= 32 * 1024 else long_policies
         specs += [{**base, "kind": "kvtool", "policy": p, "length": n} for p in run_policies]
         for spec in specs:

@@ -149,6 +149,14 @@ class HeadGroup:
         """Logit bias of the compensation slot: log N_d (RazorAttention eq. 5), −inf when empty."""
         return math.log(self.comp_count) if self.comp_count > 0 else float("-inf")
 
+    def rotate_compensation(self, rotator: Rotator | None, delta: int) -> None:
+        """Move the compensation token by ``delta`` positions (compact mode keeps it near the window)."""
+        if self.comp_key_sum is None or self.comp_count == 0 or delta == 0 or rotator is None:
+            return
+        d = torch.full((self.num_heads, 1), delta, device=self.comp_key_sum.device)
+        self.comp_key_sum.copy_(rotator.rotate(self.comp_key_sum.unsqueeze(1), d).squeeze(1))
+        self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
+
     def state_views(self) -> dict[str, Tensor]:
         n = self.length
         return {name: self.state[i, :, :n] for i, name in enumerate(self.state_fields)}
@@ -322,7 +330,6 @@ class StepInfo:
     length: int = 0
     original_positions: Tensor | None = None  # [m] stream positions of the block's tokens
     rotary_positions: Tensor | None = None  # [m] positions RoPE uses for the block (== original in absolute mode)
-    next_P: int = 0  # compact mode: rotary position of the next block after this one
     masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
 
 
@@ -367,6 +374,7 @@ class BoundedCache(Cache):
         self.rotator = rotator
         self.sync_timing = sync_timing and device.type == "cuda"
         self.seen = 0
+        self.rotary_next = 0  # compact mode: rotary position of the next token
         self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
         self.counters = CacheCounters()
         self.step = StepInfo()
@@ -436,24 +444,35 @@ class BoundedCache(Cache):
         if not self.compact and self.positions_mode == "auto" and self.max_positions is not None:
             if self.seen + m > self.max_positions:
                 self.switch_to_compact()
-        lengths_after = [
-            g.length + m if g.capacity is None else min(g.capacity, g.length + m) for g in self.groups()
-        ]
         if self.compact:
-            P = max(self.lengths())
-            rotary = torch.arange(P, P + m, device=self.device)
+            if self.rotary_next + m > self.position_limit:
+                self.renormalize()
+            rotary = torch.arange(self.rotary_next, self.rotary_next + m, device=self.device)
         else:
             rotary = original
-        self.step = StepInfo(
-            length=m, original_positions=original, rotary_positions=rotary, next_P=max(lengths_after)
-        )
+        self.step = StepInfo(length=m, original_positions=original, rotary_positions=rotary)
         return rotary
 
     def end_step(self) -> None:
         self.seen += self.step.length
+        if self.compact:
+            self.rotary_next += self.step.length
         lengths = self.lengths()
         self.counters.max_cached = max(self.counters.max_cached, max(lengths))
         self.counters.max_stored = max(self.counters.max_stored, max(lengths))
+
+    @property
+    def position_limit(self) -> int:
+        """Compact rotary positions stay below this (the trained range; 32K if the model does not say)."""
+        return self.max_positions or 32768
+
+    # Compact positions. Invariant: in group g the token of rank r sits at rotary position
+    # ``rotary_next − len_g + r`` — every group packed right up to the next query, so no query ever
+    # sees a distance larger than its group's length (≤ capacity + block). The query position
+    # advances with every block like an absolute one, so after an eviction only the tokens *older*
+    # than the newest evicted one move (towards the query); with a sink+window policy that is just
+    # the sinks. When the next block would pass the model's range, everything shifts down at once
+    # (``renormalize``): one rotation of the cache every (range − capacity) tokens.
 
     def switch_to_compact(self) -> None:
         """Re-rotate every stored key from its original position to its compact slot position."""
@@ -462,43 +481,56 @@ class BoundedCache(Cache):
         P = max(self.lengths())
         for g in self.groups():
             n = g.length
-            if n == 0:
-                continue
-            target = (P - n) + torch.arange(n, device=self.device)
-            delta = target.unsqueeze(0) - g.positions[:, :n]
-            self._rotate(g, delta)
+            if n:
+                target = (P - n) + torch.arange(n, device=self.device)
+                self._rotate(g, target.unsqueeze(0) - g.positions[:, :n])
+            g.rotate_compensation(self.rotator, P - self.seen)  # same frame shift as the query
+        self.rotary_next = P
         self.compact = True
         self.compact_since = self.seen
 
-    def compact_group(self, g: HeadGroup, kept: Tensor | None, old_len: int | None = None) -> None:
-        """In compact mode keep the invariant: token at rank r sits at rotary position P − len + r.
+    def renormalize(self) -> None:
+        """Shift every rotary position down so the next query sits at the longest group's length."""
+        assert self.rotator is not None
+        shift = max(self.lengths()) - self.rotary_next
+        if shift == 0:
+            return
+        for g in self.groups():
+            if g.length:
+                self._rotate(g, torch.full((g.num_heads, g.length), shift, device=self.device))
+            g.rotate_compensation(self.rotator, shift)
+        self.rotary_next += shift
 
-        Before this step the group's tokens (cache + block) sit at contiguous rotary positions
-        ``base_old + j``; after eviction the next block starts at ``next_P``, so each kept token
-        moves by ``(next_P − len + r) − (base_old + kept[r])``. RoPE rotations compose, so the
-        stored key is rotated by that delta (float32), and only when it is non-zero.
+    def compact_group(self, g: HeadGroup, kept: Tensor | None, old_len: int | None = None) -> None:
+        """Restore the packing invariant after this step's eviction (compact mode only).
+
+        Before the step the group's tokens (cache + block) sat at contiguous positions
+        ``base_old + j``; the next query will be at ``rotary_next + m``. Kept token r moves by
+        ``(next − len + r) − (base_old + kept[r])`` — zero for the unbroken tail. RoPE rotations
+        compose, so the stored key is rotated by that delta (in float32). The compensation token
+        moves with the query, keeping its dropped keys at the distance they had when dropped.
         """
         if not self.compact:
             return
-        n_now = g.length
-        n_before = old_len if old_len is not None else n_now
-        P_step = int(self.step.rotary_positions[0])  # rotary position of the block's first token
-        base_old = P_step - (n_before - self.step.length)
-        base_new = self.step.next_P - n_now
-        ranks = torch.arange(n_now, device=self.device)
-        old_slot = kept if kept is not None else ranks.unsqueeze(0).expand(g.num_heads, n_now)
-        delta = (base_new + ranks).unsqueeze(0) - (base_old + old_slot)
-        if kept is None and base_new == base_old:
+        m = self.step.length
+        g.rotate_compensation(self.rotator, m)
+        if kept is None:
             return
-        self._rotate(g, delta)
+        p_step = int(self.step.rotary_positions[0])
+        base_old = p_step - ((old_len if old_len is not None else g.length) - m)
+        base_new = p_step + m - g.length
+        ranks = torch.arange(g.length, device=self.device)
+        self._rotate(g, (base_new + ranks).unsqueeze(0) - (base_old + kept))
 
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
+        """Rotate stored keys by ``delta`` [h, n]; only the prefix up to the last moved token is touched."""
         assert self.rotator is not None
-        n = g.length
-        if not bool((delta != 0).any()):
+        moved = (delta != 0).any(0).nonzero()
+        if moved.numel() == 0:
             return
-        keys = g.keys[0, :, g.off : g.off + n]
-        keys.copy_(self.rotator.rotate(keys, delta))
+        end = int(moved[-1]) + 1
+        keys = g.keys[0, :, g.off : g.off + end]
+        keys.copy_(self.rotator.rotate(keys, delta[:, :end]))
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
@@ -511,6 +543,7 @@ class BoundedCache(Cache):
     def scalars(self) -> dict[str, Any]:
         return {
             "seen": self.seen,
+            "rotary_next": self.rotary_next,
             "compact": self.compact,
             "compact_since": self.compact_since,
             "pin_start": self.pin_start,
@@ -523,6 +556,7 @@ class BoundedCache(Cache):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
                 g.load_state_dict(tensors, f"l{li}.g{gi}")
         self.seen = int(scalars["seen"])
+        self.rotary_next = int(scalars.get("rotary_next", 0))
         self.compact = bool(scalars["compact"])
         self.compact_since = scalars.get("compact_since")
         self.pin_start = scalars.get("pin_start")

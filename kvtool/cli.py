@@ -80,6 +80,13 @@ def overrides(**kw: Any) -> dict[str, Any]:
     return kw
 
 
+def settings_flags(params: dict[str, Any]) -> dict[str, Any]:
+    """A command's setting flags (pass ``locals()``) as overrides: every other parameter is ignored."""
+    from kvtool.settings import SETTINGS_FIELDS
+
+    return overrides(**{k: v for k, v in params.items() if k in SETTINGS_FIELDS or k == "policy_opt"})
+
+
 def parse_policy_opts(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -163,17 +170,9 @@ def ask(
     """Answer questions about a document read under a KV budget."""
     from kvtool.runner import run_ask
 
-    qs = read_questions(questions, questions_file)
-    run_ask(
-        file,
-        qs,
-        overrides(
-            policy=policy, policy_opt=policy_opt, budget=budget, block_size=block_size, model=model,
-            max_new_tokens=max_new_tokens, device=device, dtype=dtype, quantize=quantize, positions=positions,
-            sinks=sinks, recent=recent, temperature=temperature, top_p=top_p, seed=seed,
-        ),
-        profile=profile, json_out=json_out, jsonl=jsonl, quiet=quiet,
-    )
+    flags = settings_flags(locals())
+    run_ask(file, read_questions(questions, questions_file), flags, profile=profile, json_out=json_out, jsonl=jsonl,
+            quiet=quiet)
 
 
 @app.command()
@@ -202,16 +201,7 @@ def summarize(
     """Summarize a document read under a KV budget."""
     from kvtool.runner import run_summarize
 
-    run_summarize(
-        file,
-        length,
-        overrides(
-            policy=policy, policy_opt=policy_opt, budget=budget, block_size=block_size, model=model,
-            max_new_tokens=max_new_tokens, device=device, dtype=dtype, quantize=quantize, positions=positions,
-            sinks=sinks, recent=recent, temperature=temperature, top_p=top_p, seed=seed,
-        ),
-        profile=profile, json_out=json_out, quiet=quiet,
-    )
+    run_summarize(file, length, settings_flags(locals()), profile=profile, json_out=json_out, quiet=quiet)
 
 
 @app.command()

@@ -28,8 +28,8 @@ from kvtool.cli import (
     SinksOpt,
     dashboard,
     emit_json,
-    overrides,
     sayer,
+    settings_flags,
 )
 from kvtool.errors import UsageError
 
@@ -64,15 +64,10 @@ def prefill(
         raise UsageError("prefill needs an output file: -o/--output OUT.kvc")
     if file != "-" and store.is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
+    flags = settings_flags(locals())
     store.check_output(output, force, source=file)
     doc = open_document(file)
-    settings = resolve_settings(
-        profile,
-        overrides(
-            policy=policy, policy_opt=policy_opt, budget=budget, block_size=block_size, model=model, device=device,
-            dtype=dtype, quantize=quantize, positions=positions, sinks=sinks, recent=recent,
-        ),
-    )
+    settings = resolve_settings(profile, flags)
     say = sayer(quiet)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=say)

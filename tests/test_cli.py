@@ -137,3 +137,26 @@ def test_main_returns_exit_codes_for_parser_errors(capsys):
     assert main(["ask", "x", "q", "--no-such-flag"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such option" in err[0].lower()
+
+
+def test_ctrl_c_during_prefill_exits_130_with_one_line(model_dir, doc, monkeypatch):
+    from kvtool.session import Session
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "read", interrupted)
+    r = run("ask", doc, "q", *base(model_dir))
+    assert r.exit_code == 130
+    assert r.stderr.strip().splitlines() == ["kvtool: interrupted"]
+
+
+def test_ctrl_c_during_decoding_exits_130(model_dir, doc, monkeypatch):
+    from kvtool.engine import Engine
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    r = run("ask", doc, "q", *base(model_dir), "--json")
+    assert r.exit_code == 130 and r.stdout == ""

@@ -331,7 +331,7 @@ def test_razor_split_capacities():
     env = _env({0: [1], 1: [0, 3], 2: [], 3: [0, 1, 2, 3]})
     pol = _razor(env)
     B, hkv = 256, 4
-    window = max(16, B // 8)
+    window = min(max(64, B // 4), B // 2)  # the default window
     c_n = 4 + window + 1
     # layer 0: one retrieval head takes what the three others leave
     g = pol.layer_groups(0, env)
@@ -370,8 +370,8 @@ def test_razor_window_option_and_too_small_budget():
     pol = _razor(env, window=20)
     g = pol.layer_groups(0, env)
     assert g[1].capacity == 4 + 20 and g[0].capacity == 64 * 4 - 3 * 25
-    # default window = max(block_size, budget // 8) = 16 here
-    assert _razor(env).layer_groups(0, env)[1].capacity == 4 + 16
+    # default window = min(max(64, budget // 4), budget // 2) = 32 here
+    assert _razor(env).layer_groups(0, env)[1].capacity == 4 + 32
     small = _env({0: [2]}, budget=24)
     with pytest.raises(UsageError, match="budget >= 25"):
         _razor(small, window=20).layer_groups(0, small)

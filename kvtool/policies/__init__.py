@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
 import typing
 from typing import Any
 
@@ -94,15 +95,37 @@ def _construct(cls: type[Policy], opts: dict[str, Any], used: set[str], prefix: 
     return cls(**kwargs)
 
 
+def _split_inline(part: str) -> tuple[str, dict[str, str]]:
+    """``caote(greedy=true;objective=joint)`` → ("caote", {...}): options inside a spec, for lists of policies."""
+    m = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*(?:\((.*)\))?\s*", part)
+    if m is None:
+        raise UsageError(f"cannot parse policy component {part!r}: use name or name(key=value;key=value)")
+    opts: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in (m.group(2) or "").split(";"))):
+        if "=" not in item:
+            raise UsageError(f"policy option {item!r} in {part!r} must be key=value")
+        key, value = item.split("=", 1)
+        opts[key.strip()] = value.strip()
+    return m.group(1).lower(), opts
+
+
 def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> Policy:
     """Build ``base+mod+mod`` with options ``{"window": "32", "caote.greedy": "true"}``.
+
+    Options may also sit inside the spec: ``tova+caote(greedy=true)`` (handy in lists of policies).
 
     An unprefixed option applies to every component that has it; ``name.option`` targets one.
     Unknown names, unknown options and modifiers on attention-free bases are usage errors.
     """
     _load_all()
     options = dict(options or {})
-    parts = [p.strip().lower() for p in spec.split("+") if p.strip()]
+    parts = []
+    for raw in (p.strip() for p in spec.split("+")):
+        if not raw:
+            continue
+        name, inline = _split_inline(raw)
+        parts.append(name)
+        options.update({f"{name}.{k}": v for k, v in inline.items()})
     if not parts:
         raise UsageError(f"empty policy; valid {_valid_list()}")
     if parts[0] in REGISTRY.modifiers:

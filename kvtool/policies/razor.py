@@ -27,7 +27,8 @@ class Razor(Policy):
     ``c_n = sinks + window + 1`` (the GroupSpec capacity is ``sinks + window`` with
     ``compensation=True``: the cache's promise is capacity + 1 per compensated head). Retrieval heads
     share the rest: ``c_r = floor((B·Hkv − n_non·c_n) / n_ret)``; the floor remainder (< n_ret
-    tokens) is unused. ``window`` defaults to ``max(block_size, budget // 8)``. A layer without
+    tokens) is unused. ``window`` defaults to ``min(max(64, budget // 4), budget // 2)`` (room for a
+    question, a quarter of the budget, never more than half). A layer without
     retrieval heads gives every head ``B − 1`` tokens + compensation (window ``B − sinks − 1``); a
     layer of only retrieval heads gives each ``B``. ``c_r < c_n`` (i.e. ``B < sinks + window + 1``)
     is a usage error. Inside retrieval heads tokens are evicted by the ``fallback`` policy (KeyDiff
@@ -125,7 +126,7 @@ class Razor(Policy):
     # -- layout ------------------------------------------------------------------------------------
     def _window(self, env: PolicyEnv) -> int:
         assert env.budget is not None
-        return self.window if self.window is not None else max(env.block_size, env.budget // 8)
+        return self.window if self.window is not None else min(max(64, env.budget // 4), env.budget // 2)
 
     def _split(self, layer_idx: int, env: PolicyEnv) -> dict[str, Any]:
         B = env.budget
@@ -150,7 +151,7 @@ class Razor(Policy):
             c_n = sinks + window + 1
             c_r = (B * hkv - len(other) * c_n) // len(ret)
             if c_r < c_n:  # equivalent to B < c_n
-                how = "window" if self.window is not None else "window = max(block_size, budget // 8)"
+                how = "window" if self.window is not None else "window = min(max(64, budget // 4), budget // 2)"
                 raise UsageError(
                     f"razor: budget {B} is too small to split layer {layer_idx}: non-retrieval heads need "
                     f"sinks ({sinks}) + {how} ({window}) + 1 compensation = {c_n} tokens and retrieval heads at "

@@ -66,6 +66,8 @@ RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tok
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
+RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalty on the answer's own "
+                                                 "repeated tokens (1 = off; default 1.1).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.")]
 ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile name in profiles/ or a YAML path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of text.")]
@@ -161,6 +163,7 @@ def ask(
     recent: RecentOpt = None,
     temperature: TempOpt = None,
     top_p: TopPOpt = None,
+    repetition_penalty: RepPenOpt = None,
     seed: SeedOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
@@ -193,6 +196,7 @@ def summarize(
     recent: RecentOpt = None,
     temperature: TempOpt = None,
     top_p: TopPOpt = None,
+    repetition_penalty: RepPenOpt = None,
     seed: SeedOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,

@@ -32,6 +32,7 @@ from kvtool.cli import (
     settings_flags,
 )
 from kvtool.errors import UsageError
+from kvtool.memory import format_bytes
 
 
 def prefill(
@@ -77,7 +78,7 @@ def prefill(
         nbytes = store.save_cache(output, session, read, force=force)
         stats = session.stats(read, meter.peak_bytes())
     tokens = max(read.cache.lengths())
-    say(f"wrote {output} ({store.human_bytes(nbytes)}, {tokens} tokens/head, {session.dims['num_layers']} layers)")
+    say(f"wrote {output} ({format_bytes(nbytes)}, {tokens} tokens/head, {session.dims['num_layers']} layers)")
     if json_out:
         emit_json({"output": output, "bytes": nbytes, "stats": stats})
 
@@ -106,7 +107,6 @@ def _print_inspect(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvtool.store import human_bytes
 
     meta = info["metadata"]
     model = meta.get("model") or {}
@@ -116,7 +116,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
     cache = meta.get("cache") or {}
     promised = info["kv_promised_bytes"]
     kv = info["kv_bytes"]
-    ratio = f" ({100 * kv / promised:.0f}% of the budget's {human_bytes(promised)})" if promised else ""
+    ratio = f" ({100 * kv / promised:.0f}% of the budget's {format_bytes(promised)})" if promised else ""
     opts = " ".join(f"{k}={v}" for k, v in sorted((pol.get("options") or {}).items()))
     budget = settings.get("budget_tokens")
     budget_text = settings.get("budget")
@@ -126,9 +126,9 @@ def _print_inspect(info: dict[str, Any]) -> None:
         mode = f"{mode} (compact since token {cache.get('compact_since')})"
     rows = [
         ("file", info["path"]),
-        ("size on disk", f"{human_bytes(info['size_bytes'])} ({info['size_bytes']:,} bytes)"),
-        ("K/V bytes", f"{human_bytes(kv)}{ratio}"),
-        ("header", human_bytes(info["header_bytes"])),
+        ("size on disk", f"{format_bytes(info['size_bytes'])} ({info['size_bytes']:,} bytes)"),
+        ("K/V bytes", f"{format_bytes(kv)}{ratio}"),
+        ("header", format_bytes(info["header_bytes"])),
         ("kvtool", f"{meta.get('kvtool_version')} (kvc format {meta.get('format_version')})"),
         ("created", str(meta.get("created"))),
         ("model", f"{model.get('name')} ({model.get('source')})"),

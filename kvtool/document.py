@@ -35,7 +35,9 @@ class Document:
     stream: BinaryIO
     sha256: str = ""
     bytes_read: int = 0
-    tokens: int = 0
+    tokens: int = 0  # tokens handed out so far
+    tokenized_bytes: int = 0  # bytes and tokens of the text tokenized so far (for the length estimate)
+    tokenized_tokens: int = 0
     _hash: object = field(default=None, repr=False)
 
     @property
@@ -119,7 +121,10 @@ def iter_token_blocks(doc: Document, tokenizer, block_size: int) -> Iterator[Ten
     """Token blocks of exactly ``block_size`` (the last may be shorter), streamed from the text."""
     buf: list[int] = []
     for text in iter_text(doc):
-        buf.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        doc.tokenized_bytes += len(text.encode("utf-8"))
+        doc.tokenized_tokens += len(ids)
+        buf.extend(ids)
         while len(buf) >= block_size:
             block, buf = buf[:block_size], buf[block_size:]
             doc.tokens += len(block)
@@ -133,6 +138,6 @@ def estimate_tokens(doc: Document) -> int | None:
     """Expected token count from the bytes read so far (files only); refined as reading proceeds."""
     if doc.size is None:
         return None
-    if doc.tokens and doc.bytes_read:
-        return max(doc.tokens, int(doc.size * doc.tokens / doc.bytes_read))
+    if doc.tokenized_tokens and doc.tokenized_bytes:
+        return max(doc.tokens, int(doc.size * doc.tokenized_tokens / doc.tokenized_bytes))
     return max(1, doc.size // 4)

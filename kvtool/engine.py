@@ -75,20 +75,33 @@ def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> Pol
     )
 
 
-Sampler = Callable[[Tensor], int]
+Sampler = Callable[[Tensor, list[int]], int]
 
 
-def greedy(logits: Tensor) -> int:
+def greedy(logits: Tensor, generated: list[int] | None = None) -> int:
     return int(torch.argmax(logits))
 
 
-def make_sampler(temperature: float, top_p: float, seed: int) -> Sampler:
+def penalise(logits: Tensor, generated: list[int], penalty: float) -> Tensor:
+    """CTRL-style repetition penalty on the answer's own tokens (not the document's: the answer
+    may need to quote it). Small models otherwise loop under greedy decoding."""
+    if penalty == 1.0 or not generated:
+        return logits
+    logits = logits.float().clone()
+    idx = torch.tensor(sorted(set(generated)), device=logits.device)
+    picked = logits[idx]
+    logits[idx] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def make_sampler(temperature: float, top_p: float, seed: int, repetition_penalty: float = 1.0) -> Sampler:
     """Greedy at temperature 0; otherwise temperature + nucleus sampling with a seeded generator."""
     if temperature <= 0:
-        return greedy
+        return lambda logits, generated: greedy(penalise(logits, generated, repetition_penalty))
     gen = torch.Generator().manual_seed(seed)
 
-    def sample(logits: Tensor) -> int:
+    def sample(logits: Tensor, generated: list[int]) -> int:
+        logits = penalise(logits, generated, repetition_penalty)
         probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
         if top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
@@ -199,11 +212,15 @@ class Engine:
         self,
         cache: BoundedCache,
         blocks: Iterable[Tensor],
-        total: int | None = None,
+        total: int | Callable[[], int | None] | None = None,
         logits_rows: int = 1,
         progress: bool = True,
     ) -> Tensor | None:
-        """Feed token blocks (each ≤ block size; longer tensors are split). Returns the last logits."""
+        """Feed token blocks (each ≤ block size; longer tensors are split). Returns the last logits.
+
+        ``total`` (for progress events) may be a callable: a streamed document's length is an
+        estimate that improves as it is read.
+        """
         logits = None
         t_start = time.perf_counter()
         done = 0
@@ -216,7 +233,8 @@ class Engine:
                 forward_s += cache.clock() - t0
                 done += ids.shape[-1]
                 if progress and self.listener is not None:
-                    self.emit(self.progress_event(cache, done, total, time.perf_counter() - t_start, forward_s))
+                    expected = total() if callable(total) else total
+                    self.emit(self.progress_event(cache, done, expected, time.perf_counter() - t_start, forward_s))
         return logits
 
     def progress_event(self, cache: BoundedCache, done: int, total: int | None, seconds: float,
@@ -255,7 +273,7 @@ class Engine:
         out: list[int] = []
         t0 = time.perf_counter()
         for _ in range(max_new_tokens):
-            tok = sampler(logits[-1])
+            tok = sampler(logits[-1], out)
             if tok in eos_ids:
                 break
             out.append(tok)

@@ -337,8 +337,10 @@ def dense_max_tokens(
     return _largest(fits)
 
 
-def format_bytes(n: int | float) -> str:
-    """Human-readable binary size: "512 B", "1.50 KiB", "1.23 GiB"."""
+def format_bytes(n: int | float | None) -> str:
+    """Human-readable binary size: "512 B", "1.50 KiB", "1.23 GiB" ("n/a" for None)."""
+    if n is None:
+        return "n/a"
     sign = "-" if n < 0 else ""
     value = float(abs(n))
     if value < 1024:

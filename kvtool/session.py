@@ -181,8 +181,12 @@ class Session:
         prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
         blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, self.settings.block_size)),
                          self.settings.block_size)
+        def expected() -> int | None:
+            n = estimate_tokens(doc)
+            return None if n is None else n + prefix.numel()
+
         t0 = time.perf_counter()
-        self._feed_with_progress(cache, blocks, doc, prefix.numel())
+        self.engine.feed(cache, blocks, total=expected)
         seconds = time.perf_counter() - t0
         result = ReadResult(
             cache=cache,
@@ -195,21 +199,6 @@ class Session:
         result.snapshot = cache.snapshot()
         self.last_read = result
         return result
-
-    def _feed_with_progress(self, cache: BoundedCache, blocks: Iterator[Tensor], doc: Document, extra: int) -> None:
-        engine = self.engine
-        done = 0
-        forward_s = 0.0
-        t0 = time.perf_counter()
-        for block in blocks:
-            t1 = cache.clock()
-            engine.step(cache, block, 1)
-            forward_s += cache.clock() - t1
-            done += block.numel()
-            if self.listener is not None:
-                total = estimate_tokens(doc)
-                total = None if total is None else total + extra
-                self.emit(engine.progress_event(cache, done, total, time.perf_counter() - t0, forward_s))
 
     def emit(self, event: Any) -> None:
         if self.listener is not None:
@@ -239,7 +228,7 @@ class Session:
                 on_text(piece)
 
         s = self.settings
-        sampler = make_sampler(s.temperature, s.top_p, s.seed)
+        sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty)
         ids, seconds = self.engine.generate(
             cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
         )

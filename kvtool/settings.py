@@ -48,6 +48,7 @@ class Settings:
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    repetition_penalty: float = 1.1
     seed: int = 0
 
     def validate(self) -> Settings:
@@ -258,6 +259,12 @@ def _top_p(name: str, value: Any) -> float:
     return float(value)
 
 
+def _repetition_penalty(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+        raise UsageError(f"{name} must be a number >= 1 (1 = off): got {value!r}")
+    return float(value)
+
+
 def _seed(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"{name} must be an integer: got {value!r}")
@@ -280,11 +287,12 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_new_tokens": _int(1),
     "temperature": _temperature,
     "top_p": _top_p,
+    "repetition_penalty": _repetition_penalty,
     "seed": _seed,
 }
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
-GENERATION_KEYS: tuple[str, ...] = ("max_new_tokens", "temperature", "top_p", "seed")
+GENERATION_KEYS: tuple[str, ...] = ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
 INFO_KEYS: tuple[str, ...] = ("description", "expected_memory", "requires_own_weights")
 PROFILE_KEYS: tuple[str, ...] = (
     tuple(k for k in SETTINGS_FIELDS if k not in GENERATION_KEYS) + ("generation",) + INFO_KEYS

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
 from kvtool.errors import KvtoolError, UsageError
+from kvtool.memory import format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: header-only work (inspect, detection) stays fast
     from torch import Tensor
@@ -100,17 +101,6 @@ class KvcHeader:
 
 
 # -- small helpers ----------------------------------------------------------------------------------------------
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
-
-
 def _nbytes(info: dict[str, Any]) -> int:
     start, end = info["data_offsets"]
     return int(end) - int(start)
@@ -624,7 +614,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     result.snapshot = cache.snapshot()
     session.last_read = result
     session.emit(Note(
-        f"loaded {p}: {doc.get('name')} ({result.document_tokens:,} tokens), {human_bytes(header.size)}, "
+        f"loaded {p}: {doc.get('name')} ({result.document_tokens:,} tokens), {format_bytes(header.size)}, "
         f"made by kvtool {meta.get('kvtool_version')} on {meta.get('created', '?')}"
     ))  # fmt: skip
     return result

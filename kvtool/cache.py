@@ -5,6 +5,7 @@ Layout (one ``BoundedLayer`` per model layer, plugged into transformers as a ``C
     layer.groups[g]                  heads: KV heads of the layer that share a capacity
       keys, values   [1, h, off + capacity + block, d]   preallocated, post-RoPE keys
       positions      [h, capacity + block]   int64, original stream position of each token
+      rotary         [h, capacity + block]   int64, the RoPE position each stored key holds now
       state          [F, h, capacity + block] float32, the policy's per-token running state
       comp_*         (RazorAttention) one compensation slot at index 0 of keys/values (off = 1)
 
@@ -77,6 +78,7 @@ class HeadGroup:
         self.keys = torch.zeros(1, h, self.off + slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.positions = torch.zeros(h, slots, dtype=torch.long, device=device)
+        self.rotary = torch.zeros(h, slots, dtype=torch.long, device=device)  # RoPE position each key holds now
         self.state = torch.zeros(len(self.state_fields), h, slots, dtype=torch.float32, device=device)
         self.length = 0
         # compensation token (RazorAttention eq. 4): running sums of dropped keys/values in float32
@@ -117,12 +119,15 @@ class HeadGroup:
         values[:, :, : self.off + n] = self.values[:, :, : self.off + n]
         positions = torch.zeros(self.num_heads, new_slots, dtype=torch.long, device=self.keys.device)
         positions[:, :n] = self.positions[:, :n]
+        rotary = torch.zeros_like(positions)
+        rotary[:, :n] = self.rotary[:, :n]
+        self.rotary = rotary
         state = torch.zeros(self.state.shape[0], self.num_heads, new_slots, dtype=torch.float32,
                             device=self.keys.device)
         state[:, :, :n] = self.state[:, :, :n]
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
 
-    def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor) -> None:
+    def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor, rotary: Tensor | None = None) -> None:
         """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""
         m = key_states.shape[2]
         if self.length + m > self.slots:
@@ -136,6 +141,7 @@ class HeadGroup:
         self.keys[:, :, a:b] = key_states
         self.values[:, :, a:b] = value_states
         self.positions[:, self.length : self.length + m] = positions
+        self.rotary[:, self.length : self.length + m] = positions if rotary is None else rotary
         self.state[:, :, self.length : self.length + m] = 0
         self.length += m
 
@@ -187,6 +193,7 @@ class HeadGroup:
         self.keys[0, :, o : o + c] = kept_k
         self.values[0, :, o : o + c] = kept_v
         self.positions[:, :c] = self.positions[:, :n].gather(1, keep)
+        self.rotary[:, :c] = self.rotary[:, :n].gather(1, keep)
         if self.state.shape[0]:
             sidx = keep.unsqueeze(0).expand(self.state.shape[0], h, c)
             self.state[:, :, :c] = self.state[:, :, :n].gather(2, sidx)
@@ -199,6 +206,7 @@ class HeadGroup:
             f"{prefix}.keys": self.keys[0, :, : o + n].contiguous(),
             f"{prefix}.values": self.values[0, :, : o + n].contiguous(),
             f"{prefix}.positions": self.positions[:, :n].contiguous(),
+            f"{prefix}.rotary": self.rotary[:, :n].contiguous(),
             f"{prefix}.state": self.state[:, :, :n].contiguous(),
         }
         if self.comp_key_sum is not None:
@@ -220,6 +228,7 @@ class HeadGroup:
         self.keys[0, :, : self.off + n] = keys.to(dev, self.keys.dtype)
         self.values[0, :, : self.off + n] = tensors[f"{prefix}.values"].to(dev, self.values.dtype)
         self.positions[:, :n] = tensors[f"{prefix}.positions"].to(dev)
+        self.rotary[:, :n] = tensors[f"{prefix}.rotary"].to(dev)
         st = tensors[f"{prefix}.state"]
         if st.shape[0] != self.state.shape[0]:
             raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
@@ -249,9 +258,9 @@ class BoundedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        positions = self.owner.step_positions
+        step = self.owner.step
         for g in self.groups:
-            g.append(key_states, value_states, positions)
+            g.append(key_states, value_states, step.original_positions, step.rotary_positions)
         return self.groups[0].kv()
 
     def get_seq_length(self) -> int:
@@ -387,11 +396,6 @@ class BoundedCache(Cache):
         return time.perf_counter()
 
     @property
-    def step_positions(self) -> Tensor:
-        assert self.step.original_positions is not None
-        return self.step.original_positions
-
-    @property
     def step_original_positions(self) -> Tensor:
         assert self.step.original_positions is not None
         return self.step.original_positions
@@ -466,24 +470,22 @@ class BoundedCache(Cache):
         """Compact rotary positions stay below this (the trained range; 32K if the model does not say)."""
         return self.max_positions or 32768
 
-    # Compact positions. Invariant: in group g the token of rank r sits at rotary position
-    # ``rotary_next − len_g + r`` — every group packed right up to the next query, so no query ever
-    # sees a distance larger than its group's length (≤ capacity + block). The query position
-    # advances with every block like an absolute one, so after an eviction only the tokens *older*
-    # than the newest evicted one move (towards the query); with a sink+window policy that is just
-    # the sinks. When the next block would pass the model's range, everything shifts down at once
-    # (``renormalize``): one rotation of the cache every (range − capacity) tokens.
+    # Compact positions. Every key records the RoPE position it holds (``HeadGroup.rotary``). The
+    # query position advances with every block like an absolute one, so an eviction only leaves
+    # holes; a group is re-packed — its keys moved to ``next − len + r`` for rank r, right up to the
+    # next query — once its holes exceed one block (``slack``). So no query ever sees a distance
+    # above capacity + 2 blocks, and a re-pack rotates only the keys older than the newest hole
+    # (with a sink + window policy: just the sinks). During decoding, one-token holes accumulate
+    # for a block's worth of steps before one re-pack. When the next block would pass the model's
+    # range, everything shifts down at once (``renormalize``): once every (range − capacity) tokens.
 
     def switch_to_compact(self) -> None:
-        """Re-rotate every stored key from its original position to its compact slot position."""
+        """Re-rotate every stored key from its original position to a packed compact position."""
         if self.rotator is None:
             raise RuntimeError("compact positions need a RoPE rotator")
         P = max(self.lengths())
         for g in self.groups():
-            n = g.length
-            if n:
-                target = (P - n) + torch.arange(n, device=self.device)
-                self._rotate(g, target.unsqueeze(0) - g.positions[:, :n])
+            self._pack(g, P)
             g.rotate_compensation(self.rotator, P - self.seen)  # same frame shift as the query
         self.rotary_next = P
         self.compact = True
@@ -496,31 +498,39 @@ class BoundedCache(Cache):
         if shift == 0:
             return
         for g in self.groups():
-            if g.length:
-                self._rotate(g, torch.full((g.num_heads, g.length), shift, device=self.device))
+            n = g.length
+            if n:
+                self._rotate(g, torch.full((g.num_heads, n), shift, device=self.device))
+                g.rotary[:, :n] += shift
             g.rotate_compensation(self.rotator, shift)
         self.rotary_next += shift
 
     def compact_group(self, g: HeadGroup, kept: Tensor | None, old_len: int | None = None) -> None:
-        """Restore the packing invariant after this step's eviction (compact mode only).
+        """After this step's eviction (compact mode): re-pack the group if its holes exceed the slack.
 
-        Before the step the group's tokens (cache + block) sat at contiguous positions
-        ``base_old + j``; the next query will be at ``rotary_next + m``. Kept token r moves by
-        ``(next − len + r) − (base_old + kept[r])`` — zero for the unbroken tail. RoPE rotations
-        compose, so the stored key is rotated by that delta (in float32). The compensation token
-        moves with the query, keeping its dropped keys at the distance they had when dropped.
+        The compensation token moves with the query, keeping its dropped keys at the distance they
+        had when dropped.
         """
         if not self.compact:
             return
         m = self.step.length
         g.rotate_compensation(self.rotator, m)
-        if kept is None:
+        if kept is None or g.length == 0:
             return
-        p_step = int(self.step.rotary_positions[0])
-        base_old = p_step - ((old_len if old_len is not None else g.length) - m)
-        base_new = p_step + m - g.length
-        ranks = torch.arange(g.length, device=self.device)
-        self._rotate(g, (base_new + ranks).unsqueeze(0) - (base_old + kept))
+        next_q = int(self.step.rotary_positions[0]) + m
+        oldest = int(g.rotary[:, 0].min())
+        if next_q - oldest > g.length + self.block_size:
+            self._pack(g, next_q)
+
+    def _pack(self, g: HeadGroup, next_q: int) -> None:
+        """Move the group's keys to ``next_q − len + r`` (rank r): RoPE rotations compose."""
+        n = g.length
+        if n == 0:
+            return
+        target = (next_q - n) + torch.arange(n, device=self.device)
+        delta = target.unsqueeze(0) - g.rotary[:, :n]
+        self._rotate(g, delta)
+        g.rotary[:, :n] = target
 
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
         """Rotate stored keys by ``delta`` [h, n]; only the prefix up to the last moved token is touched."""

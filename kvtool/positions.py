@@ -7,9 +7,10 @@ linear / llama3 / YaRN frequency scaling), so scaled-RoPE configs work; YaRN's a
 multiplies cos/sin once at the original rotation and must not be applied again, which is why the
 rotation is built from ``inv_freq`` and not from the module's cos/sin output.
 
-Chosen over "store un-rotated keys and rotate at attention time" after measuring: rotating by δ
-touches only the tokens whose slot moved, once per eviction, while rotate-at-attention re-rotates
-the whole cache in every layer for every block and decoded token (see docs/performance.md).
+Chosen over "store un-rotated keys and rotate at attention time": rotating by δ touches only the keys
+whose slot moved, once per re-pack (see ``BoundedCache.compact_group``), while rotate-at-attention
+re-rotates the whole cache in every layer for every block and decoded token; ``bench/positions.py``
+prints both costs.
 """
 
 from __future__ import annotations

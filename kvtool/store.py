@@ -4,7 +4,7 @@ A ``.kvc`` file is a plain safetensors file (see ``docs/kvc-format.md``)::
 
     8 bytes   little-endian length N of the JSON header
     N bytes   JSON header: "__metadata__" {format, format_version, kvtool: <JSON text>} + one entry per tensor
-    ...       tensor data: per layer l and head group g, l{l}.g{g}.keys / .values / .positions / .state
+    ...       tensor data: per layer l and head group g, l{l}.g{g}.keys / .values / .positions / .rotary / .state
               (and .comp_key_sum / .comp_value_sum / .comp_count for RazorAttention's compensated heads)
 
 Only the tokens the cache holds are written, so the file is the K/V bytes the budget promises plus a few
@@ -398,8 +398,9 @@ def write_kvc(path: str | os.PathLike[str], tensors: dict[str, Tensor], meta: di
     cpu: dict[str, Tensor] = {}
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
-        if name.endswith(".positions") and t.dtype == torch.long and (t.numel() == 0 or int(t.max()) < 2**31):
-            t = t.to(torch.int32)  # stream positions fit int32: 4 bytes per token and head saved
+        small = t.numel() == 0 or (int(t.max()) < 2**31 and int(t.min()) >= -(2**31))
+        if name.endswith((".positions", ".rotary")) and t.dtype == torch.long and small:
+            t = t.to(torch.int32)  # stream and RoPE positions fit int32: 4 bytes per token and head saved
         cpu[name] = t
     meta = dict(meta)
     meta["format"] = FORMAT
@@ -548,7 +549,7 @@ def load_tensors(header: KvcHeader, device: Any = "cpu") -> dict[str, Tensor]:
         raise _corrupt(header.path, "tensor data does not match its checksum")
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".positions"):
+        if name.endswith((".positions", ".rotary")):
             t = t.to(torch.long)
         out[name] = t.to(device) if str(device) != "cpu" else t
     return out

@@ -47,14 +47,13 @@ def test_rerotated_keys_equal_keys_rotated_once_to_their_slot(monkeypatch, polic
     first: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
     original_append = HeadGroup.append
 
-    def spy(self, key_states, value_states, positions):
+    def spy(self, key_states, value_states, positions, rotary=None):
         li = self._layer_idx
-        rot = self._owner.step.rotary_positions
         ks = key_states if self.all_heads else key_states.index_select(1, self.kv_index)
         for h, head in enumerate(self.heads):
             for j, p in enumerate(positions.tolist()):
-                first[(li, head, p)] = (ks[0, h, j].clone(), int(rot[j]))
-        return original_append(self, key_states, value_states, positions)
+                first[(li, head, p)] = (ks[0, h, j].clone(), int(rotary[j]))
+        return original_append(self, key_states, value_states, positions, rotary)
 
     monkeypatch.setattr(HeadGroup, "append", spy)
     engine = make_engine(model, policy, 32, block_size=8, positions="compact")
@@ -67,17 +66,21 @@ def test_rerotated_keys_equal_keys_rotated_once_to_their_slot(monkeypatch, polic
     assert cache.counters.evicted_tokens > 0
     inv = engine.rotator.inv_freq
     P = cache.rotary_next  # the next query's rotary position
+    packed = 0
     for li, layer in enumerate(cache.layers):
         for g in layer.groups:
             n = g.length
+            rot = g.rotary[:, :n]
+            assert bool((rot[:, 1:] > rot[:, :-1]).all())  # order kept, one position per key
+            # the largest distance a query sees: capacity + 2 blocks (holes are packed beyond one block)
+            assert int(P - rot[:, 0].min()) <= 32 + 2 * 8
+            packed += int((rot[:, -n:] == P - n + torch.arange(n)).all())
             for h, head in enumerate(g.heads):
                 for r in range(n):
                     pos = int(g.positions[h, r])
                     k0, p0 = first[(li, head, pos)]
-                    expected = _rotate64(k0, torch.tensor(P - n + r - p0), inv)
+                    expected = _rotate64(k0, rot[h, r] - p0, inv)
                     torch.testing.assert_close(g.keys[0, h, g.off + r].double(), expected, atol=1e-5, rtol=1e-5)
-    # so the largest distance a query sees is its group's length: bounded by budget + block
-    assert max(cache.lengths()) <= 32 + 8
 
 
 def test_auto_switches_exactly_when_the_counter_would_leave_the_trained_range():

@@ -293,6 +293,7 @@ def main() -> None:
             print(f"  block {bs:4d}: {n / r['prefill_seconds']:7.1f} tok/s   continuation ppl {ppl:8.3f} "
                   f"(gap to dense {gap * 100:+.2f}%)", flush=True)
     check_targets(rows, roof, budget, mem_lengths)
+    print_markdown(rows, roof)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"roofline_gflops": roof, "rows": rows, "sweep": sweep_rows},
                                                    indent=1))
@@ -328,6 +329,31 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
     print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
           f"{fmt_bytes(r['peak_bytes']):>10}  decode {dec:6.1f} tok/s  {flops:5.1f} GFLOP/s "
           f"({flops / roof:4.0%} of roofline){split}", flush=True)
+
+
+def print_markdown(rows: list[dict], roof: float) -> None:
+    """The same rows as a markdown table (for docs/performance.md)."""
+    print("\n| tokens | row | prefill tok/s | vs dense | vs chunked | peak memory | decode tok/s | forward / probs / "
+          "score / evict | % of roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            continue
+        n = r["length"]
+        tps = n / r["prefill_seconds"]
+        d, c = find(rows, "dense", n), find(rows, "chunked", n)
+        vs_d = f"{d['prefill_seconds'] / r['prefill_seconds']:.2f}×" if d else "–"
+        vs_c = f"{c['prefill_seconds'] / r['prefill_seconds']:.2f}×" if c else "–"
+        dec = r["decode_tokens"] / r["decode_seconds"] if r.get("decode_seconds") else 0.0
+        split = "–"
+        if "split_seconds" in r:
+            sp, total = r["split_seconds"], r["prefill_seconds"]
+            fwd = total - sp["probs"] - sp["score"] - sp["evict"]
+            split = " / ".join(f"{x / total:.1%}" for x in (fwd, sp["probs"], sp["score"], sp["evict"]))
+        flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
+        peak = fmt_bytes(r["peak_bytes"])
+        print(f"| {n // 1024}K | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {dec:.1f} | {split} | "
+              f"{flops / roof:.0%} |")
 
 
 def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[int]) -> None:

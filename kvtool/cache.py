@@ -289,7 +289,7 @@ class BoundedLayer(CacheLayerMixin):
         owner = self.owner
         evicting = g.capacity is not None and g.length > g.capacity
         if not evicting and not g.policy.observe_every_step:
-            owner.compact_group(g, kept=None)
+            owner.compact_group(g, evicted=False)
             return
         owner.counters.max_stored = max(owner.counters.max_stored, g.length)
         t0 = owner.clock()
@@ -303,11 +303,8 @@ class BoundedLayer(CacheLayerMixin):
         owner.counters.score_seconds += t1 - t0
         if keep is not None:
             owner.counters.evicted_tokens += (g.length - keep.shape[1]) * g.num_heads
-            old_len = g.length
             g.gather(keep)
-            owner.compact_group(g, kept=keep, old_len=old_len)
-        else:
-            owner.compact_group(g, kept=None)
+        owner.compact_group(g, evicted=keep is not None)
         owner.counters.evict_seconds += owner.clock() - t1
 
     def context(self, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
@@ -505,7 +502,7 @@ class BoundedCache(Cache):
             g.rotate_compensation(self.rotator, shift)
         self.rotary_next += shift
 
-    def compact_group(self, g: HeadGroup, kept: Tensor | None, old_len: int | None = None) -> None:
+    def compact_group(self, g: HeadGroup, evicted: bool) -> None:
         """After this step's eviction (compact mode): re-pack the group if its holes exceed the slack.
 
         The compensation token moves with the query, keeping its dropped keys at the distance they
@@ -515,7 +512,7 @@ class BoundedCache(Cache):
             return
         m = self.step.length
         g.rotate_compensation(self.rotator, m)
-        if kept is None or g.length == 0:
+        if not evicted or g.length == 0:
             return
         next_q = int(self.step.rotary_positions[0]) + m
         oldest = int(g.rotary[:, 0].min())

@@ -352,7 +352,8 @@ def print_markdown(rows: list[dict], roof: float) -> None:
             split = " / ".join(f"{x / total:.1%}" for x in (fwd, sp["probs"], sp["score"], sp["evict"]))
         flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
         peak = fmt_bytes(r["peak_bytes"])
-        print(f"| {n // 1024}K | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {dec:.1f} | {split} | "
+        label = f"{n // 1024}K" if n % 1024 == 0 else str(n)
+        print(f"| {label} | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {dec:.1f} | {split} | "
               f"{flops / roof:.0%} |")
 
 

@@ -98,7 +98,7 @@ def test_cli_ask_json_real_model(tmp_path, capsys):
     from kvtool.cli import main
 
     doc = tmp_path / "doc.txt"
-    doc.write_text(essay_text(load_model(None).tokenizer, 800) + NEEDLE, encoding="utf-8")
+    doc.write_text(essay_text(load_model(None).tokenizer, 950) + NEEDLE, encoding="utf-8")
     rc = main(["ask", str(doc), "What is the pass key?", "--budget", "512", "--policy", "sink", "--json",
                "--quiet", "--max-new-tokens", "24"])
     out = capsys.readouterr()

@@ -434,10 +434,6 @@ class BoundedCache(Cache):
             mask |= pos >= self.pin_start
         return mask
 
-    def min_capacity(self) -> int | None:
-        caps = [g.capacity for g in self.groups() if g.capacity is not None]
-        return min(caps) if caps else None
-
     # -- positions -------------------------------------------------------------------------------
     def begin_step(self, m: int) -> Tensor:
         """Prepare a block of ``m`` tokens; returns the rotary position ids to give the model."""

@@ -42,8 +42,8 @@ def rotation_costs(loaded, budget: int, block: int) -> None:
     """
     import torch
 
-    from kvtool.engine import EngineConfig, model_env
-    from kvtool.positions import Rotator
+    from kvtool.core.engine import EngineConfig, model_env
+    from kvtool.core.positions import Rotator
 
     env = model_env(loaded.model, EngineConfig(budget=budget, block_size=block))
     rot = Rotator.from_model(loaded.model)
@@ -68,7 +68,7 @@ def rotation_costs(loaded, budget: int, block: int) -> None:
 def run(mode: str, ids, lengths: list[int], cont: int, args, loaded) -> dict[int, float]:
     import torch
 
-    from kvtool.engine import Engine, EngineConfig, model_env
+    from kvtool.core.engine import Engine, EngineConfig, model_env
     from kvtool.policies import build_policy
 
     cfg = EngineConfig(budget=parse_tokens(args.budget), block_size=args.block_size, positions=mode)
@@ -109,7 +109,7 @@ def main() -> None:
 
     import torch
 
-    from kvtool.model import load_model
+    from kvtool.runtime.model import load_model
 
     torch.set_grad_enabled(False)
     loaded = load_model(args.model)

@@ -77,7 +77,7 @@ def sync(device) -> None:
 def run_one(spec: dict) -> dict:
     import torch
 
-    from kvtool.model import load_model
+    from kvtool.runtime.model import load_model
 
     torch.set_grad_enabled(False)
     loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
@@ -112,15 +112,15 @@ def run_one(spec: dict) -> dict:
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
     else:
-        from kvtool.engine import Engine, EngineConfig, model_env
+        from kvtool.core.engine import Engine, EngineConfig, model_env
         from kvtool.policies import build_policy
 
         cfg = EngineConfig(budget=spec["budget"], block_size=block, positions=spec.get("positions", "auto"),
                            sync_timing=device.type == "cuda")
         retrieval = None
         if spec["policy"].startswith("razor"):
-            from kvtool.calibrate import calibrate
-            from kvtool.model import kvtool_home
+            from kvtool.policies.razor.calibrate import calibrate
+            from kvtool.runtime.model import kvtool_home
 
             def retrieval():
                 data = calibrate(model, identity=loaded.identity, name=loaded.name, home=kvtool_home())
@@ -168,7 +168,7 @@ def _continuation_nll(engine, cache, logits, cont) -> float:
 def dense_continuation_nll(spec: dict) -> float:
     import torch
 
-    from kvtool.model import load_model
+    from kvtool.runtime.model import load_model
 
     torch.set_grad_enabled(False)
     loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check kvtool tests bench
+lint-imports                       # the layer contract in pyproject.toml (core → policies → runtime → eval → cli)
 python -m pytest -p no:cacheprovider "$@"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from kvtool.cache import BoundedCache
-from kvtool.engine import Engine, EngineConfig, model_env
+from kvtool.core.cache import BoundedCache
+from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.policies import build_policy
 
 VOCAB = 101
@@ -39,7 +39,7 @@ def make_engine(model, policy: str, budget: int | None, block_size: int = 16, po
 
 
 def dense_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    model.set_attn_implementation("sdpa")
+    """transformers' own logits: a plain forward (works before and after an Engine is built on the model)."""
     with torch.no_grad():
         return model(ids[None]).logits[0]
 
@@ -49,10 +49,8 @@ def stream_logits(engine: Engine, ids: torch.Tensor, cache: BoundedCache | None 
     """Feed ``ids`` block by block, returning the logits of every position."""
     cache = cache or engine.new_cache()
     out = []
-    bs = engine.config.block_size
-    for s in range(0, ids.numel(), bs):
-        block = ids[s : s + bs]
-        out.append(engine.step(cache, block, logits_rows=block.numel()))
+    for logits in engine.steps(cache, ids, logits_rows=None):
+        out.append(logits)
         if check is not None:
             check(cache)
     return torch.cat(out), cache

@@ -7,11 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.cli import _register_extra_commands, app
+from kvtool.cli.app import app
 from tests.helpers import tiny_checkpoint
 
 runner = CliRunner()
-_register_extra_commands()
 DOC = "The cache is small. " * 60 + "The pass key is 12345. " + "hello world. " * 40
 
 
@@ -132,7 +131,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, doc, model_dir, args, messag
 
 
 def test_main_returns_exit_codes_for_parser_errors(capsys):
-    from kvtool.cli import main
+    from kvtool.cli.app import main
 
     assert main(["ask", "x", "q", "--no-such-flag"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -140,7 +139,7 @@ def test_main_returns_exit_codes_for_parser_errors(capsys):
 
 
 def test_ctrl_c_during_prefill_exits_130_with_one_line(model_dir, doc, monkeypatch):
-    from kvtool.session import Session
+    from kvtool.runtime.session import Session
 
     def interrupted(self, *a, **k):
         raise KeyboardInterrupt
@@ -152,7 +151,7 @@ def test_ctrl_c_during_prefill_exits_130_with_one_line(model_dir, doc, monkeypat
 
 
 def test_ctrl_c_during_decoding_exits_130(model_dir, doc, monkeypatch):
-    from kvtool.engine import Engine
+    from kvtool.core.engine import Engine
 
     def interrupted(self, *a, **k):
         raise KeyboardInterrupt

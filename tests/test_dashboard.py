@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvtool.dashboard import Dashboard, choose_mode, format_bytes, format_duration, format_rate, make_listener
-from kvtool.events import DecodeProgress, MemorySample, Note, PrefillProgress, RunSummary
+from kvtool.cli.dashboard import Dashboard, choose_mode, format_bytes, format_duration, format_rate, make_listener
+from kvtool.core.events import DecodeProgress, MemorySample, Note, PrefillProgress, RunSummary
 
 GIB = 1024**3
 ANSI = re.compile(r"\x1b\[")

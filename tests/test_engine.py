@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from kvtool.cache import BoundedLayer
+from kvtool.core.cache import BoundedLayer
 from kvtool.errors import UsageError
 from tests.helpers import (
     ALL_POLICIES,
@@ -119,11 +119,13 @@ def _reference_logits(model, ids, visibility, num_kv_heads, q_per_kv):
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("kvtool_ref", ref_attention)
+    previous = model.config._attn_implementation
     model.set_attn_implementation("kvtool_ref")
-    with torch.no_grad():
-        out = model(ids[None]).logits[0]
-    model.set_attn_implementation("sdpa")
-    return out
+    try:
+        with torch.no_grad():
+            return model(ids[None]).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
 
 
 @pytest.mark.parametrize("family", list(MODELS))

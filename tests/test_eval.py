@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from kvtool.cli import main
+from kvtool.cli.app import main
 from kvtool.errors import UsageError
 from kvtool.eval import make_grid, parse_policies, parse_token_list, text_document
 from kvtool.eval.metrics import (
@@ -27,7 +27,7 @@ from kvtool.eval.metrics import (
 )
 from kvtool.eval.needle import Haystack, custom_needle, insert_needle, passkey_needle, sentence_boundaries
 from kvtool.eval.ppl import dense_logits, pick_offsets, stream_logits
-from kvtool.model import CHATML_TEMPLATE
+from kvtool.runtime.model import CHATML_TEMPLATE
 from tests.helpers import VOCAB, make_engine, tiny_llama
 
 # --------------------------------------------------------------------------------------------- fixtures
@@ -181,7 +181,7 @@ def test_haystack_cut_and_repeat() -> None:
 
 
 def test_text_document_reads_like_a_file() -> None:
-    from kvtool.document import iter_text
+    from kvtool.runtime.document import iter_text
 
     text = "x" * 10000 + " é " + "y" * 100
     assert "".join(iter_text(text_document(text, "<t>"))) == text

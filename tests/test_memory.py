@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtool.memory import (
+from kvtool.runtime.memory import (
     activation_bytes,
     attention_scratch_bytes,
     dense_max_tokens,
@@ -207,7 +207,7 @@ def test_profile_expected_memory_matches_formulas(
     profile: str, dims: dict[str, int], tied: bool, elem: torch.dtype, quantize: str, budget: int
 ) -> None:
     """The numbers written in the shipped profiles are what memory.py computes (no drift)."""
-    from kvtool.settings import load_profile, parse_budget
+    from kvtool.runtime.settings import load_profile, parse_budget
 
     data = load_profile(PROFILES / f"{profile}.yaml")
     assert data["quantize"] == quantize

@@ -1,4 +1,4 @@
-"""Tests for kvtool.model: option parsing, spec classification, identity, conversion and the embedded model."""
+"""Tests for kvtool.runtime.model: option parsing, spec classification, identity, conversion and the embedded model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from kvtool import model as km
 from kvtool.errors import KvtoolError, UsageError
+from kvtool.runtime import model as km
 
 # --------------------------------------------------------------------------------------------------------------
 # Helpers: a tiny random Llama checkpoint with a real (tiny) tokenizer

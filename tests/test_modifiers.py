@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from kvtool.core.contract import REGISTRY, Policy, PolicyEnv, ScoreContext, keep_top, normalise
 from kvtool.errors import UsageError
-from kvtool.policies import _construct
-from kvtool.policies.base import REGISTRY, Policy, PolicyEnv, ScoreContext, keep_top, normalise
-from kvtool.policies.caote import CAOTE, greedy_evict, joint_eviction_error
-from kvtool.policies.fastcaote import FastCAOTE
-from kvtool.policies.vatp import VATP
+from kvtool.policies.spec import _construct
+from kvtool.policies.modifiers.caote import CAOTE, greedy_evict, joint_eviction_error
+from kvtool.policies.modifiers.fastcaote import FastCAOTE
+from kvtool.policies.modifiers.vatp import VATP
 
 F64 = torch.float64
 

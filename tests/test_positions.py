@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.cache import HeadGroup
+from kvtool.core.cache import HeadGroup
+from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
-from kvtool.positions import Rotator
 from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama, tiny_qwen2
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from kvtool.cli import main
-from kvtool.memory import llama_param_count, predict_peak
-from kvtool.profiling import ModelInfo, plan, resolve_budget
-from kvtool.settings import Settings, resolve_settings
+from kvtool.cli.app import main
+from kvtool.runtime.memory import llama_param_count, predict_peak
+from kvtool.runtime.profiling import ModelInfo, plan, resolve_budget
+from kvtool.runtime.settings import Settings, resolve_settings
 
 # Hand-computable dims: 2 layers, 4 query heads sharing 2 KV heads of 16 dims.
 DIMS = {
@@ -259,7 +259,7 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
         pytest.skip(f"corpus not found: {CORPUS}")
     doc = tmp_path / "sherlock_2k.txt"
     doc.write_text(CORPUS.read_text(encoding="utf-8")[:8200], encoding="utf-8")
-    code = "import sys; from kvtool.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from kvtool.cli.app import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, "profile", "--budget", "512", "--device", "cpu", "--doc", str(doc), "--json",
          "--quiet"],

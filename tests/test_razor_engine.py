@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvtool.attention import _block_mask, _probs
-from kvtool.cache import HeadGroup
+from kvtool.core.attention import _block_mask, _probs
+from kvtool.core.cache import HeadGroup
 from kvtool.policies import GroupSpec
 from kvtool.policies.sink import Sink
 from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama, tiny_qwen2

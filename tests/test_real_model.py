@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.document import text_document
-from kvtool.model import load_model
-from kvtool.session import Session
-from kvtool.settings import resolve_settings
+from kvtool.runtime.document import text_document
+from kvtool.runtime.model import load_model
+from kvtool.runtime.session import Session
+from kvtool.runtime.settings import resolve_settings
 
 pytestmark = pytest.mark.real_model
 
@@ -95,7 +95,7 @@ def test_summarize_real_model(loaded):
 
 
 def test_cli_ask_json_real_model(tmp_path, capsys):
-    from kvtool.cli import main
+    from kvtool.cli.app import main
 
     doc = tmp_path / "doc.txt"
     doc.write_text(essay_text(load_model(None).tokenizer, 950) + NEEDLE, encoding="utf-8")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtool.errors import EXIT_USAGE, UsageError
-from kvtool.settings import (
+from kvtool.runtime.settings import (
     PROFILE_KEYS,
     Budget,
     Settings,

@@ -17,9 +17,9 @@ import pytest
 import torch
 import transformers
 
-from kvtool import store
-from kvtool.cli import main
+from kvtool.cli.app import main
 from kvtool.errors import KvtoolError, UsageError
+from kvtool.runtime import store
 from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
 
 # ------------------------------------------------------------------------------------------------------------
@@ -403,8 +403,8 @@ def test_wrong_dtype(env, kvc, capsys):
 
 
 def test_load_cache_checks_dtype_and_settings_directly(env, kvc):
-    from kvtool.session import Session
-    from kvtool.settings import Settings
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import Settings
 
     base = {"model": env["model"], "device": "cpu", "policy": "h2o", "budget": "40", "block_size": 16}
     session = Session(Settings(**base, dtype="bfloat16").validate())

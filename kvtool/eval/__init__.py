@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtool.document import SNIFF_BYTES, Document
 from kvtool.errors import UsageError
-from kvtool.settings import Settings, parse_budget, resolve_settings
+from kvtool.runtime.document import SNIFF_BYTES, Document
+from kvtool.runtime.settings import Settings, parse_budget, resolve_settings
 
 #: Text larger than this is cut (perplexity windows and haystacks never need more).
 MAX_TEXT_BYTES = 64 * 1024 * 1024
@@ -175,14 +175,14 @@ def make_grid(policies: str, budgets: str, always_full: bool = False, **override
 
 def load_once(grid: Grid, say: Any = None) -> Any:
     """Load the model once for the whole grid (every Session gets it through ``loaded=``)."""
-    from kvtool.model import load_model
+    from kvtool.runtime.model import load_model
 
     s = grid.settings
     return load_model(s.model, s.device, s.dtype, s.quantize, progress=say)
 
 
 def make_session(grid: Grid, run: Run, loaded: Any, say: Any = None) -> Any:
-    from kvtool.session import Session
+    from kvtool.runtime.session import Session
 
     return Session(grid.settings_for(run), listener=None, say=say, loaded=loaded)
 
@@ -268,7 +268,8 @@ def text_document(text: str, name: str) -> Document:
 class Reporter:
     """A rich progress bar on stderr (nothing when quiet); ``say`` prints above it."""
 
-    def __init__(self, quiet: bool, title: str) -> None:
+    def __init__(self, quiet: bool, title: str, console: Any) -> None:
+        """``console``: the caller's rich console for stderr (the CLI owns the terminal)."""
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -278,11 +279,9 @@ class Reporter:
             TimeRemainingColumn,
         )
 
-        from kvtool.cli import stderr_console
-
         self.quiet = quiet
         self.title = title
-        self.console = stderr_console()
+        self.console = console
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),

@@ -81,18 +81,13 @@ class OutputCapture:
 
 def capture_outputs(engine: Any, cap: OutputCapture, ids: Tensor, n_context: int) -> list[Tensor]:
     """Feed the context in blocks, then each continuation token alone; attention outputs of the latter."""
-    from kvtool import attention
-
-    engine.model.set_attn_implementation(attention.NAME)
     cache = engine.new_cache()
-    bs = engine.config.block_size
     cap.active = False
-    for s in range(0, n_context, bs):
-        engine.step(cache, ids[s : min(s + bs, n_context)], 1)
+    engine.feed(cache, [ids[:n_context]], progress=False)
     cap.active = True
     try:
-        for i in range(n_context, ids.numel()):
-            engine.step(cache, ids[i : i + 1], 1)
+        for _ in engine.steps(cache, ids[n_context:], block_size=1):
+            pass
     finally:
         cap.active = False
     return cap.take()

@@ -101,30 +101,18 @@ def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
 def dense_logits(model: torch.nn.Module, ids: Tensor, m: int) -> Tensor:
     """Logits [m, V] predicting the last ``m`` tokens of ``ids``: one plain SDPA forward, no eviction."""
     device = next(model.parameters()).device
-    previous = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    model.set_attn_implementation("sdpa")
-    try:
-        out = model(input_ids=ids.view(1, -1).to(device), use_cache=False, logits_to_keep=m + 1)
-    finally:
-        model.set_attn_implementation(previous)  # the engine's "kvtool" when a Session built one
+    # A plain forward: the engine's registered attention falls through to SDPA without its cache.
+    out = model(input_ids=ids.view(1, -1).to(device), use_cache=False, logits_to_keep=m + 1)
     return out.logits[0, :m].float().cpu()
 
 
 def stream_logits(engine: Any, ids: Tensor, n_context: int) -> Tensor:
     """Logits [M, V] predicting ``ids[n_context:]``: context in blocks, then the continuation token by token."""
-    from kvtool import attention
-
-    attention.register()
-    engine.model.set_attn_implementation(attention.NAME)
     cache = engine.new_cache()
-    bs = engine.config.block_size
-    logits = None
-    for s in range(0, n_context, bs):
-        logits = engine.step(cache, ids[s : min(s + bs, n_context)], 1)
+    logits = engine.feed(cache, [ids[:n_context]], progress=False)
     assert logits is not None
     rows = [logits[-1].float().cpu()]
-    for i in range(n_context, ids.numel() - 1):
-        rows.append(engine.step(cache, ids[i : i + 1], 1)[-1].float().cpu())
+    rows += [step[-1].float().cpu() for step in engine.steps(cache, ids[n_context:-1], block_size=1)]
     return torch.stack(rows)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvtool.policies.base import GroupSpec, Policy, PolicyEnv, ScoreContext, register
+from kvtool.core.contract import GroupSpec, Policy, PolicyEnv, ScoreContext, register
 
 
 @register

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from kvtool.core.contract import Policy, ScoreContext, register
 from kvtool.errors import UsageError
-from kvtool.policies.base import Policy, ScoreContext, register
 
 
 @register

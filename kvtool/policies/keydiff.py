@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvtool.policies.base import Policy, ScoreContext, register
+from kvtool.core.contract import Policy, ScoreContext, register
 
 _EPS = 1e-6  # guards the division of an all-zero key (or a zero anchor)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvtool.policies.base import Policy, ScoreContext, register
+from kvtool.core.contract import Policy, ScoreContext, register
 
 
 @register

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvtool.core.contract import Policy, ScoreContext, register
 from kvtool.errors import UsageError
-from kvtool.policies.base import Policy, ScoreContext, register
 
 
 @register

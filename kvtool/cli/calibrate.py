@@ -8,7 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, emit_json, sayer
+from kvtool.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt
+from kvtool.cli.output import emit_json, sayer
 
 
 def calibrate_cmd(
@@ -26,8 +27,8 @@ def calibrate_cmd(
     """Score every attention head for echo/induction behaviour and select retrieval heads (RazorAttention §3.3)."""
     from rich.progress import Progress
 
-    from kvtool.calibrate import calibrate, calibration_path
-    from kvtool.model import kvtool_home, load_model
+    from kvtool.policies.razor.calibrate import calibrate, calibration_path
+    from kvtool.runtime.model import kvtool_home, load_model
 
     say = sayer(quiet)
     loaded = load_model(model, device or "auto", dtype or "auto", progress=say)
@@ -62,7 +63,3 @@ def calibrate_cmd(
                       f"{max(data['induction'][layer]):.3f}", f"{max(data['echo'][layer]):.3f}")
     Console().print(table)
     say(f"saved to {path}")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("calibrate")(calibrate_cmd)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import psutil
 import torch
 
-from kvtool.events import MemorySample
+from kvtool.core.events import MemorySample
 
 
 class MemoryMeter:

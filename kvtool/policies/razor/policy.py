@@ -8,8 +8,10 @@ from typing import Any
 
 from torch import Tensor
 
+from kvtool.core.contract import GroupSpec, Policy, PolicyEnv, ScoreContext, register
 from kvtool.errors import KvtoolError, UsageError
-from kvtool.policies.base import GroupSpec, Policy, PolicyEnv, ScoreContext, register
+from kvtool.policies.sink import Sink
+from kvtool.policies.spec import build_policy
 
 
 @register
@@ -18,7 +20,7 @@ class Razor(Policy):
     """RazorAttention (Tang et al.), Algorithm 1 under a strict per-head budget.
 
     Retrieval heads (top ``induction`` ∪ top ``echo`` fraction of query heads by the random-repeat
-    probe of §3.3, mapped to KV heads by the GQA rule of §4.1.1; see ``kvtool.calibrate``) keep as
+    probe of §3.3, mapped to KV heads by the GQA rule of §4.1.1; see ``kvtool.policies.razor.calibrate``) keep as
     many tokens as the budget allows; the other heads keep the ``sinks`` first tokens, the most
     recent ``window`` tokens and one compensation token (eq. 4: mean K and V of everything they
     dropped, attended with weight N_d as in eq. 5).
@@ -39,6 +41,7 @@ class Razor(Policy):
     this policy's ``induction``/``echo`` options.
     """
 
+    own_layout = True
     name = "razor"
     description = "RazorAttention: retrieval heads keep most of the budget; others sinks+window+compensation"
     paper = "Tang et al. 2024, RazorAttention: Efficient KV Cache Compression Through Retrieval Heads"
@@ -71,16 +74,12 @@ class Razor(Policy):
     def fallback_policy(self, env: PolicyEnv | None = None) -> Policy:
         """The policy that evicts inside retrieval heads (built on first use)."""
         if self._fallback_policy is None:
-            from kvtool.policies import build_policy  # lazy: avoids an import cycle
-
             self._fallback_policy = build_policy(self.fallback, {}, self._env(env))
         return self._fallback_policy
 
     def other_policy(self, env: PolicyEnv | None = None) -> Policy:
         """Position scorer of the non-retrieval heads (newest kept; sinks protected by the engine)."""
         if self._other_policy is None:
-            from kvtool.policies.sink import Sink
-
             self._other_policy = Sink()
             self._other_policy.env = self._env(env)
         return self._other_policy

@@ -12,8 +12,8 @@ appended the block's keys/values. For each head group of the layer it
 3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
    so at most one layer's probabilities exist at a time.
 
-The matching mask function returns ``None``: the shared mask transformers builds from the first
-layer cannot describe per-group caches, so masking happens here.
+Without the engine's cache (a plain ``model(input_ids)`` after an ``Engine`` was built) both the
+attention and the mask function fall through to transformers' SDPA, so the model stays usable.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
-from kvtool.cache import BoundedCache, BoundedLayer, HeadGroup
+from kvtool.core.cache import BoundedCache, BoundedLayer, HeadGroup
 
 NAME = "kvtool"
 
@@ -122,7 +124,10 @@ def kvtool_attention(
     """Attention over the bounded cache; returns ``[batch, m, heads, d]`` like transformers' SDPA path."""
     cache = kwargs.get("kvtool_cache")
     if not isinstance(cache, BoundedCache):
-        raise RuntimeError("attn_implementation='kvtool' needs the engine's BoundedCache (pass kvtool_cache=...)")
+        # A plain forward of the same model (no engine cache): transformers' own SDPA path, so the
+        # model stays usable for everything else after an Engine was built on it.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer: BoundedLayer = cache.layers[module.layer_idx]  # type: ignore[assignment]
@@ -135,9 +140,13 @@ def kvtool_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def kvtool_mask(*args: Any, **kwargs: Any) -> None:
-    """No shared mask: each head group is masked inside ``kvtool_attention``."""
-    return None
+def kvtool_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """transformers' SDPA mask, used only by a plain forward (no engine cache).
+
+    With the engine's cache the attention function ignores it and masks each head group itself (the
+    shared mask transformers builds from the first layer cannot describe per-group caches).
+    """
+    return sdpa_mask(*args, **kwargs)
 
 
 _registered = False

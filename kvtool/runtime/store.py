@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
 from kvtool.errors import KvtoolError, UsageError
-from kvtool.memory import format_bytes
+from kvtool.runtime.memory import format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: header-only work (inspect, detection) stays fast
     from torch import Tensor
 
-    from kvtool.session import ReadResult, Session
+    from kvtool.runtime.session import ReadResult, Session
 
 FORMAT = "kvtool-kvc"
 FORMAT_VERSION = 1  # bump on any change an older kvtool could misread
@@ -319,7 +319,7 @@ def _norm_policy(spec: str) -> str:
 
 
 def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bool:
-    from kvtool.settings import budget_tokens_from_bytes, parse_budget
+    from kvtool.runtime.settings import budget_tokens_from_bytes, parse_budget
 
     if stored["budget_tokens"] is None:  # policy full: the budget never mattered
         return True
@@ -465,7 +465,7 @@ def _fsync_dir(directory: str) -> None:
 
 def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], scalars: dict[str, Any]) -> dict:
     """The ``kvtool`` metadata document for a cache read by ``session`` (see docs/kvc-format.md)."""
-    from kvtool import prompt
+    from kvtool.runtime import prompt
 
     cache = read.cache
     s = session.settings
@@ -561,9 +561,9 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     Checks, each a one-line ``UsageError``: the model identity and dtype, the engine settings (policy,
     options, budget, block size, sinks, recent, positions), the chat-template prefix and the head layout.
     """
-    from kvtool import prompt
-    from kvtool.events import Note
-    from kvtool.session import ReadResult
+    from kvtool.core.events import Note
+    from kvtool.runtime import prompt
+    from kvtool.runtime.session import ReadResult
 
     t0 = time.perf_counter()
     header = read_header(path)

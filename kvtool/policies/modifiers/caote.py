@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvtool.core.contract import Modifier, Policy, ScoreContext, normalise, register
 from kvtool.errors import UsageError
-from kvtool.policies.base import Modifier, Policy, ScoreContext, normalise, register
 
 #: Guard for ``1 − α``: a token (or set) holding all but ``EPS`` of the mass is never cheap to evict.
 EPS = 1e-6

@@ -1,4 +1,4 @@
-"""What ``ask`` and ``summarize`` do, between parsing flags and printing: shared by both commands.
+"""``kvtool ask`` and ``kvtool summarize``: read a document (or a ``.kvc`` cache) once, then answer.
 
 Input is validated before the model loads (bad input fails in milliseconds), the document (or a
 ``.kvc`` cache) is read once, then each question restores the post-document cache and answers.
@@ -8,18 +8,48 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
-from kvtool.cli import dashboard, emit_json, sayer, write_text
-from kvtool.document import open_document
-from kvtool.events import RunSummary
-from kvtool.session import Answer, ReadResult, Session
-from kvtool.settings import resolve_settings
+import typer
+
+from kvtool.cli.options import ANSWER_SETTINGS, JsonOpt, ProfileOpt, QuietOpt, read_questions, with_settings
+from kvtool.cli.output import dashboard, emit_json, sayer, write_text
+
+
+@with_settings(*ANSWER_SETTINGS)
+def ask(
+    file: Annotated[str, typer.Argument(help="Text file, '-' for stdin, or a .kvc cache from `kvtool prefill`.")],
+    questions: Annotated[list[str] | None, typer.Argument(help="One or more questions.")] = None,
+    questions_file: Annotated[Path | None, typer.Option("--questions-file", help="One question per line.")] = None,
+    profile: ProfileOpt = None,
+    json_out: JsonOpt = False,
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON line per answer as it completes.")] = False,
+    quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
+) -> None:
+    """Answer questions about a document read under a KV budget."""
+    run_ask(file, read_questions(questions, questions_file), flags or {}, profile=profile, json_out=json_out,
+            jsonl=jsonl, quiet=quiet)
+
+
+@with_settings(*ANSWER_SETTINGS)
+def summarize(
+    file: Annotated[str, typer.Argument(help="Text file, '-' for stdin, or a .kvc cache.")],
+    length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
+    profile: ProfileOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
+) -> None:
+    """Summarize a document read under a KV budget."""
+    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet)
 
 
 def _open_input(path: str) -> tuple[str, Any]:
     """('kvc', header) for a saved cache (detected by content), else ('text', Document)."""
-    from kvtool import store
+    from kvtool.runtime import store
+    from kvtool.runtime.document import open_document
 
     if path != "-" and store.is_kvc(path):
         return "kvc", store.read_header(path)
@@ -31,24 +61,22 @@ def _run(
     overrides: dict[str, Any],
     profile: str | None,
     quiet: bool,
-    work: Callable[[Session, ReadResult], list[Answer]],
-) -> tuple[Session, ReadResult, list[Answer], dict[str, Any]]:
+    work: Callable[[Any, Any], list[Any]],
+) -> tuple[Any, Any, list[Any], dict[str, Any]]:
+    from kvtool.core.events import RunSummary
+    from kvtool.runtime import store
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
     kind, source = _open_input(path)
     if kind == "kvc":
-        from kvtool import store
-
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=sayer(quiet), show_progress=not quiet)
         meter = session.engine.meter
         with meter.track():
-            if kind == "kvc":
-                from kvtool import store
-
-                read = store.load_cache(path, session)
-            else:
-                read = session.read(source)
+            read = store.load_cache(path, session) if kind == "kvc" else session.read(source)
             answers = work(session, read)
         stats = session.stats(read, meter.peak_bytes())
         dash(RunSummary(stats))
@@ -66,7 +94,7 @@ def run_ask(
 ) -> None:
     stream = not (json_out or jsonl)
 
-    def work(session: Session, read: ReadResult) -> list[Answer]:
+    def work(session: Any, read: Any) -> list[Any]:
         out = []
         for i, q in enumerate(questions):
             if stream and i:
@@ -95,7 +123,7 @@ def run_summarize(
     json_out: bool = False,
     quiet: bool = False,
 ) -> None:
-    def work(session: Session, read: ReadResult) -> list[Answer]:
+    def work(session: Any, read: Any) -> list[Any]:
         ans = session.summarize(read, length, on_text=None if json_out else write_text)
         if not json_out:
             write_text("\n")

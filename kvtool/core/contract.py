@@ -104,6 +104,9 @@ class Policy:
     state_fields: ClassVar[tuple[str, ...]] = ()
     #: True if ``observe`` must run on every block (running statistics), not only when evicting
     observe_every_step: ClassVar[bool] = False
+    #: True if ``layer_groups`` lays out heads itself (RazorAttention's retrieval/other groups); a modifier
+    #: may wrap such a base only if it forwards the layout (``Modifier.forwards_layout``)
+    own_layout: ClassVar[bool] = False
 
     env: PolicyEnv | None = None
 
@@ -182,6 +185,8 @@ class Modifier(Policy):
 
     is_modifier = True
     base: Policy
+    #: True if this modifier keeps its base's head layout (and may wrap an ``own_layout`` base)
+    forwards_layout: ClassVar[bool] = False
     #: the base a bare ``--policy <modifier>`` applies to (the modifier paper's own setting)
     default_base: ClassVar[str] = "tova"
 
@@ -192,6 +197,15 @@ class Modifier(Policy):
     @property
     def observe_every_step(self) -> bool:  # type: ignore[override]
         return self.base.observe_every_step
+
+    @property
+    def own_layout(self) -> bool:  # type: ignore[override]
+        return self.forwards_layout and self.base.own_layout
+
+    def layer_groups(self, layer_idx: int, env: PolicyEnv) -> list[GroupSpec]:
+        if self.forwards_layout:
+            return self.base.layer_groups(layer_idx, env)
+        return super().layer_groups(layer_idx, env)
 
     def query_rows(self, block_len: int) -> int:
         return self.base.query_rows(block_len)

@@ -13,20 +13,20 @@ The engine knows nothing about any particular policy: it asks the policy for its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvtool import attention
-from kvtool.cache import BoundedCache
+from kvtool.core import attention
+from kvtool.core.cache import BoundedCache
+from kvtool.core.contract import Policy, PolicyEnv
+from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
+from kvtool.core.meter import MemoryMeter
+from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
-from kvtool.events import DecodeProgress, Listener, Note, PrefillProgress
-from kvtool.meter import MemoryMeter
-from kvtool.policies.base import Policy, PolicyEnv
-from kvtool.positions import Rotator
 
 POSITION_MODES = ("absolute", "compact", "auto")
 
@@ -130,6 +130,8 @@ class Engine:
         self.listener = listener
         self.env = env or policy.env or model_env(model, config)
         attention.register()
+        # The registered function falls through to SDPA without the engine's cache: a plain forward of
+        # the model keeps working (see core/attention.py).
         model.set_attn_implementation(attention.NAME)
         self.device = next(model.parameters()).device
         self.dtype = _kv_dtype(model)
@@ -221,21 +223,34 @@ class Engine:
         ``total`` (for progress events) may be a callable: a streamed document's length is an
         estimate that improves as it is read.
         """
+        start_seen = cache.seen
         logits = None
         t_start = time.perf_counter()
         done = 0
         forward_s = 0.0
         for block in blocks:
-            for start in range(0, block.shape[-1], self.config.block_size):
-                ids = block[start : start + self.config.block_size]
-                t0 = cache.clock()
-                logits = self.step(cache, ids, logits_rows)
+            t0 = cache.clock()
+            for step_logits in self.steps(cache, block, logits_rows=logits_rows):
+                logits = step_logits
                 forward_s += cache.clock() - t0
-                done += ids.shape[-1]
+                done = cache.seen - start_seen
                 if progress and self.listener is not None:
                     expected = total() if callable(total) else total
                     self.emit(self.progress_event(cache, done, expected, time.perf_counter() - t_start, forward_s))
+                t0 = cache.clock()
         return logits
+
+    def steps(self, cache: BoundedCache, ids: Tensor, block_size: int | None = None,
+              logits_rows: int | None = 1) -> Iterator[Tensor]:
+        """Feed ``ids`` in blocks of ``block_size`` (default: the engine's), yielding each block's logits.
+
+        The one block loop of kvtool: ``feed``, the evaluators and the tests all go through it.
+        ``logits_rows=None`` returns every row of each block (perplexity, dense-equality tests).
+        """
+        bs = block_size or self.config.block_size
+        for start in range(0, ids.shape[-1], bs):
+            block = ids[start : start + bs]
+            yield self.step(cache, block, block.shape[-1] if logits_rows is None else logits_rows)
 
     def progress_event(self, cache: BoundedCache, done: int, total: int | None, seconds: float,
                        forward_s: float) -> PrefillProgress:

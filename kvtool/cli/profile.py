@@ -1,6 +1,6 @@
 """``kvtool profile``: the predicted memory plan of a run; with ``--doc``, measured against a real prefill.
 
-The plan itself is :func:`kvtool.profiling.plan` (formulas in :mod:`kvtool.memory`). This module parses
+The plan itself is :func:`kvtool.profiling.plan` (formulas in :mod:`kvtool.runtime.memory`). This module parses
 the flags, measures the runtime baseline, loads the model (its real dimensions and parameter bytes),
 optionally reads a document under the meter, and prints a table or one JSON object on stdout.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli import (
+from kvtool.cli.options import (
     BlockOpt,
     BudgetOpt,
     DeviceOpt,
@@ -25,11 +25,9 @@ from kvtool.cli import (
     ProfileOpt,
     QuantOpt,
     QuietOpt,
-    dashboard,
-    emit_json,
     overrides,
-    sayer,
 )
+from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 
 DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this text file ('-' = stdin) and report the "
@@ -64,10 +62,6 @@ def profile(
     )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("profile")(profile)
-
-
 def process_rss() -> int:
     """Resident memory of this process now (psutil), after a garbage collection."""
     import psutil
@@ -91,10 +85,10 @@ def run_profile(
     import transformers  # noqa: F401
     from rich.console import Console
 
-    from kvtool import profiling
-    from kvtool.document import open_document
-    from kvtool.session import Session
-    from kvtool.settings import parse_size, resolve_settings
+    from kvtool.runtime import profiling
+    from kvtool.runtime.document import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import parse_size, resolve_settings
 
     # Bad input fails before seconds are spent loading the model.
     if doc_tokens is not None and doc_tokens < 1:

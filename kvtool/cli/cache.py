@@ -1,7 +1,7 @@
 """``kvtool prefill`` (read a document once, save the compressed cache) and ``kvtool inspect`` (show one).
 
-``ask`` and ``summarize`` accept the ``.kvc`` file in place of the document (kvtool/runner.py); the file
-format is in kvtool/store.py and docs/kvc-format.md.
+``ask`` and ``summarize`` accept the ``.kvc`` file in place of the document (kvtool/cli/ask.py); the file
+format is in kvtool/runtime/store.py and docs/kvc-format.md.
 """
 
 from __future__ import annotations
@@ -11,64 +11,36 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli import (
-    BlockOpt,
-    BudgetOpt,
-    DeviceOpt,
-    DtypeOpt,
-    JsonOpt,
-    ModelOpt,
-    PolicyOpt,
-    PolicyOptOpt,
-    PositionsOpt,
-    ProfileOpt,
-    QuantOpt,
-    QuietOpt,
-    RecentOpt,
-    SinksOpt,
-    dashboard,
-    emit_json,
-    sayer,
-    settings_flags,
-)
+from kvtool.cli.options import READ_SETTINGS, JsonOpt, ProfileOpt, QuietOpt, with_settings
+from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
-from kvtool.memory import format_bytes
+from kvtool.runtime.memory import format_bytes
 
 
+@with_settings(*READ_SETTINGS)
 def prefill(
     file: Annotated[str, typer.Argument(help="Text file to read, or '-' for stdin.")],
     output: Annotated[str | None, typer.Option("--output", "-o", help="The .kvc file to write (required).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the output file if it exists.")] = False,
-    policy: PolicyOpt = None,
-    policy_opt: PolicyOptOpt = None,
-    budget: BudgetOpt = None,
-    block_size: BlockOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    quantize: QuantOpt = None,
-    positions: PositionsOpt = None,
-    sinks: SinksOpt = None,
-    recent: RecentOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
-    from kvtool import store
-    from kvtool.document import open_document
-    from kvtool.session import Session
-    from kvtool.settings import resolve_settings
+    from kvtool.runtime import store
+    from kvtool.runtime.document import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before the model loads.
     if not output:
         raise UsageError("prefill needs an output file: -o/--output OUT.kvc")
     if file != "-" and store.is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
-    flags = settings_flags(locals())
     store.check_output(output, force, source=file)
     doc = open_document(file)
-    settings = resolve_settings(profile, flags)
+    settings = resolve_settings(profile, flags or {})
     say = sayer(quiet)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=say)
@@ -88,7 +60,7 @@ def inspect(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a saved cache: metadata, per-layer cache lengths, size on disk (the model is not loaded)."""
-    from kvtool import store
+    from kvtool.runtime import store
 
     if not os.path.exists(file):
         raise UsageError(f"no such file: {file}")
@@ -163,12 +135,3 @@ def _print_inspect(info: dict[str, Any]) -> None:
             layers.add_row(str(layer["layer"]), str(gi), ",".join(map(str, heads)) if heads else "?",
                            str(g["length"]), cap_text)
     console.print(layers)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``prefill`` and ``inspect`` to the CLI (idempotent: ``main`` may run more than once)."""
-    have = {c.name or (c.callback.__name__ if c.callback else None) for c in app.registered_commands}
-    if "prefill" not in have:
-        app.command("prefill")(prefill)
-    if "inspect" not in have:
-        app.command("inspect")(inspect)

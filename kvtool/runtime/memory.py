@@ -11,6 +11,7 @@ an estimate of *steady-state* peaks for batch size 1; constants are documented w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -338,8 +339,11 @@ def dense_max_tokens(
 
 
 def format_bytes(n: int | float | None) -> str:
-    """Human-readable binary size: "512 B", "1.50 KiB", "1.23 GiB" ("n/a" for None)."""
-    if n is None:
+    """Human-readable binary size with about three significant digits: "512 B", "1.50 KiB", "11.8 MiB".
+
+    The one byte formatter of kvtool (plans, stats, dashboard, inspect); "n/a" for None or non-finite.
+    """
+    if n is None or not math.isfinite(n):
         return "n/a"
     sign = "-" if n < 0 else ""
     value = float(abs(n))
@@ -348,5 +352,6 @@ def format_bytes(n: int | float | None) -> str:
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
         value /= 1024
         if value < 1024 or unit == "PiB":
-            return f"{sign}{value:.2f} {unit}"
+            digits = f"{value:,.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+            return f"{sign}{digits} {unit}"
     raise AssertionError("unreachable")

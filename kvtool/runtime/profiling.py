@@ -1,6 +1,6 @@
 """``kvtool profile``: the predicted memory plan of a run, and (with a document) its measured peak.
 
-Every number comes from the shared formulas in :mod:`kvtool.memory`, so a profile, a byte budget and
+Every number comes from the shared formulas in :mod:`kvtool.runtime.memory`, so a profile, a byte budget and
 a run's statistics cannot disagree. The prediction is a sum the user can read line by line::
 
     predicted peak = runtime baseline            measured: memory of the process before weights load
@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool import memory as _mem
-from kvtool.settings import Settings, budget_tokens_from_bytes
+from kvtool.runtime import memory as _mem
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes
 
 
 @dataclass

@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvtool.policies.base import GroupSpec, Policy, ScoreContext
-from kvtool.positions import Rotator
+from kvtool.core.contract import GroupSpec, Policy, ScoreContext
+from kvtool.core.positions import Rotator
 
 
 @dataclass

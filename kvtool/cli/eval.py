@@ -11,7 +11,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvtool.cli import (
+from kvtool.cli.options import (
+    EVAL_SETTINGS,
     BlockOpt,
     DeviceOpt,
     DtypeOpt,
@@ -22,8 +23,9 @@ from kvtool.cli import (
     QuietOpt,
     RecentOpt,
     SinksOpt,
-    emit_json,
+    with_settings,
 )
+from kvtool.cli.output import emit_json, stderr_console
 
 eval_app = typer.Typer(
     name="eval",
@@ -44,13 +46,6 @@ TextOpt = Annotated[str | None, typer.Option("--text", help="A UTF-8 text file, 
 ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
 ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text at seeded offsets.")]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the ``eval`` group to the main app (idempotent: main() may run many times in one process)."""
-    if any(g.name == "eval" for g in app.registered_groups):
-        return
-    app.add_typer(eval_app, name="eval")
 
 
 def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
@@ -111,7 +106,7 @@ def needle(
         max_new_tokens=max_new_tokens,
     )
     task.haystack = load_text(path, "--haystack")
-    _finish(run_needle(task, Reporter(quiet, "needle")), json_out, render_needle)
+    _finish(run_needle(task, Reporter(quiet, "needle", stderr_console())), json_out, render_needle)
 
 
 def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any) -> Any:
@@ -127,6 +122,7 @@ def _window_task(text: str | None, context: str, continuation: str, samples: int
 
 
 @eval_app.command("ppl")
+@with_settings(*EVAL_SETTINGS)
 def ppl(
     text: TextOpt = None,
     context: ContextOpt = "1k",
@@ -134,29 +130,22 @@ def ppl(
     samples: SamplesOpt = 2,
     policies: PoliciesOpt = "full,sink,h2o,tova,keydiff",
     budgets: BudgetsOpt = "256",
-    block_size: BlockOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    quantize: QuantOpt = None,
-    positions: PositionsOpt = None,
-    sinks: SinksOpt = None,
-    recent: RecentOpt = None,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
     from kvtool.eval import Reporter
     from kvtool.eval.ppl import render_ppl, run_ppl
 
-    grid = _grid(policies, budgets, False, block_size=block_size, model=model, device=device, dtype=dtype,
-                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed)
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid)
-    _finish(run_ppl(task, Reporter(quiet, "ppl")), json_out, render_ppl)
+    _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
 @eval_app.command("attn-error")
+@with_settings(*EVAL_SETTINGS)
 def attn_error(
     text: TextOpt = None,
     context: ContextOpt = "512",
@@ -164,23 +153,15 @@ def attn_error(
     samples: SamplesOpt = 2,
     policies: PoliciesOpt = "sink,h2o,tova,keydiff",
     budgets: BudgetsOpt = "256",
-    block_size: BlockOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    quantize: QuantOpt = None,
-    positions: PositionsOpt = None,
-    sinks: SinksOpt = None,
-    recent: RecentOpt = None,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
     from kvtool.eval import Reporter
     from kvtool.eval.attn_error import render_attn_error, run_attn_error
 
-    grid = _grid(policies, budgets, False, block_size=block_size, model=model, device=device, dtype=dtype,
-                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed)
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid)
-    _finish(run_attn_error(task, Reporter(quiet, "attn-error")), json_out, render_attn_error)
+    _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)

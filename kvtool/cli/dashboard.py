@@ -1,7 +1,7 @@
 """Progress display on stderr for a run: a rich live view on terminals, a few plain lines otherwise.
 
 The engine knows nothing about this module: it only calls a listener with the events from
-:mod:`kvtool.events`. Everything here writes to a console on **stderr**, because stdout carries the
+:mod:`kvtool.core.events`. Everything here writes to a console on **stderr**, because stdout carries the
 answer and must stay clean for pipelines (``kvtool ... > answer.txt``).
 
 Three modes (see :func:`choose_mode`):
@@ -27,7 +27,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from kvtool.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
+from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
+from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
 
@@ -41,28 +42,9 @@ PLAIN_INTERVAL_S = 10.0
 MAX_VALUE_CHARS = 80
 
 _BAR_WIDTH = 40
-_BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 # --------------------------------------------------------------------------- formatting helpers
-
-
-def format_bytes(n: float | None) -> str:
-    """Bytes in binary units with three significant digits (``"1.50 GiB"``), or ``"n/a"``.
-
-    Kept private to the dashboard on purpose, so display code never depends on other modules' helpers.
-    """
-    if n is None or not _is_finite(n):
-        return "n/a"
-    sign = "-" if n < 0 else ""
-    value = float(abs(n))
-    if value < 1024:
-        return f"{sign}{int(value)} B"
-    for unit in _BYTE_UNITS:
-        value /= 1024
-        if value < 1024 or unit == _BYTE_UNITS[-1]:
-            return f"{sign}{_three_digits(value)} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def format_rate(x: float | None, unit: str = "tok/s") -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvtool.policies.base import Modifier, Policy, ScoreContext, register
+from kvtool.core.contract import Modifier, Policy, ScoreContext, register
 
 #: F when neither ``first`` nor the engine's sink count is known (the engine's own default).
 DEFAULT_FIRST = 4

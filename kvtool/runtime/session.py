@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool import prompt
-from kvtool.cache import BoundedCache
-from kvtool.document import Document, estimate_tokens, iter_token_blocks
-from kvtool.engine import Engine, EngineConfig, make_sampler, model_env
+from kvtool.core.cache import BoundedCache
+from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
+from kvtool.core.events import Listener, Note
 from kvtool.errors import UsageError
-from kvtool.events import Listener, Note
-from kvtool.memory import dims_from_config, dtype_bytes
-from kvtool.model import LoadedModel, kvtool_home, load_model
 from kvtool.policies import Policy, build_policy, check_policy
-from kvtool.settings import Settings, budget_tokens_from_bytes
+from kvtool.runtime import prompt
+from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.runtime.memory import dims_from_config, dtype_bytes
+from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Session:
         from rich.console import Console
         from rich.progress import Progress
 
-        from kvtool.calibrate import calibrate
+        from kvtool.policies.razor.calibrate import calibrate
 
         console = Console(stderr=True)
         with Progress(console=console, disable=not self.show_progress, transient=True) as bar:

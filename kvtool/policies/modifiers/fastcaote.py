@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvtool.policies.base import register
-from kvtool.policies.caote import OutputErrorModifier, mean_value
+from kvtool.core.contract import register
+from kvtool.policies.modifiers.caote import OutputErrorModifier, mean_value
 
 
 @register

@@ -1,0 +1,127 @@
+"""The ``kvtool`` command line (Typer): the app, its error handling, and where each command is mounted.
+
+Answers go to stdout; progress, notes and errors go to stderr. Every error a user can cause is one
+line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+from typer.exceptions import TyperException
+
+from kvtool import __version__
+from kvtool.cli import ask, cache, calibrate, eval, profile
+from kvtool.cli.options import JsonOpt
+from kvtool.cli.output import emit_json
+from kvtool.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, KvtoolError
+
+
+class _Group(typer.core.TyperGroup):
+    """Turns kvtool's errors into one stderr line and an exit code inside the app itself.
+
+    So the same codes come out of ``main()``, the console script and Typer's test runner.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvtoolError as e:
+            print(f"kvtool: error: {e}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            print("kvtool: interrupted", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="kvtool",
+    help="Read documents longer than memory allows: block-wise prefill under a strict KV-cache budget.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+@app.command()
+def policies(json_out: JsonOpt = False) -> None:
+    """List eviction policies and modifiers."""
+    from rich.table import Table
+
+    from kvtool.policies import describe_policies
+
+    rows = describe_policies()
+    if json_out:
+        emit_json({"policies": rows})
+        return
+    table = Table(title="kvtool policies (compose as base+modifier, e.g. h2o+vatp+caote)")
+    for col in ("name", "kind", "attention", "description", "paper"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], r["kind"], "yes" if r["needs_attention"] else "no", r["description"], r["paper"])
+    Console().print(table)
+
+
+@app.command()
+def version() -> None:
+    """Print kvtool's version."""
+    print(__version__)
+
+
+# Every command, in one place: a command module defines plain functions, this module mounts them.
+app.command("ask")(ask.ask)
+app.command("summarize")(ask.summarize)
+app.command("prefill")(cache.prefill)
+app.command("inspect")(cache.inspect)
+app.command("profile")(profile.profile)
+app.command("calibrate")(calibrate.calibrate_cmd)
+app.add_typer(eval.eval_app, name="eval")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app and turn every failure into one line and an exit code."""
+    try:
+        rc = app(args=argv, standalone_mode=False, prog_name="kvtool")
+        return rc if isinstance(rc, int) else 0
+    except KvtoolError as e:  # raised outside a command (e.g. while registering)
+        print(f"kvtool: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except typer.Exit as e:
+        return int(e.exit_code or 0)
+    except typer.Abort:
+        print("kvtool: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except TyperException as e:  # usage errors from the command-line parser
+        fmt = getattr(e, "format_message", None)
+        msg = fmt() if fmt else str(e)
+        if msg:  # "no arguments: show help" has already printed the help and has no message
+            print(f"kvtool: error: {msg}", file=sys.stderr)
+        return int(getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("kvtool: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of stdout went away (e.g. `| head`): not an error worth a message
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        except OSError:
+            pass
+        return EXIT_RUNTIME
+    except Exception as e:  # noqa: BLE001 - last line of defence: one line, never a traceback
+        if os.environ.get("KVTOOL_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"kvtool: internal error: {type(e).__name__}: {msg} (set KVTOOL_DEBUG=1 for details)", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,131 @@
+"""Option declarations shared by the commands, declared once.
+
+Typer reads options from a command's signature, so commands that take the same settings would
+repeat the same dozen parameters. :func:`with_settings` adds named setting options to a command's
+signature and hands them to it as one ``flags`` dict of settings overrides (``None`` = not given),
+which is what :func:`kvtool.runtime.settings.resolve_settings` takes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvtool.errors import UsageError
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Local HF checkpoint dir or .gguf file "
+                                              "(default: embedded SmolLM2-135M-Instruct).")]
+PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction policy: base[+modifier...], "
+                                               "e.g. keydiff, h2o+vatp, snapkv+caote (see `kvtool policies`).")]
+PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]
+BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="KV budget per head and layer: tokens "
+                                               "(4096, 4k) or bytes of K+V (512MiB, 2GB).")]
+BlockOpt = Annotated[int | None, typer.Option("--block-size", help="Prefill block size in tokens (default 128).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
+QuantOpt = Annotated[str | None, typer.Option("--quantize", help="none, 8bit or 4bit (bitsandbytes, CUDA only).")]
+PositionsOpt = Annotated[str | None, typer.Option("--positions", help="absolute, compact or auto (default).")]
+SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
+RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
+MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
+TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
+TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
+RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalty on the answer's own "
+                                                 "repeated tokens (1 = off; default 1.1).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.")]
+ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile name in profiles/ or a YAML path.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of text.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+
+#: every setting option a command can take through :func:`with_settings`, by parameter name
+SETTING_OPTIONS: dict[str, Any] = {
+    "policy": PolicyOpt,
+    "policy_opt": PolicyOptOpt,
+    "budget": BudgetOpt,
+    "block_size": BlockOpt,
+    "model": ModelOpt,
+    "max_new_tokens": MaxNewOpt,
+    "device": DeviceOpt,
+    "dtype": DtypeOpt,
+    "quantize": QuantOpt,
+    "positions": PositionsOpt,
+    "sinks": SinksOpt,
+    "recent": RecentOpt,
+    "temperature": TempOpt,
+    "top_p": TopPOpt,
+    "repetition_penalty": RepPenOpt,
+    "seed": SeedOpt,
+}
+#: the settings of a model run without generation (prefill, profile)
+MODEL_SETTINGS = ("model", "device", "dtype", "quantize")
+#: the settings of reading a document under a budget
+READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+#: reading plus generation (ask, summarize)
+ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
+#: what an evaluation grid fixes for every cell (policies and budgets are lists there)
+EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+
+
+def with_settings(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the setting options ``names`` to a command; it receives them as ``flags`` (overrides dict).
+
+    The command declares a ``flags`` parameter and its own options; the shared ones are appended to
+    the signature Typer reads, so their declaration lives in :data:`SETTING_OPTIONS` only.
+    """
+    unknown = set(names) - set(SETTING_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown setting options {sorted(unknown)}")
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "flags"]
+        shared = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=SETTING_OPTIONS[n])
+                  for n in names]
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            flags = overrides(**{n: kwargs.pop(n, None) for n in names})
+            return fn(**kwargs, flags=flags)
+
+        del command.__wrapped__  # Typer must read the signature below, not the wrapped function's
+        command.__signature__ = sig.replace(parameters=own + shared)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in own + shared}
+        return command
+
+    return decorate
+
+
+def overrides(**kw: Any) -> dict[str, Any]:
+    """CLI flags as settings overrides (None = not given); ``policy_opt`` items become ``policy_options``."""
+    opts = kw.pop("policy_opt", None)
+    if opts:
+        kw["policy_options"] = parse_policy_opts(opts)
+    return kw
+
+
+def parse_policy_opts(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"--policy-opt must be key=value (got {item!r})")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def read_questions(questions: list[str] | None, questions_file: Path | None) -> list[str]:
+    qs = list(questions or [])
+    if questions_file is not None:
+        try:
+            lines = questions_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read --questions-file {questions_file}: {e}") from None
+        qs += [ln.strip() for ln in lines if ln.strip()]
+    if not qs:
+        raise UsageError("give at least one question (arguments or --questions-file)")
+    return qs

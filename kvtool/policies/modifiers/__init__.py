@@ -1,0 +1,1 @@
+"""modifiers policies (see kvtool/policies/__init__.py)."""

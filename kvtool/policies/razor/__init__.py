@@ -1,0 +1,1 @@
+"""razor policies (see kvtool/policies/__init__.py)."""

@@ -1,0 +1,42 @@
+"""The layout keeps its promises: one dependency direction, no cycles, a model usable after the engine."""
+
+from __future__ import annotations
+
+import grimp
+import pytest
+import torch
+
+from kvtool.errors import UsageError
+from kvtool.policies import PolicyEnv, build_policy
+from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama
+
+LAYERS = ["kvtool.core", "kvtool.policies", "kvtool.runtime", "kvtool.eval", "kvtool.cli"]
+
+
+def test_no_import_cycles_and_no_back_imports() -> None:
+    graph = grimp.build_graph("kvtool")
+    for module in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(module):
+            if imported.startswith("kvtool"):
+                assert not graph.chain_exists(importer=imported, imported=module), f"cycle {module} <-> {imported}"
+    for low, high in ((a, b) for i, a in enumerate(LAYERS) for b in LAYERS[i + 1 :]):
+        assert not graph.find_shortest_chain(importer=low, imported=high), f"{low} imports {high}"
+
+
+def test_plain_forward_still_works_after_an_engine() -> None:
+    """Building an Engine registers kvtool's attention, but a plain forward gives transformers' own result."""
+    model = tiny_llama()
+    ids = torch.randint(0, VOCAB, (50,), generator=torch.Generator().manual_seed(1))
+    before = dense_logits(model, ids)
+    engine = make_engine(model, "sink", budget=24)
+    stream_logits(engine, ids)  # evicts: the engine path really ran
+    after = dense_logits(model, ids)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert model.config._attn_implementation == "kvtool"
+
+
+def test_modifier_refuses_a_base_with_its_own_head_layout() -> None:
+    env = PolicyEnv(num_layers=1, num_kv_heads=2, num_attention_heads=4, head_dim=8, budget=64)
+    with pytest.raises(UsageError, match="lays out its own head groups"):
+        build_policy("razor+caote", {"fallback": "h2o"}, env)
+    build_policy("razor", {"fallback": "h2o+caote"}, env)  # the modifier on the fallback is the way

@@ -47,6 +47,16 @@ app = typer.Typer(
     add_completion=False,
 )
 
+# Every command, in one place: a command module defines plain functions, this module mounts them.
+app.command("ask")(ask.ask)
+app.command("summarize")(ask.summarize)
+app.command("prefill")(cache.prefill)
+app.command("inspect")(cache.inspect)
+app.command("profile")(profile.profile)
+app.command("calibrate")(calibrate.calibrate_cmd)
+app.add_typer(eval.eval_app, name="eval")
+
+
 @app.command()
 def policies(json_out: JsonOpt = False) -> None:
     """List eviction policies and modifiers."""
@@ -71,15 +81,6 @@ def version() -> None:
     """Print kvtool's version."""
     print(__version__)
 
-
-# Every command, in one place: a command module defines plain functions, this module mounts them.
-app.command("ask")(ask.ask)
-app.command("summarize")(ask.summarize)
-app.command("prefill")(cache.prefill)
-app.command("inspect")(cache.inspect)
-app.command("profile")(profile.profile)
-app.command("calibrate")(calibrate.calibrate_cmd)
-app.add_typer(eval.eval_app, name="eval")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """``kvtool profile``: the predicted memory plan of a run; with ``--doc``, measured against a real prefill.
 
-The plan itself is :func:`kvtool.profiling.plan` (formulas in :mod:`kvtool.runtime.memory`). This module parses
+The plan itself is :func:`kvtool.runtime.profiling.plan` (formulas in :mod:`kvtool.runtime.memory`). This module parses
 the flags, measures the runtime baseline, loads the model (its real dimensions and parameter bytes),
 optionally reads a document under the meter, and prints a table or one JSON object on stdout.
 """

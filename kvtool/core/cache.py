@@ -18,7 +18,7 @@ number of tokens (every head keeps exactly ``capacity``), so no ragged masks are
 Eviction keeps the top-``capacity`` tokens per head (order preserved) and moves K, V, positions and
 state with one index per head, in place. The cache also owns the position counter: ``seen`` is the
 number of tokens fed so far (what ``get_seq_length`` reports), and in ``compact`` position mode it
-keeps keys rotated to their slot positions (see ``kvtool/positions.py``).
+keeps keys rotated to their slot positions (see ``kvtool/core/positions.py``).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 def model_info(session: Any) -> ModelInfo:
-    """A ``ModelInfo`` from a ``kvtool.session.Session``: real parameter counts and bytes, the
+    """A ``ModelInfo`` from a ``kvtool.runtime.session.Session``: real parameter counts and bytes, the
     policy's attention rows and state fields, the session's resolved budget and razor's split."""
     model = session.model
     params = list(model.parameters())

@@ -151,7 +151,7 @@ class Session:
         return tokens, note
 
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
-        """RazorAttention's head map: calibrated once per model and reused (kvtool/calibrate.py)."""
+        """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
         from rich.console import Console
         from rich.progress import Progress
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import transformers
 
+from kvtool.core.families import check_config, check_supported
 from kvtool.errors import KvtoolError, UsageError
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -314,6 +315,11 @@ def _load(
     except Exception as exc:
         raise KvtoolError(f"could not load the tokenizer from {path}: {_one_line(exc)}") from None
     try:
+        config = transformers.AutoConfig.from_pretrained(str(location), **file_kwargs)
+    except Exception as exc:
+        raise KvtoolError(f"could not read the model config from {path}: {_one_line(exc)}") from None
+    check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before any weight is read
+    try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
         if device.type != "cuda":
             model = model.to(device)
@@ -324,6 +330,7 @@ def _load(
 
     model.eval()
     model.requires_grad_(False)
+    check_supported(model)  # what only the loaded modules show (e.g. per-head sink parameters)
     _ensure_chat_template(tokenizer)
     return model, tokenizer
 

@@ -129,13 +129,21 @@ def tiny_family(name: str, seed: int = 0, window: int = FAMILY_WINDOW, max_posit
     elif name == "gemma2":  # local/global layers, attention logit softcapping (small cap so that it bites)
         cfg = T.Gemma2Config(num_hidden_layers=3, head_dim=16, sliding_window=window, attn_logit_softcapping=1.5,
                              query_pre_attn_scalar=16, pad_token_id=0, **common)
-    elif name == "gemma3":  # local/global layers, QK-norm, one RoPE per layer type (global: linear scaling)
-        cfg = T.Gemma3TextConfig(
+    elif name in ("gemma3", "gemma3-multimodal"):  # local/global layers, QK-norm, one RoPE per layer type
+        text = dict(
             num_hidden_layers=3, head_dim=16, sliding_window=window, pad_token_id=0,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}},
             **common)
+        if name == "gemma3":  # Gemma 3 1B / 270M: text only
+            cfg = T.Gemma3TextConfig(**text)
+        else:  # Gemma 3 4B–27B checkpoints: the text model inside Gemma3ForConditionalGeneration
+            text["vocab_size"] = vocab + 3  # image tokens above the ids the tests feed
+            cfg = T.Gemma3Config(text_config=text, mm_tokens_per_image=4, boi_token_index=vocab,
+                                 eoi_token_index=vocab + 1, image_token_index=vocab + 2,
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, image_size=28, patch_size=14))
     else:
         raise ValueError(f"unknown family {name!r}")
     torch.manual_seed(seed)
@@ -148,7 +156,7 @@ def tiny_family(name: str, seed: int = 0, window: int = FAMILY_WINDOW, max_posit
     return model
 
 
-FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal"]
 
 
 def record_visibility(monkeypatch) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -176,7 +184,7 @@ def masking_reference_logits(model, ids: torch.Tensor, visibility) -> torch.Tens
     window (``sliding_window`` as transformers passes it) and with its own logit softcap."""
     from transformers import AttentionInterface
 
-    c = model.config
+    c = model.config.get_text_config()
     T = ids.numel()
     kv_heads = c.num_key_value_heads
     q_per_kv = c.num_attention_heads // kv_heads

@@ -32,7 +32,7 @@ from tests.helpers import (
     tiny_family,
 )
 
-SLIDING = {"mistral", "phi3", "gemma2", "gemma3"}
+SLIDING = {"mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal"}
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:

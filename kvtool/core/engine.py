@@ -25,7 +25,7 @@ from kvtool.core import attention
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
-from kvtool.core.families import check_supported, layer_windows, window_specs
+from kvtool.core.families import check_supported, layer_windows, text_config, window_specs
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
@@ -62,7 +62,7 @@ class EngineConfig:
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
     """The model facts a policy may use when it is built."""
-    c = model.config
+    c = text_config(model.config)  # multimodal wrappers (Gemma 3 ≥ 4B): the language model's config
     heads = c.num_attention_heads
     return PolicyEnv(
         num_layers=c.num_hidden_layers,
@@ -138,7 +138,7 @@ class Engine:
         model.set_attn_implementation(attention.NAME)
         self.device = next(model.parameters()).device
         self.dtype = _kv_dtype(model)
-        c = model.config
+        c = text_config(model.config)
         self.max_positions: int | None = getattr(c, "max_position_embeddings", None)
         self.rotator: Rotator | None = Rotator.from_model(model) if config.positions != "absolute" else None
         self.meter = MemoryMeter(self.device)

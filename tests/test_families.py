@@ -57,6 +57,17 @@ def test_budget_covering_the_document_reproduces_transformers_logits(family, pos
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_plain_forward_after_an_engine_still_equals_transformers(family):
+    """The registered attention falls back to SDPA — or, for softcapped models, explicit capping — without
+    the engine's cache, so the same model object keeps giving transformers' own logits."""
+    model = tiny_family(family)
+    ids = _ids(60, 3)
+    before = dense_logits(model, ids)
+    make_engine(model, "sink", 64)
+    torch.testing.assert_close(dense_logits(model, ids), before, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [1, 5])
 def test_decoding_and_small_blocks_reproduce_transformers_logits(family, block_size):
     model = tiny_family(family)

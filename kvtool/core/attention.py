@@ -159,7 +159,8 @@ def kvtool_attention(
         # A plain forward of the same model (no engine cache): transformers' own SDPA path, so the
         # model stays usable for everything else after an Engine was built on it.
         if softcap is not None:
-            return _explicit_attention(query, key, value, attention_mask, scaling, softcap), None
+            return _explicit_attention(query, key, value, attention_mask, scaling, softcap,
+                                       kwargs.get("sliding_window")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if scaling is None:
@@ -179,10 +180,19 @@ def kvtool_attention(
 
 
 def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
-                        softcap: float) -> Tensor:
-    """Softcapped attention of a plain forward (no engine cache), like transformers' eager path."""
+                        softcap: float, window: int | None) -> Tensor:
+    """Softcapped attention of a plain forward (no engine cache), like transformers' eager path.
+
+    The SDPA mask function returns None where SDPA's own causal flag would do; then the causal (and
+    sliding-window) mask is built here, the queries being the last ``q`` of the ``k`` positions.
+    """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if mask is None and query.shape[2] > 1:
+        q_len, k_len = query.shape[2], key.shape[2]
+        dist = torch.arange(k_len - q_len, k_len, device=query.device)[:, None] - torch.arange(k_len,
+                                                                                             device=query.device)
+        mask = (dist >= 0) & (dist < window) if window is not None else dist >= 0
     rep = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(rep, dim=1)
     v = value.repeat_interleave(rep, dim=1)

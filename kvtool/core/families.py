@@ -20,7 +20,7 @@ instead of running with silently wrong results.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,11 +87,15 @@ class WindowPolicy(Policy):
     name = "window"
     description = "sliding-window layer: keeps the newest W - 1 tokens (exact)"
     window: int = 0
+    _keep: dict[tuple[int, int, int], Tensor] = field(default_factory=dict, repr=False)
 
     def select(self, ctx: ScoreContext) -> Tensor:
-        n, c = ctx.n, ctx.capacity
-        keep = torch.arange(n - c, n, device=ctx.positions.device)
-        return keep.unsqueeze(0).expand(ctx.positions.shape[0], c)
+        """The last ``capacity`` of ``n`` stored tokens; one index per (n, capacity), reused every block."""
+        h, n, c = ctx.positions.shape[0], ctx.n, ctx.capacity
+        key = (h, n, c)
+        if key not in self._keep:
+            self._keep[key] = torch.arange(n - c, n, device=ctx.positions.device).unsqueeze(0).expand(h, c)
+        return self._keep[key]
 
 
 def window_specs(window: int, env: PolicyEnv) -> list[GroupSpec]:

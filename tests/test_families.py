@@ -287,3 +287,18 @@ def test_cli_refuses_attention_sink_models_in_one_line(tmp_path, capsys):
     assert code == 2
     assert err.strip().startswith("kvtool: error:") and "attention-sink logits" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("rope", "positions"), [
+    ({"rope_type": "linear", "factor": 4.0}, "compact"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "compact"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "absolute"),  # length-dependent: absolute positions only
+])
+def test_rope_scaling_variants_reproduce_transformers_logits(rope, positions):
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(rope_scaling={"rope_theta": 10000.0, **rope})
+    ids = _ids(80, 9)
+    dense = dense_logits(model, ids)
+    got, _ = stream_logits(make_engine(model, "tova", 128, block_size=16, positions=positions), ids)
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)

@@ -314,11 +314,12 @@ def _load(
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs)
     except Exception as exc:
         raise KvtoolError(f"could not load the tokenizer from {path}: {_one_line(exc)}") from None
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(location), **file_kwargs)
-    except Exception as exc:
-        raise KvtoolError(f"could not read the model config from {path}: {_one_line(exc)}") from None
-    check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before any weight is read
+    if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(location))
+        except Exception as exc:
+            raise KvtoolError(f"could not read the model config from {path}: {_one_line(exc)}") from None
+        check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights load
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
         if device.type != "cuda":

@@ -2,6 +2,12 @@
 
     python bench/prefill.py                       # the default table (see --help), ~1 hour on 2 CPU cores
     python bench/prefill.py --quick               # 2K/8K/32K, sink only: the issue-2 comparison (~5 min)
+    python bench/prefill.py --config llama-3.1-8b --lengths 4k,32k,128k --policies sink,tova   # real shapes
+
+``--config NAME`` builds a randomly initialised model of a real model's shape (``CONFIGS`` below:
+written here, nothing is downloaded) in the device's dtype (bf16 on CUDA), so speed and memory can be
+measured at real sizes without weights. Documents are then random token ids and the block-size sweep
+is skipped (perplexity of random weights means nothing). ``--list-configs`` prints the shapes.
 
 Every row runs in a fresh child process so its peak memory is its own (peak RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA). Rows:
@@ -19,6 +25,7 @@ at the end and every miss says by how much. ``--json PATH`` writes all rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +38,78 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 sys.path.insert(0, str(ROOT))
+
+
+# Shapes of real models (from their published config.json files), randomly initialised by --config.
+# "class" is the transformers config class; every other key is passed to it.
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+CONFIGS: dict[str, dict] = {
+    "llama-3.1-8b": {"class": "LlamaConfig", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "vocab_size": 128256, "max_position_embeddings": 131072, "rope_scaling": _LLAMA3_ROPE},
+    "llama-3.2-1b": {"class": "LlamaConfig", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                     "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}},
+    "qwen3-8b": {"class": "Qwen3Config", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0},
+    "qwen3-0.6b": {"class": "Qwen3Config", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen2.5-0.5b": {"class": "Qwen2Config", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "mistral-7b-v0.1": {"class": "MistralConfig", "hidden_size": 4096, "intermediate_size": 14336,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "vocab_size": 32000, "max_position_embeddings": 32768, "sliding_window": 4096},
+    "phi-3-mini": {"class": "Phi3Config", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+                   "max_position_embeddings": 4096, "sliding_window": 2047, "pad_token_id": 32000},
+    "gemma-2-9b": {"class": "Gemma2Config", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+                   "max_position_embeddings": 8192, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256},
+    "gemma-3-12b": {"class": "Gemma3TextConfig", "hidden_size": 3840, "intermediate_size": 15360,
+                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+                    "query_pre_attn_scalar": 256,
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                           "factor": 8.0}}},
+    "gemma-3-1b": {"class": "Gemma3TextConfig", "hidden_size": 1152, "intermediate_size": 6912,
+                   "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                   "vocab_size": 262144, "max_position_embeddings": 32768, "sliding_window": 512,
+                   "query_pre_attn_scalar": 256,
+                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+}
+
+
+def config_model(name: str, device_spec: str, dtype_spec: str):
+    """A randomly initialised model of ``CONFIGS[name]``'s shape, built directly on the device."""
+    import torch
+    import transformers
+
+    from kvtool.runtime.model import resolve_device, resolve_dtype
+
+    spec = dict(CONFIGS[name])
+    cls = getattr(transformers, spec.pop("class"))
+    device = resolve_device(device_spec)
+    dtype = resolve_dtype(dtype_spec, device)
+    config = cls(**spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model, device
+
+
+def random_ids(vocab: int, n: int):
+    import torch
+
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
 
 
 def parse_tokens(text: str) -> int:
@@ -59,11 +138,28 @@ def corpus_ids(tokenizer, n: int):
     return ids[:n]
 
 
+def reset_peak(device) -> None:
+    """Start the peak-memory measurement now (after the model is built): on CUDA the allocator's peak;
+    on Linux CPU the process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``), so that
+    a random model's initialisation temporaries do not hide the prefill's own peak."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_bytes(device) -> int:
     import torch
 
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -80,19 +176,24 @@ def run_one(spec: dict) -> dict:
     from kvtool.runtime.model import load_model
 
     torch.set_grad_enabled(False)
-    loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
-    model, device = loaded.model, loaded.device
-    ids = corpus_ids(loaded.tokenizer, spec["length"] + spec.get("continuation", 0))
+    if spec.get("config"):
+        loaded = None
+        model, device = config_model(spec["config"], spec.get("device", "auto"), spec.get("dtype", "auto"))
+        ids = random_ids(model.config.get_text_config().vocab_size, spec["length"] + spec.get("continuation", 0))
+    else:
+        loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
+        model, device = loaded.model, loaded.device
+        ids = corpus_ids(loaded.tokenizer, spec["length"] + spec.get("continuation", 0))
     doc, cont = ids[: spec["length"]], ids[spec["length"] :]
     kind, block = spec["kind"], spec["block_size"]
     out = {**spec, "params": sum(p.numel() for p in model.parameters())}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     decode_n = spec.get("decode_tokens", 0)
     if kind in ("dense", "chunked"):
         from transformers import DynamicCache
 
-        model.set_attn_implementation("sdpa")
+        with contextlib.suppress(ValueError):  # Gemma 2 has no SDPA (softcapping): its own eager attention
+            model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         sync(device)
         t0 = time.perf_counter()
@@ -119,6 +220,8 @@ def run_one(spec: dict) -> dict:
                            sync_timing=device.type == "cuda")
         retrieval = None
         if spec["policy"].startswith("razor"):
+            if loaded is None:
+                raise SystemExit("razor needs a real model (calibration), not --config")
             from kvtool.policies.razor.calibrate import calibrate
             from kvtool.runtime.model import kvtool_home
 
@@ -235,6 +338,8 @@ def main() -> None:
     ap.add_argument("--sweep-continuation", type=int, default=64)
     ap.add_argument("--memory-lengths", default="4k,128k", help="the two lengths of the flat-memory target")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--config", default=None, help="random model of a real shape: " + ", ".join(CONFIGS))
+    ap.add_argument("--list-configs", action="store_true", help="print the --config shapes and exit")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the issue-2 table)")
@@ -243,6 +348,18 @@ def main() -> None:
     if args.run_one:
         print(json.dumps(run_one(json.loads(args.run_one))))
         return
+    if args.list_configs:
+        for name, spec in CONFIGS.items():
+            print(f"{name:16} {spec['class']:17} layers {spec['num_hidden_layers']:3} hidden {spec['hidden_size']:5} "
+                  f"heads {spec['num_attention_heads']}/{spec['num_key_value_heads']} "
+                  f"window {spec.get('sliding_window', '-')}")
+        return
+    if args.config is not None:
+        if args.config not in CONFIGS:
+            raise SystemExit(f"prefill.py: error: unknown --config {args.config!r}; one of {', '.join(CONFIGS)}")
+        if args.model is not None:
+            raise SystemExit("prefill.py: error: --config and --model are exclusive")
+        args.sweep = ""  # random weights: continuation perplexity means nothing
     if args.quick:
         args.lengths, args.policies, args.sweep, args.memory_lengths = "2k,8k,32k", "sink", "", ""
     lengths = [parse_tokens(x) for x in args.lengths.split(",") if x]
@@ -251,8 +368,8 @@ def main() -> None:
     budget, block = parse_tokens(args.budget), args.block_size
     dense_max = parse_tokens(args.dense_max)
     chunked_max = parse_tokens(args.chunked_max)
-    base = {"model": args.model, "device": args.device, "dtype": args.dtype, "budget": budget, "block_size": block,
-            "decode_tokens": args.decode_tokens}
+    base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
+            "block_size": block, "decode_tokens": args.decode_tokens}
 
     import torch
 

@@ -97,3 +97,139 @@ def tiny_checkpoint(directory, seed: int = 0, layers: int = 2, hidden: int = 64)
     LlamaForCausalLM(cfg).save_pretrained(str(directory))
     tok.save_pretrained(str(directory))
     return Path(directory)
+
+
+# -- model families (tests/test_families.py) ---------------------------------------------------------------------
+# Tiny random models built from transformers' own config classes, one per family kvtool claims to support.
+# Every family has 2–3 layers, GQA (4 query heads over 2 KV heads) and head_dim 16. ``window`` is the sliding
+# window of the families that have one: shorter than the tests' documents, so sliding layers really drop tokens.
+
+FAMILY_WINDOW = 24
+
+
+def tiny_family(name: str, seed: int = 0, window: int = FAMILY_WINDOW, max_positions: int = 2048,
+                vocab: int = VOCAB):
+    """A tiny randomly initialised model of family ``name`` (see ``FAMILIES``), in eval mode."""
+    import transformers as T
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=max_positions)
+    if name == "llama3":  # Llama 3.x RoPE scaling: low frequencies stretched, high ones kept
+        cfg = T.LlamaConfig(num_hidden_layers=2, rope_scaling={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, **common)
+    elif name == "qwen2":
+        cfg = T.Qwen2Config(num_hidden_layers=2, use_sliding_window=False, **common)
+    elif name == "qwen3":  # QK-norm (RMSNorm on each head's query and key before RoPE)
+        cfg = T.Qwen3Config(num_hidden_layers=2, head_dim=16, **common)
+    elif name == "mistral":  # every layer slides (Mistral v0.1-style config)
+        cfg = T.MistralConfig(num_hidden_layers=2, sliding_window=window, **common)
+    elif name == "phi3":  # fused qkv_proj / gate_up_proj; Phi-3-mini also slides every layer
+        cfg = T.Phi3Config(num_hidden_layers=2, sliding_window=window + 8, pad_token_id=0, **common)
+    elif name == "gemma2":  # local/global layers, attention logit softcapping (small cap so that it bites)
+        cfg = T.Gemma2Config(num_hidden_layers=3, head_dim=16, sliding_window=window, attn_logit_softcapping=1.5,
+                             query_pre_attn_scalar=16, pad_token_id=0, **common)
+    elif name in ("gemma3", "gemma3-multimodal"):  # local/global layers, QK-norm, one RoPE per layer type
+        text = dict(
+            num_hidden_layers=3, head_dim=16, sliding_window=window, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}},
+            **common)
+        if name == "gemma3":  # Gemma 3 1B / 270M: text only
+            cfg = T.Gemma3TextConfig(**text)
+        else:  # Gemma 3 4B–27B checkpoints: the text model inside Gemma3ForConditionalGeneration
+            text["vocab_size"] = vocab + 3  # image tokens above the ids the tests feed
+            cfg = T.Gemma3Config(text_config=text, mm_tokens_per_image=4, boi_token_index=vocab,
+                                 eoi_token_index=vocab + 1, image_token_index=vocab + 2,
+                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                    num_attention_heads=2, image_size=28, patch_size=14))
+    else:
+        raise ValueError(f"unknown family {name!r}")
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    if name == "gemma2":  # random init gives logits far below the cap: sharpen queries/keys so capping matters
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(12)
+                layer.self_attn.k_proj.weight.mul_(12)
+    return model
+
+
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3-multimodal"]
+
+
+def record_visibility(monkeypatch) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer and step: the block's query positions and the stream positions each KV head held
+    (before eviction, i.e. what the block attended over; -1 where a head's group holds nothing)."""
+    from kvtool.core.cache import BoundedLayer
+
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    original = BoundedLayer.after_attention
+
+    def spy(self, g, probs):
+        n = g.length
+        full = torch.full((self.owner.num_kv_heads, n), -1, dtype=torch.long)
+        full[g.kv_index] = g.positions[:, :n].cpu()
+        seen.setdefault(self.layer_idx, []).append((self.owner.step_original_positions.cpu().clone(), full))
+        return original(self, g, probs)
+
+    monkeypatch.setattr(BoundedLayer, "after_attention", spy)
+    return seen
+
+
+def masking_reference_logits(model, ids: torch.Tensor, visibility) -> torch.Tensor:
+    """A dense float64 forward of the whole sequence in which layer l / KV head h / query t attends to
+    exactly the keys the cache held when t was processed — intersected with the model's own sliding
+    window (``sliding_window`` as transformers passes it) and with its own logit softcap."""
+    from transformers import AttentionInterface
+
+    c = model.config.get_text_config()
+    T = ids.numel()
+    kv_heads = c.num_key_value_heads
+    q_per_kv = c.num_attention_heads // kv_heads
+    masks = {}
+    for layer, steps in visibility.items():
+        allowed = torch.zeros(kv_heads, T, T, dtype=torch.bool)
+        for q_pos, kv in steps:
+            for h in range(kv_heads):
+                pos = kv[h][kv[h] >= 0]
+                for t in q_pos.tolist():
+                    allowed[h, t, pos[pos <= t]] = True
+        masks[layer] = allowed.repeat_interleave(q_per_kv, dim=0)
+
+    def ref_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      softcap=None, **kw):
+        allowed = masks[module.layer_idx]
+        if sliding_window is not None:
+            t = torch.arange(T)
+            allowed = allowed & ((t[:, None] - t[None, :]) < sliding_window)
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1).double()
+        v = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1).double()
+        s = (query.double() @ k.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        out = torch.softmax(s, -1) @ v
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvtool_ref", ref_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvtool_ref")
+    try:
+        with torch.no_grad():
+            return model(ids[None]).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def tiny_family_checkpoint(directory, family: str, seed: int = 0):
+    """A checkpoint directory of ``tiny_family(family)`` with the tiny tokenizer (for CLI tests)."""
+    from pathlib import Path
+
+    tok = tiny_tokenizer()
+    model = tiny_family(family, seed=seed, vocab=len(tok))
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return Path(directory)

@@ -12,8 +12,14 @@ appended the block's keys/values. For each head group of the layer it
 3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
    so at most one layer's probabilities exist at a time.
 
+Sliding-window layers (``HeadGroup.window``, see ``core/families.py``) hold contiguous tokens, so
+their mask is arithmetic: query row ``r`` sees column ``j`` iff ``0 <= r + n_old - j < W``. Logit
+softcapping (Gemma 2: ``softcap=``) is ``tanh(s / c) · c`` on the scaled scores; SDPA cannot do it, so
+a softcapped layer always takes the explicit-probability path.
+
 Without the engine's cache (a plain ``model(input_ids)`` after an ``Engine`` was built) both the
-attention and the mask function fall through to transformers' SDPA, so the model stays usable.
+attention and the mask function fall through to transformers' SDPA (or, with softcapping, to the
+same explicit computation), so the model stays usable.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kvtool.core.cache import BoundedCache, BoundedLayer, HeadGroup
+from kvtool.errors import UsageError
 
 NAME = "kvtool"
 
@@ -54,16 +61,33 @@ def _block_mask(cache: BoundedCache, m: int, n_total: int, off: int, bias: float
     return fmask
 
 
-def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
-    """Softmax(q kᵀ · scale + mask) in float32, grouped by KV head: [h, q_per_kv, r, n].
+def _window_mask(cache: BoundedCache, m: int, n_total: int, window: int, device: torch.device) -> Tensor | None:
+    """Mask [m, n_total] of a sliding group (contiguous tokens): block causal and distance < window."""
+    if n_total <= window:  # no pair is a window apart: the plain block-causal mask
+        return _block_mask(cache, m, n_total, 0, None, torch.bool, device)
+    key = (m, n_total, 0, window)
+    masks = cache.step.masks
+    if key not in masks:
+        n_old = n_total - m
+        dist = torch.arange(m, device=device).unsqueeze(1) + n_old - torch.arange(n_total, device=device)
+        masks[key] = (dist >= 0) & (dist < window)
+    return masks[key]
+
+
+def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: float | None = None) -> Tensor:
+    """Softmax(cap(q kᵀ · scale) + mask) in float32, grouped by KV head: [h, q_per_kv, r, n].
 
     Query heads sharing a KV head are batched against it, so K is never repeated per query head.
+    ``softcap`` (Gemma 2) caps the scaled scores with ``tanh(s / c) · c`` before the mask, as
+    transformers' eager attention does.
     """
     h, n, d = k.shape[1], k.shape[2], k.shape[3]
     r = q.shape[2]
     q_per_kv = q.shape[1] // h
     qg = q[0].float().reshape(h, q_per_kv * r, d)
     scores = torch.bmm(qg, k[0].float().transpose(1, 2)).mul_(scaling).view(h, q_per_kv, r, n)
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -78,7 +102,8 @@ def _reduce_gqa(p: Tensor, off: int, how: str) -> Tensor:
     return p.amax(1) if how == "max" else p.mean(1)
 
 
-def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: float) -> Tensor:
+def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: float,
+                  softcap: float | None = None) -> Tensor:
     cache = layer.owner
     m = query.shape[2]
     q = query if g.all_heads else query.index_select(1, g.q_index)
@@ -88,16 +113,20 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     evicting = g.capacity is not None and n > g.capacity
     rows = min(policy.query_rows(m), m) if (evicting or policy.observe_every_step) else 0
     bias = g.comp_bias() if g.off else None
-    mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)
+    if g.window is not None:
+        mask = _window_mask(cache, m, n, g.window, q.device)
+    else:
+        mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)
     probs = None
-    if rows == m:
+    if rows == m or softcap is not None:
         t0 = cache.clock()
-        attn = _probs(q, k, mask, scaling)  # every row: the probabilities give the output too
+        attn = _probs(q, k, mask, scaling, softcap)  # every row: the probabilities give the output too
         h, qk, _, nk = attn.shape
         out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
-        probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
-        cache.counters.prob_rows += rows
-        cache.counters.probs_seconds += cache.clock() - t0
+        if rows > 0:
+            probs = _reduce_gqa(attn[:, :, m - rows :], g.off, cache.gqa_reduce)
+            cache.counters.prob_rows += rows
+            cache.counters.probs_seconds += cache.clock() - t0
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=g.q_per_kv > 1)
         if rows > 0:
@@ -123,21 +152,59 @@ def kvtool_attention(
 ) -> tuple[Tensor, None]:
     """Attention over the bounded cache; returns ``[batch, m, heads, d]`` like transformers' SDPA path."""
     cache = kwargs.get("kvtool_cache")
+    softcap = kwargs.get("softcap")
+    if kwargs.get("s_aux") is not None:  # check_supported refuses these models up front; never compute wrongly
+        raise UsageError("attention-sink logits (s_aux) are not supported by kvtool")
     if not isinstance(cache, BoundedCache):
         # A plain forward of the same model (no engine cache): transformers' own SDPA path, so the
         # model stays usable for everything else after an Engine was built on it.
+        if softcap is not None:
+            return _explicit_attention(query, key, value, attention_mask, scaling, softcap,
+                                       kwargs.get("sliding_window")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer: BoundedLayer = cache.layers[module.layer_idx]  # type: ignore[assignment]
+    window = kwargs.get("sliding_window")
+    if window != layer.groups[0].window:  # the layer table (families.layer_windows) disagrees with the model
+        raise UsageError(f"layer {module.layer_idx}: the model attends with sliding_window={window}, kvtool's "
+                         f"cache expected {layer.groups[0].window}; this model's layer layout is not supported")
     if len(layer.groups) == 1:
-        out = _attend_group(layer, layer.groups[0], query, scaling)
+        out = _attend_group(layer, layer.groups[0], query, scaling, softcap)
     else:
         out = torch.empty_like(query)
         for g in layer.groups:
-            out.index_copy_(1, g.q_index, _attend_group(layer, g, query, scaling))
+            out.index_copy_(1, g.q_index, _attend_group(layer, g, query, scaling, softcap))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _explicit_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
+                        softcap: float, window: int | None) -> Tensor:
+    """Softcapped attention of a plain forward (no engine cache), like transformers' eager path.
+
+    The SDPA mask function returns None where SDPA's own causal flag would do; then the causal (and
+    sliding-window) mask is built here, the queries being the last ``q`` of the ``k`` positions.
+    """
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if mask is None and query.shape[2] > 1:
+        q_len, k_len = query.shape[2], key.shape[2]
+        dist = torch.arange(k_len - q_len, k_len, device=query.device)[:, None] - torch.arange(k_len,
+                                                                                             device=query.device)
+        mask = (dist >= 0) & (dist < window) if window is not None else dist >= 0
+    rep = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(rep, dim=1)
+    v = value.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.float()
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return out.transpose(1, 2).contiguous()
 
 
 def kvtool_mask(*args: Any, **kwargs: Any) -> Tensor | None:

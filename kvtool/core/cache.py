@@ -67,6 +67,8 @@ class HeadGroup:
         self.policy: Policy = spec.policy
         self.compensation = spec.compensation
         self.off = 1 if spec.compensation else 0
+        self.window = spec.window  # sliding-window layer: tokens stay contiguous, masked by distance
+        self.rotator: Rotator | None = None  # the layer's own RoPE (compact positions), set by BoundedCache
         self.all_heads = self.heads == list(range(num_kv_heads))
         self.kv_index = torch.tensor(self.heads, dtype=torch.long, device=device)
         q_idx = [h * q_per_kv + j for h in self.heads for j in range(q_per_kv)]
@@ -336,7 +338,7 @@ class StepInfo:
     length: int = 0
     original_positions: Tensor | None = None  # [m] stream positions of the block's tokens
     rotary_positions: Tensor | None = None  # [m] positions RoPE uses for the block (== original in absolute mode)
-    masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
 
 
 class BoundedCache(Cache):
@@ -363,6 +365,8 @@ class BoundedCache(Cache):
         layers = []
         for idx, specs in enumerate(layer_specs):
             groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device) for s in specs]
+            for g in groups:  # Gemma 3: local and global layers rotate with different RoPE bases
+                g.rotator = rotator.for_layer(idx) if rotator is not None else None
             layers.append(BoundedLayer(self, idx, groups))
         super().__init__(layers=layers)
         self.num_kv_heads = num_kv_heads
@@ -479,7 +483,7 @@ class BoundedCache(Cache):
         P = max(self.lengths())
         for g in self.groups():
             self._pack(g, P)
-            g.rotate_compensation(self.rotator, P - self.seen)  # same frame shift as the query
+            g.rotate_compensation(g.rotator, P - self.seen)  # same frame shift as the query
         self.rotary_next = P
         self.compact = True
         self.compact_since = self.seen
@@ -495,7 +499,7 @@ class BoundedCache(Cache):
             if n:
                 self._rotate(g, torch.full((g.num_heads, n), shift, device=self.device))
                 g.rotary[:, :n] += shift
-            g.rotate_compensation(self.rotator, shift)
+            g.rotate_compensation(g.rotator, shift)
         self.rotary_next += shift
 
     def compact_group(self, g: HeadGroup, evicted: bool) -> None:
@@ -507,7 +511,7 @@ class BoundedCache(Cache):
         if not self.compact:
             return
         m = self.step.length
-        g.rotate_compensation(self.rotator, m)
+        g.rotate_compensation(g.rotator, m)
         if not evicted or g.length == 0:
             return
         next_q = int(self.step.rotary_positions[0]) + m
@@ -527,13 +531,13 @@ class BoundedCache(Cache):
 
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
         """Rotate stored keys by ``delta`` [h, n]; only the prefix up to the last moved token is touched."""
-        assert self.rotator is not None
+        assert g.rotator is not None
         moved = (delta != 0).any(0).nonzero()
         if moved.numel() == 0:
             return
         end = int(moved[-1]) + 1
         keys = g.keys[0, :, g.off : g.off + end]
-        keys.copy_(self.rotator.rotate(keys, delta[:, :end]))
+        keys.copy_(g.rotator.rotate(keys, delta[:, :end]))
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

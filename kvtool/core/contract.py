@@ -62,13 +62,16 @@ class GroupSpec:
 
     ``capacity`` is in tokens per head (``None``: unbounded, the dense reference). With
     ``compensation`` the group also holds one compensation token per head (RazorAttention eq. 4),
-    which counts as one token of the capacity promise.
+    which counts as one token of the capacity promise. ``window``: the group belongs to a
+    sliding-window layer (see ``core/families.py``): queries see only keys less than ``window``
+    positions back, and the attention function masks by that distance.
     """
 
     heads: list[int]
     capacity: int | None
     policy: Policy
     compensation: bool = False
+    window: int | None = None
 
 
 @dataclass

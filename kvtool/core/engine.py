@@ -7,7 +7,8 @@ Peak memory is independent of the document length: the cache holds at most ``cap
 tokens per KV head in preallocated buffers, attention scratch is one layer × one block, and logits
 are computed for the last token only (unless a caller asks for every row, as perplexity does).
 The engine knows nothing about any particular policy: it asks the policy for its head layout
-(``layer_groups``) and the cache/attention function do the rest.
+(``layer_groups``) and the cache/attention function do the rest. Sliding-window layers of hybrid
+models are laid out by ``core/families.py`` instead (window eviction, no policy, no budget).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvtool.core import attention
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
+from kvtool.core.families import check_supported, layer_windows, text_config, window_specs
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
@@ -60,7 +62,7 @@ class EngineConfig:
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
     """The model facts a policy may use when it is built."""
-    c = model.config
+    c = text_config(model.config)  # multimodal wrappers (Gemma 3 ≥ 4B): the language model's config
     heads = c.num_attention_heads
     return PolicyEnv(
         num_layers=c.num_hidden_layers,
@@ -124,6 +126,7 @@ class Engine:
         env: PolicyEnv | None = None,
     ) -> None:
         config.validate()
+        check_supported(model)
         self.model = model
         self.policy = policy
         self.config = config
@@ -135,18 +138,20 @@ class Engine:
         model.set_attn_implementation(attention.NAME)
         self.device = next(model.parameters()).device
         self.dtype = _kv_dtype(model)
-        c = model.config
+        c = text_config(model.config)
         self.max_positions: int | None = getattr(c, "max_position_embeddings", None)
         self.rotator: Rotator | None = Rotator.from_model(model) if config.positions != "absolute" else None
         self.meter = MemoryMeter(self.device)
-        self.layer_specs = [policy.layer_groups(i, self.env) for i in range(self.env.num_layers)]
+        self.windows = layer_windows(c)
+        self.layer_specs = [policy.layer_groups(i, self.env) if w is None else window_specs(w, self.env)
+                            for i, w in enumerate(self.windows[: self.env.num_layers])]
         self._check_capacities()
 
     # -- set-up ----------------------------------------------------------------------------------
     def _check_capacities(self) -> None:
         for specs in self.layer_specs:
             for s in specs:
-                if s.capacity is None:
+                if s.capacity is None or s.window is not None:  # sliding layers protect nothing
                     continue
                 recent = max(self.config.recent, s.policy.protected_recent(s.capacity))
                 if s.capacity < self.config.sinks + recent + 1:
@@ -201,7 +206,7 @@ class Engine:
     def pin(self, cache: BoundedCache, length: int) -> None:
         """Protect the next ``length`` tokens (a question) until ``unpin``; they must fit every group."""
         for g in cache.groups():
-            if g.capacity is None:
+            if g.capacity is None or g.window is not None:  # a sliding layer forgets the question anyway
                 continue
             if self.config.sinks + length > g.capacity:
                 raise UsageError(

@@ -7,6 +7,11 @@ All functions work on a ``dims`` dict (see ``dims_from_config``) with the keys `
 ``num_kv_heads``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``intermediate_size`` and
 ``vocab_size``. Element sizes (``elem``) may be a ``torch.dtype`` or its size in bytes. Everything is
 an estimate of *steady-state* peaks for batch size 1; constants are documented where they appear.
+
+Hybrid models (Gemma 2/3, Mistral and Phi-3 configs with a sliding window) add ``sliding_layers`` and
+``sliding_window`` to ``dims``: a sliding layer holds ``min(W - 1, budget)`` tokens per KV head
+(``core/families.py``), only the other layers hold the budget. Softcapped models (Gemma 2) add
+``softcap``: their attention always computes every row's probabilities explicitly.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from kvtool.core.families import layer_kinds, window_capacity
 
 DIM_KEYS: tuple[str, ...] = (
     "num_layers",
@@ -76,7 +83,7 @@ def dims_from_config(config: Any) -> dict[str, int]:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    return {
+    dims = {
         "num_layers": int(config.num_hidden_layers),
         "num_kv_heads": int(kv_heads),
         "num_attention_heads": heads,
@@ -84,6 +91,25 @@ def dims_from_config(config: Any) -> dict[str, int]:
         "hidden_size": hidden,
         "intermediate_size": int(intermediate),
         "vocab_size": int(config.vocab_size),
+    }
+    kinds = layer_kinds(config, None)
+    if kinds["sliding_layers"]:
+        dims["sliding_layers"] = kinds["sliding_layers"]
+        dims["sliding_window"] = kinds["sliding_window"]
+    if getattr(config, "attn_logit_softcapping", None):
+        dims["softcap"] = 1
+    return dims
+
+
+def layer_split(dims: Dims, budget_tokens: int) -> dict[str, int]:
+    """Global and sliding layers, and the tokens per KV head each kind holds at ``budget_tokens``."""
+    sliding = int(dims.get("sliding_layers", 0))
+    window = int(dims.get("sliding_window", 0))
+    return {
+        "global_layers": dims["num_layers"] - sliding,
+        "sliding_layers": sliding,
+        "global_tokens": budget_tokens,
+        "sliding_tokens": window_capacity(window, budget_tokens) if sliding else 0,
     }
 
 
@@ -118,16 +144,26 @@ def kv_bytes_per_token(dims: Dims, elem: Any) -> dict[str, int]:
     return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
 
 
-def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int) -> dict[str, int]:
+def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int) -> dict[str, Any]:
     """KV memory at a budget of ``budget_tokens`` per KV head.
 
     ``promised``: what the budget guarantees after every eviction, the same for every policy
     (per-head capacities that sum to budget x heads promise the same bytes). ``allocated``: the
     preallocated buffers, capacity plus one block of scratch that the incoming block is appended to
-    before eviction brings the cache back to capacity.
+    before eviction brings the cache back to capacity. A hybrid model's sliding layers hold
+    ``min(W - 1, budget)`` tokens instead; ``by_layer_kind`` then splits both figures.
     """
-    total = kv_bytes_per_token(dims, elem)["total"]
-    return {"promised": budget_tokens * total, "allocated": (budget_tokens + block_size) * total}
+    per_layer = kv_bytes_per_token(dims, elem)["per_layer"]
+    s = layer_split(dims, budget_tokens)
+    glob = {"promised": s["global_layers"] * budget_tokens * per_layer,
+            "allocated": s["global_layers"] * (budget_tokens + block_size) * per_layer}
+    out: dict[str, Any] = dict(glob)
+    if s["sliding_layers"]:
+        slide = {"promised": s["sliding_layers"] * s["sliding_tokens"] * per_layer,
+                 "allocated": s["sliding_layers"] * (s["sliding_tokens"] + block_size) * per_layer}
+        out = {k: glob[k] + slide[k] for k in glob}
+        out["by_layer_kind"] = {"global": glob, "sliding": slide}
+    return out
 
 
 def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int) -> int:
@@ -137,6 +173,8 @@ def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int) -> i
     ``rows = 0`` (policies that never look at attention) costs nothing. SDPA's own temporaries are
     counted separately by ``sdpa_scratch_bytes`` (``predict_peak`` adds both).
     """
+    if dims.get("softcap"):  # SDPA cannot softcap: every row's probabilities are computed
+        rows = block
     if rows <= 0:
         return 0
     rows = min(rows, block)
@@ -162,8 +200,10 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
     """Per-token float32 policy state (``Policy.state_fields``) kept next to K/V, in the same
-    capacity-plus-one-block buffers, for every KV head of every layer."""
-    return n_fields * 4 * (budget + block) * dims["num_kv_heads"] * dims["num_layers"]
+    capacity-plus-one-block buffers, for every KV head of every global layer (sliding layers have
+    no policy)."""
+    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
+    return n_fields * 4 * (budget + block) * dims["num_kv_heads"] * layers
 
 
 def activation_bytes(dims: Dims, block: int, elem: Any, logits_rows: int = 1) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import transformers
 
+from kvtool.core.families import check_config, check_supported
 from kvtool.errors import KvtoolError, UsageError
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -313,6 +314,12 @@ def _load(
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs)
     except Exception as exc:
         raise KvtoolError(f"could not load the tokenizer from {path}: {_one_line(exc)}") from None
+    if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(location))
+        except Exception as exc:
+            raise KvtoolError(f"could not read the model config from {path}: {_one_line(exc)}") from None
+        check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights load
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
         if device.type != "cuda":
@@ -324,6 +331,7 @@ def _load(
 
     model.eval()
     model.requires_grad_(False)
+    check_supported(model)  # what only the loaded modules show (e.g. per-head sink parameters)
     _ensure_chat_template(tokenizer)
     return model, tokenizer
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtool.runtime import memory as _mem
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, sliding_note
 
 
 @dataclass
@@ -116,10 +116,11 @@ def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> t
         return b.tokens, None
     assert b.nbytes is not None
     elem = _mem.dtype_bytes(dtype)
-    tokens = budget_tokens_from_bytes(b.nbytes, dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], elem)
+    tokens = budget_tokens_from_bytes(b.nbytes, dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], elem,
+                                      dims.get("sliding_layers", 0), dims.get("sliding_window", 0))
     per_token = _mem.kv_bytes_per_token(dims, elem)["total"]
     note = (f"budget {b.text} = {tokens} tokens per KV head "
-            f"({per_token} bytes of K+V per token in {dtype_name(dtype)})")
+            f"({per_token} bytes of K+V per token in {dtype_name(dtype)})") + sliding_note(dims)
     return tokens, note
 
 
@@ -186,6 +187,12 @@ def plan(
         {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
         if peak["kv_allocated_bytes"] is not None else None
     )
+    if cache_tokens is not None and dims.get("sliding_layers"):  # hybrid model: global vs sliding layers
+        split = _mem.layer_split(dims, cache_tokens)
+        out["kv_bytes_at_budget"]["by_layer_kind"] = {
+            kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
+            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
+        }
     out.update({
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
@@ -252,6 +259,10 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
              f"{budget if budget is not None else 'doc'} tokens per KV head"),
             ("KV allocated", _b(at["allocated"]), f"({keys}) tokens: capacity + one block"),
         ]
+        for kind, v in (at.get("by_layer_kind") or {}).items():
+            rows.append((f"  of which {kind} layers", _b(v["allocated"]),
+                         f"{v['layers']} layers x {v['tokens_per_head']} tokens per KV head (+ one block)"
+                         + (" = the window" if kind == "sliding" else "")))
     rows += [
         ("attention scratch (policy)", _b(p["attention_scratch_bytes"]),
          f"{p['attention_rows']} rows x ({keys}) keys, float32 x 2"),

@@ -25,7 +25,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, sliding_note
 
 
 @dataclass
@@ -144,11 +144,12 @@ class Session:
         assert b.nbytes is not None
         elem = dtype_bytes(self.loaded.dtype)
         d = self.dims
-        tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem)
+        tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem,
+                                          d.get("sliding_layers", 0), d.get("sliding_window", 0))
         per_token = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * elem
         dtype = str(self.loaded.dtype).replace("torch.", "")
         note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
-        return tokens, note
+        return tokens, note + sliding_note(d)
 
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
@@ -278,6 +279,7 @@ class Session:
             "decode_tokens": dec_tokens,
             "decode_tokens_per_second": round(dec_tokens / dec_seconds, 2) if dec_seconds > 0 else 0.0,
             "kv_cache_bytes": cache.allocated_bytes() if cache else 0,
+            "kv_cache_bytes_by_layer_kind": _bytes_by_layer_kind(cache),
             "kv_cache_stored_bytes": cache.stored_bytes() if cache else 0,
             "kv_budget_bytes": cache.promised_bytes() if cache else None,
             "peak_memory_bytes": peak_bytes if peak_bytes is not None else self.engine.meter.peak_bytes(),
@@ -301,6 +303,14 @@ class Session:
         if self.budget_note:
             out["budget_conversion"] = self.budget_note
         return out
+
+
+def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
+    """Allocated K/V bytes of global (budgeted) and sliding-window layers (hybrid models)."""
+    out = {"global": 0, "sliding": 0}
+    for g in cache.groups() if cache else []:
+        out["global" if g.window is None else "sliding"] += g.allocated_bytes()
+    return out
 
 
 def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:

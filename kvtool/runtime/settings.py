@@ -153,20 +153,36 @@ def parse_size(text: str | int) -> int:
     return nbytes
 
 
-def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                             sliding_layers: int = 0, sliding_window: int = 0) -> int:
     """Tokens per KV head such that K and V of every layer and KV head fit in ``nbytes``.
 
     This is the budget's promise (see ``memory.kv_bytes_at_budget``), not the preallocated buffers,
-    so "--budget 2GiB" means the same thing whatever the block size.
+    so "--budget 2GiB" means the same thing whatever the block size. A hybrid model's sliding layers
+    hold at most ``W - 1`` tokens whatever the budget, so the bytes they do not need go to the
+    global layers: the largest ``t`` with ``global·t + sliding·min(W − 1, t) <= nbytes / token-layer``.
     """
     per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
     tokens = nbytes // per_token if per_token > 0 else 0
+    glob = num_layers - sliding_layers
+    if sliding_layers and glob > 0 and tokens > sliding_window - 1 > 0:
+        units = nbytes // (2 * num_kv_heads * head_dim * dtype_bytes)  # tokens x layers that fit
+        tokens = (units - sliding_layers * (sliding_window - 1)) // glob
     if tokens < 1:
         raise UsageError(
             f"budget of {nbytes} bytes holds no token: one token of K+V for all layers and KV heads"
             f" takes {per_token} bytes"
         )
     return int(tokens)
+
+
+def sliding_note(dims: Any) -> str:
+    """The part of a byte budget's conversion line about a hybrid model's sliding-window layers."""
+    sliding = int(dims.get("sliding_layers", 0))
+    if not sliding:
+        return ""
+    return (f"; {sliding} of {dims['num_layers']} layers slide over a {dims['sliding_window']}-token window and hold "
+            f"at most {int(dims['sliding_window']) - 1} tokens, the rest of the bytes go to the other layers")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -335,7 +335,7 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
     try:
         tokens = budget_tokens_from_bytes(
             b.nbytes or 0, int(dims["num_layers"]), int(dims["num_kv_heads"]), int(dims["head_dim"]),
-            _DTYPE_BYTES[stored["dtype"]],
+            _DTYPE_BYTES[stored["dtype"]], int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
         )
     except (KeyError, TypeError, ValueError, UsageError):
         return False
@@ -493,7 +493,8 @@ def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], s
             "name": loaded.name,
             "identity": loaded.identity,
             "source": loaded.source,
-            "dims": {k: int(dims[k]) for k in ("num_layers", "num_kv_heads", "num_attention_heads", "head_dim")},
+            "dims": {k: int(dims[k]) for k in ("num_layers", "num_kv_heads", "num_attention_heads", "head_dim",
+                                               "sliding_layers", "sliding_window") if k in dims},
             "max_position_embeddings": getattr(session.model.config, "max_position_embeddings", None),
         },
         "dtype": _dtype_name(loaded.dtype),

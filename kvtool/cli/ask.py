@@ -13,15 +13,29 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli.options import ANSWER_SETTINGS, JsonOpt, ProfileOpt, QuietOpt, read_questions, with_settings
+from kvtool.cli.options import (
+    ANSWER_SETTINGS,
+    FormatOpt,
+    JsonOpt,
+    ProfileOpt,
+    QuietOpt,
+    read_questions,
+    with_settings,
+)
 from kvtool.cli.output import dashboard, emit_json, sayer, write_text
+
+CiteOpt = Annotated[bool, typer.Option("--cite", help="Under each answer, the document spans (page, chapter or "
+                                       "section) it drew on, found from its attention.")]
 
 
 @with_settings(*ANSWER_SETTINGS)
 def ask(
-    file: Annotated[str, typer.Argument(help="Text file, '-' for stdin, or a .kvc cache from `kvtool prefill`.")],
+    file: Annotated[str, typer.Argument(help="Document (text, Markdown, HTML, PDF, EPUB, DOCX), '-' for stdin, "
+                                    "or a .kvc cache from `kvtool prefill`.")],
     questions: Annotated[list[str] | None, typer.Argument(help="One or more questions.")] = None,
     questions_file: Annotated[Path | None, typer.Option("--questions-file", help="One question per line.")] = None,
+    cite: CiteOpt = False,
+    doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON line per answer as it completes.")] = False,
@@ -30,30 +44,32 @@ def ask(
 ) -> None:
     """Answer questions about a document read under a KV budget."""
     run_ask(file, read_questions(questions, questions_file), flags or {}, profile=profile, json_out=json_out,
-            jsonl=jsonl, quiet=quiet)
+            jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format)
 
 
 @with_settings(*ANSWER_SETTINGS)
 def summarize(
-    file: Annotated[str, typer.Argument(help="Text file, '-' for stdin, or a .kvc cache.")],
+    file: Annotated[str, typer.Argument(help="Document (text, Markdown, HTML, PDF, EPUB, DOCX), '-' for stdin, "
+                                    "or a .kvc cache.")],
     length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
+    doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Summarize a document read under a KV budget."""
-    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet)
+    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet, doc_format=doc_format)
 
 
-def _open_input(path: str) -> tuple[str, Any]:
-    """('kvc', header) for a saved cache (detected by content), else ('text', Document)."""
+def _open_input(path: str, doc_format: str | None = None) -> tuple[str, Any]:
+    """('kvc', header) for a saved cache (detected by content), else ('document', Document)."""
     from kvtool.runtime import store
     from kvtool.runtime.document import open_document
 
-    if path != "-" and store.is_kvc(path):
+    if path != "-" and store.is_kvc(path) and doc_format in (None, "auto"):
         return "kvc", store.read_header(path)
-    return "text", open_document(path)
+    return "document", open_document(path, doc_format)
 
 
 def _run(
@@ -62,13 +78,14 @@ def _run(
     profile: str | None,
     quiet: bool,
     work: Callable[[Any, Any], list[Any]],
+    doc_format: str | None = None,
 ) -> tuple[Any, Any, list[Any], dict[str, Any]]:
     from kvtool.core.events import RunSummary
     from kvtool.runtime import store
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    kind, source = _open_input(path)
+    kind, source = _open_input(path, doc_format)
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
@@ -91,6 +108,8 @@ def run_ask(
     json_out: bool = False,
     jsonl: bool = False,
     quiet: bool = False,
+    cite: bool = False,
+    doc_format: str | None = None,
 ) -> None:
     stream = not (json_out or jsonl)
 
@@ -99,20 +118,30 @@ def run_ask(
         for i, q in enumerate(questions):
             if stream and i:
                 write_text("\n")
-            ans = session.ask(read, q, on_text=write_text if stream else None)
+            ans = session.ask(read, q, on_text=write_text if stream else None, cite_spans=cite)
             if stream:
                 write_text("\n")
+                for c in ans.citations or []:
+                    write_text(f"  {c.line()}\n")
             if jsonl:
                 emit_json({"question": ans.question, "answer": ans.answer, "tokens": ans.tokens,
-                           "decode_tokens_per_second": round(ans.tokens_per_second, 2)})
+                           "decode_tokens_per_second": round(ans.tokens_per_second, 2), **_citations(ans)})
             out.append(ans)
         return out
 
-    _, _, answers, stats = _run(path, overrides, profile, quiet, work)
+    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format)
     if json_out:
-        emit_json({"answers": [{"question": a.question, "answer": a.answer} for a in answers], "stats": stats})
+        emit_json({"answers": [{"question": a.question, "answer": a.answer, **_citations(a)} for a in answers],
+                   "stats": stats})
     elif jsonl:
         emit_json({"stats": stats})
+
+
+def _citations(answer: Any) -> dict[str, Any]:
+    """``{"citations": [...]}`` when the answer was asked with --cite, else nothing."""
+    if answer.citations is None:
+        return {}
+    return {"citations": [c.json() for c in answer.citations]}
 
 
 def run_summarize(
@@ -122,6 +151,7 @@ def run_summarize(
     profile: str | None = None,
     json_out: bool = False,
     quiet: bool = False,
+    doc_format: str | None = None,
 ) -> None:
     def work(session: Any, read: Any) -> list[Any]:
         ans = session.summarize(read, length, on_text=None if json_out else write_text)
@@ -129,7 +159,7 @@ def run_summarize(
             write_text("\n")
         return [ans]
 
-    _, _, answers, stats = _run(path, overrides, profile, quiet, work)
+    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format)
     if json_out:
         emit_json({"summary": answers[0].answer, "length": length, "stats": stats})
     sys.stdout.flush()

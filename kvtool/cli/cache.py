@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli.options import READ_SETTINGS, JsonOpt, ProfileOpt, QuietOpt, with_settings
+from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 from kvtool.runtime.memory import format_bytes
@@ -19,9 +19,11 @@ from kvtool.runtime.memory import format_bytes
 
 @with_settings(*READ_SETTINGS)
 def prefill(
-    file: Annotated[str, typer.Argument(help="Text file to read, or '-' for stdin.")],
+    file: Annotated[str, typer.Argument(help="Document to read (text, Markdown, HTML, PDF, EPUB, DOCX), or '-' "
+                                    "for stdin.")],
     output: Annotated[str | None, typer.Option("--output", "-o", help="The .kvc file to write (required).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the output file if it exists.")] = False,
+    doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -36,10 +38,10 @@ def prefill(
     # Bad input fails before the model loads.
     if not output:
         raise UsageError("prefill needs an output file: -o/--output OUT.kvc")
-    if file != "-" and store.is_kvc(file):
+    if file != "-" and doc_format in (None, "auto") and store.is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
     store.check_output(output, force, source=file)
-    doc = open_document(file)
+    doc = open_document(file, doc_format)
     settings = resolve_settings(profile, flags or {})
     say = sayer(quiet)
     with dashboard(quiet) as dash:

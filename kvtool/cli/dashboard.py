@@ -64,6 +64,14 @@ def format_duration(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
+def format_parts(event: PrefillProgress, sep: str = ", ") -> str:
+    """``", page 12 / 40"`` (or chapter/section) for documents with pages or chapters; ``""`` otherwise."""
+    if not event.parts_done or not event.parts_unit or (event.parts_unit == "section" and not event.parts_total):
+        return ""
+    of = f" / {event.parts_total:,}" if event.parts_total else ""
+    return f"{sep}{event.parts_unit} {event.parts_done:,}{of}"
+
+
 def _is_finite(x: float) -> bool:
     try:
         return math.isfinite(x)
@@ -291,7 +299,8 @@ class Dashboard:
         self._plain_last_seconds = event.seconds
         of = f" / {total:,} tokens ({100 * event.tokens_done // total}%)" if total is not None else " tokens"
         self._plain(
-            f"prefill: {event.tokens_done:,}{of}, {format_rate(_rate(event.tokens_done, event.seconds))}, "
+            f"prefill: {event.tokens_done:,}{of}{format_parts(event)}, "
+            f"{format_rate(_rate(event.tokens_done, event.seconds))}, "
             f"cache max {event.cache_max:,} tokens/head, evicted {event.evicted_total:,}"
         )
 
@@ -390,18 +399,20 @@ class Dashboard:
         rate = _rate(event.tokens_done, event.seconds)
         total = event.tokens_done if done else _known_total(event)
         bar = ProgressBar(total=total, completed=event.tokens_done, width=_BAR_WIDTH)
+        parts = format_parts(event, sep=" · ")
         if done:
-            detail = f"done · {event.tokens_done:,} tokens · {format_rate(rate)} · {format_duration(event.seconds)}"
+            detail = (f"done · {event.tokens_done:,} tokens{parts} · {format_rate(rate)} · "
+                      f"{format_duration(event.seconds)}")
         elif total is None:
             detail = (
-                f"{event.tokens_done:,} / ? tokens · {format_rate(rate)} · "
+                f"{event.tokens_done:,} / ? tokens{parts} · {format_rate(rate)} · "
                 f"elapsed {format_duration(event.seconds)} · ETA ?"
             )
         else:
             eta = (total - event.tokens_done) / rate if rate else None
             pct = 100.0 * event.tokens_done / total
             detail = (
-                f"{pct:3.0f}% {event.tokens_done:,} / {total:,} tokens · {format_rate(rate)} · "
+                f"{pct:3.0f}% {event.tokens_done:,} / {total:,} tokens{parts} · {format_rate(rate)} · "
                 f"elapsed {format_duration(event.seconds)} · ETA {format_duration(eta)}"
             )
         return _bar_row(bar, detail)

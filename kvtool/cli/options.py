@@ -41,6 +41,8 @@ SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.")]
 ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile name in profiles/ or a YAML path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+FormatOpt = Annotated[str | None, typer.Option("--format", help="Document format: auto (default: detected from the "
+                                               "content), text, markdown, html, pdf, epub or docx.")]
 
 #: every setting option a command can take through :func:`with_settings`, by parameter name
 SETTING_OPTIONS: dict[str, Any] = {

@@ -18,6 +18,7 @@ from kvtool.cli.options import (
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
+    FormatOpt,
     JsonOpt,
     ModelOpt,
     PolicyOpt,
@@ -30,7 +31,7 @@ from kvtool.cli.options import (
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 
-DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this text file ('-' = stdin) and report the "
+DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this document ('-' = stdin) and report the "
                                             "measured peak against the prediction.")]
 DocTokensOpt = Annotated[int | None, typer.Option("--doc-tokens", help="Document length in tokens for the dense "
                                                   "(no eviction) comparison.")]
@@ -49,6 +50,7 @@ def profile(
     policy_opt: PolicyOptOpt = None,
     profile_name: ProfileOpt = None,
     doc: DocOpt = None,
+    doc_format: FormatOpt = None,
     doc_tokens: DocTokensOpt = None,
     memory: MemoryOpt = None,
     json_out: JsonOpt = False,
@@ -59,6 +61,7 @@ def profile(
         overrides(model=model, budget=budget, block_size=block_size, dtype=dtype, device=device,
                   quantize=quantize, policy=policy, policy_opt=policy_opt),
         profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out, quiet=quiet,
+        doc_format=doc_format,
     )
 
 
@@ -78,6 +81,7 @@ def run_profile(
     memory: str | None = None,
     json_out: bool = False,
     quiet: bool = False,
+    doc_format: str | None = None,
 ) -> dict[str, Any]:
     """Everything ``kvtool profile`` does after flag parsing; returns the printed plan."""
     # Everything heavy is imported first so the baseline counts the runtime, not the model.
@@ -95,7 +99,7 @@ def run_profile(
         raise UsageError(f"--doc-tokens must be at least 1: got {doc_tokens}")
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
-    document = open_document(doc) if doc is not None else None
+    document = open_document(doc, doc_format) if doc is not None else None
 
     rss_before_load = process_rss()
     say = sayer(quiet)

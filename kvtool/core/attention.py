@@ -96,6 +96,18 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: f
     return torch.softmax(scores, dim=-1)
 
 
+def _decode_mass(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, off: int) -> Tensor:
+    """One decode query's probabilities summed over the query heads of each KV head: [h, n] (citations).
+
+    Scores in the cache's dtype (no float32 copy of K, unlike :func:`_probs`), softmax in float32.
+    """
+    h, d = k.shape[1], k.shape[3]
+    scores = torch.bmm(q[0].reshape(h, -1, d), k[0].transpose(1, 2)).float().mul_(scaling)  # [h, q_per_kv, n]
+    if mask is not None:  # a single query row: only RazorAttention's float mask (compensation bias)
+        scores = scores + mask.float()
+    return torch.softmax(scores, dim=-1)[..., off:].sum(1)
+
+
 def _reduce_gqa(p: Tensor, off: int, how: str) -> Tensor:
     """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head."""
     p = p[..., off:]
@@ -136,6 +148,8 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
+    if g.mass is not None and m == 1:  # citing: this decode step's attention over the stored tokens
+        g.mass[:, :n] += attn[..., g.off :].sum((1, 2)) if rows == 1 else _decode_mass(q, k, mask, scaling, g.off)
     layer.after_attention(g, probs)
     return out
 

@@ -87,6 +87,8 @@ class HeadGroup:
         self.comp_key_sum = torch.zeros(h, head_dim, dtype=torch.float32, device=device) if self.off else None
         self.comp_value_sum = torch.zeros_like(self.comp_key_sum) if self.off else None
         self.comp_count = 0
+        # attention mass per stored token while an answer is decoded with citations (None: not citing)
+        self.mass: Tensor | None = None
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -128,6 +130,10 @@ class HeadGroup:
                             device=self.keys.device)
         state[:, :, :n] = self.state[:, :, :n]
         self.keys, self.values, self.positions, self.state = keys, values, positions, state
+        if self.mass is not None:
+            mass = torch.zeros(self.num_heads, new_slots, dtype=torch.float32, device=self.keys.device)
+            mass[:, :n] = self.mass[:, :n]
+            self.mass = mass
 
     def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor, rotary: Tensor | None = None) -> None:
         """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""
@@ -145,6 +151,8 @@ class HeadGroup:
         self.positions[:, self.length : self.length + m] = positions
         self.rotary[:, self.length : self.length + m] = positions if rotary is None else rotary
         self.state[:, :, self.length : self.length + m] = 0
+        if self.mass is not None:
+            self.mass[:, self.length : self.length + m] = 0
         self.length += m
 
     # -- views ----------------------------------------------------------------------------------
@@ -199,6 +207,8 @@ class HeadGroup:
         if self.state.shape[0]:
             sidx = keep.unsqueeze(0).expand(self.state.shape[0], h, c)
             self.state[:, :, :c] = self.state[:, :, :n].gather(2, sidx)
+        if self.mass is not None:
+            self.mass[:, :c] = self.mass[:, :n].gather(1, keep)
         self.length = c
 
     # -- persistence -----------------------------------------------------------------------------
@@ -538,6 +548,34 @@ class BoundedCache(Cache):
         end = int(moved[-1]) + 1
         keys = g.keys[0, :, g.off : g.off + end]
         keys.copy_(g.rotator.rotate(keys, delta[:, :end]))
+
+    # -- attention mass (citations) ----------------------------------------------------------------------
+    def start_mass(self, first_layer: int = 0) -> None:
+        """Accumulate, from now on, the attention every stored token receives from single-token steps.
+
+        Each group of layers ``first_layer..`` gets a float32 buffer beside its K/V (moved with eviction
+        like policy state); the attention function adds the decode query's probabilities, summed over
+        the group's query heads. Off (the default) costs nothing: the attention function only checks
+        ``mass is None``.
+        """
+        for layer in self.layers[first_layer:]:
+            for g in layer.groups:  # type: ignore[attr-defined]
+                if g.mass is None or g.mass.shape[1] != g.slots:
+                    g.mass = torch.zeros(g.num_heads, g.slots, dtype=torch.float32, device=self.device)
+                else:
+                    g.mass.zero_()
+
+    def stop_mass(self) -> tuple[Tensor, Tensor]:
+        """Stop accumulating; returns (positions, mass) of every stored token, flat over layers, groups, heads."""
+        pos, mass = [], []
+        for g in self.groups():
+            if g.mass is not None:
+                pos.append(g.positions[:, : g.length].reshape(-1))
+                mass.append(g.mass[:, : g.length].reshape(-1))
+            g.mass = None
+        if not pos:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+        return torch.cat(pos), torch.cat(mass)
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

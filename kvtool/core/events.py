@@ -34,6 +34,9 @@ class PrefillProgress:
     evicted_total: int  # tokens evicted so far, summed over layers and KV heads
     memory: MemorySample
     time_split: dict[str, float] = field(default_factory=dict)  # forward / probs / score / evict seconds
+    parts_done: int | None = None  # pages / chapters / sections of the document read so far (set by the runtime)
+    parts_total: int | None = None
+    parts_unit: str = ""  # "page", "chapter" or "section"
 
 
 @dataclass

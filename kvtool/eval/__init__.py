@@ -27,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import UsageError
-from kvtool.runtime.document import SNIFF_BYTES, Document
+from kvtool.runtime.document import SNIFF_BYTES, Document, extract_text
+from kvtool.runtime.documents import detect_format
 from kvtool.runtime.settings import Settings, parse_budget, resolve_settings
 
+#: What a directory of inputs may hold (other files are ignored).
+DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".epub", ".docx")
 #: Text larger than this is cut (perplexity windows and haystacks never need more).
 MAX_TEXT_BYTES = 64 * 1024 * 1024
 
@@ -220,14 +223,15 @@ def resolve_input(path: str | None, default_name: str, option: str) -> Path:
 
 
 def load_text(path: Path, option: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
-    """A UTF-8 file, or a directory's ``*.txt`` files concatenated in sorted order (blank line between).
+    """A document, or a directory's documents concatenated in sorted order (blank line between).
 
+    Text is read as it is; PDF, EPUB, HTML and DOCX files are extracted (:mod:`kvtool.runtime.documents`).
     At most ``max_bytes`` are read in all (the tasks need far less).
     """
     if path.is_dir():
-        files = sorted(f for f in path.glob("*.txt") if f.is_file())
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in DOCUMENT_SUFFIXES)
         if not files:
-            raise UsageError(f"{option}: {path} has no .txt files")
+            raise UsageError(f"{option}: {path} has no documents ({', '.join(DOCUMENT_SUFFIXES)})")
     else:
         files = [path]
     parts: list[str] = []
@@ -240,6 +244,15 @@ def load_text(path: Path, option: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
                 data = fh.read(left)
         except OSError as e:
             raise UsageError(f"{option}: cannot read {f}: {e.strerror or e}") from None
+        if data.strip() and detect_format(data[:SNIFF_BYTES], str(f)) in ("pdf", "epub", "docx", "html"):
+            try:
+                text = extract_text(str(f), left).strip()
+            except UsageError as e:
+                raise UsageError(f"{option}: {e}") from None
+            left -= len(text.encode("utf-8"))
+            if text:
+                parts.append(text)
+            continue
         left -= len(data)
         if b"\x00" in data[:SNIFF_BYTES]:
             raise UsageError(f"{option}: {f} looks binary (NUL bytes); kvtool reads UTF-8 text")

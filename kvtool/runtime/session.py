@@ -18,10 +18,11 @@ from torch import Tensor
 
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
-from kvtool.core.events import Listener, Note
+from kvtool.core.events import Listener, Note, PrefillProgress
 from kvtool.errors import UsageError
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
+from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
@@ -35,6 +36,8 @@ class Answer:
     tokens: int
     seconds: float
     prompt_tokens: int = 0
+    citations: list[Citation] | None = None  # with ``cite``: the document spans the answer drew on
+    cite_seconds: float = 0.0  # time spent ranking citations after decoding
 
     @property
     def tokens_per_second(self) -> float:
@@ -54,6 +57,9 @@ class ReadResult:
     snapshot: Any = field(default=None, repr=False)
     loaded_from: str | None = None  # a .kvc file: ``seconds`` is then the original prefill's time
     load_seconds: float = 0.0
+    source: SourceMap | None = field(default=None, repr=False)  # document tokens → characters (citations)
+    fmt: str = "text"
+    notes: list[str] = field(default_factory=list)
 
 
 class Detokenizer:
@@ -129,7 +135,9 @@ class Session:
         self.engine_config.validate()
         env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
         self.policy: Policy = build_policy(settings.policy, settings.policy_options, env)
-        self.engine = Engine(self.model, self.policy, self.engine_config, listener=listener, env=env)
+        self._reading: Document | None = None
+        self.engine = Engine(self.model, self.policy, self.engine_config, listener=self._relay if listener else None,
+                             env=env)
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
@@ -180,15 +188,31 @@ class Session:
             self.emit(Note(self.budget_note))
         cache = self.engine.new_cache()
         prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
-        blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, self.settings.block_size)),
-                         self.settings.block_size)
+        source = SourceMap(first_position=prefix.numel())
+        bs = self.settings.block_size
+        blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
+
         def expected() -> int | None:
             n = estimate_tokens(doc)
             return None if n is None else n + prefix.numel()
 
+        def pruned(blocks: Iterator[Tensor]) -> Iterator[Tensor]:
+            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map)."""
+            for block in blocks:
+                if source.pending_tokens > PRUNE_BLOCKS * bs:
+                    source.prune(held_positions(cache), cache.seen)
+                yield block
+
         t0 = time.perf_counter()
-        self.engine.feed(cache, blocks, total=expected)
+        self._reading = doc
+        try:
+            self.engine.feed(cache, pruned(blocks), total=expected)
+        finally:
+            self._reading = None
         seconds = time.perf_counter() - t0
+        source.prune(held_positions(cache), cache.seen)
+        for note in doc.notes:
+            self.emit(Note(note))
         result = ReadResult(
             cache=cache,
             document_tokens=doc.tokens,
@@ -196,10 +220,20 @@ class Session:
             seconds=seconds,
             sha256=doc.sha256,
             name=doc.name,
+            source=source,
+            fmt=doc.fmt,
+            notes=doc.notes,
         )
         result.snapshot = cache.snapshot()
         self.last_read = result
         return result
+
+    def _relay(self, event: Any) -> None:
+        """The engine's events to the listener; prefill progress learns the pages/chapters read so far."""
+        doc = self._reading
+        if doc is not None and isinstance(event, PrefillProgress):
+            event.parts_done, event.parts_total, event.parts_unit = doc.parts_done, doc.parts_total, doc.unit
+        self.emit(event)
 
     def emit(self, event: Any) -> None:
         if self.listener is not None:
@@ -213,8 +247,15 @@ class Session:
         label: str,
         on_text: Callable[[str], None] | None = None,
         max_new_tokens: int | None = None,
+        cite_spans: bool = False,
     ) -> Answer:
-        """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting."""
+        """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting.
+
+        ``cite_spans``: also find the document spans the answer attended to (``Answer.citations``).
+        """
+        if cite_spans and read.source is None:
+            raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
+                             "prefill it again to use --cite")
         cache = read.cache
         cache.restore(read.snapshot)
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
@@ -230,19 +271,30 @@ class Session:
 
         s = self.settings
         sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty)
-        ids, seconds = self.engine.generate(
-            cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
-        )
+        if cite_spans:
+            cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
+        try:
+            ids, seconds = self.engine.generate(
+                cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
+            )
+        finally:
+            positions, mass = cache.stop_mass() if cite_spans else (None, None)
         cache.pin_start = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
                      prompt_tokens=suffix.numel())
+        if cite_spans and read.source is not None and positions is not None:
+            t0 = time.perf_counter()
+            ans.citations = cite(read.source, positions, mass, self.tokenizer)
+            ans.cite_seconds = time.perf_counter() - t0
         self.answers.append(ans)
         return ans
 
-    def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None) -> Answer:
+    def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None,
+            cite_spans: bool = False) -> Answer:
         if not question.strip():
             raise UsageError("empty question")
-        return self.answer(read, prompt.question_suffix(self.tokenizer, question), question, on_text)
+        return self.answer(read, prompt.question_suffix(self.tokenizer, question), question, on_text,
+                           cite_spans=cite_spans)
 
     def summarize(self, read: ReadResult, length: str, on_text: Callable[[str], None] | None = None) -> Answer:
         if length not in prompt.SUMMARY_LENGTHS:
@@ -311,6 +363,10 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
     for g in cache.groups() if cache else []:
         out["global" if g.window is None else "sliding"] += g.allocated_bytes()
     return out
+
+
+#: the source map forgets evicted tokens once this many blocks of new tokens are in it
+PRUNE_BLOCKS = 32
 
 
 def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:

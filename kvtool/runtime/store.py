@@ -513,7 +513,10 @@ def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], s
             "quantize": loaded.quantize,
         },
         "prompt": {"prefix": prefix, "prefix_tokens": int(read.prefix_tokens)},
-        "document": {"name": read.name, "sha256": read.sha256, "tokens": int(read.document_tokens)},
+        "document": {
+            "name": read.name, "sha256": read.sha256, "tokens": int(read.document_tokens), "format": read.fmt,
+            **({"source_map": read.source.meta()} if read.source is not None else {}),
+        },
         "cache": {
             **_jsonable(scalars),
             "counters": {"evicted_tokens": c.evicted_tokens, "prob_rows": c.prob_rows,
@@ -564,6 +567,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     """
     from kvtool.core.events import Note
     from kvtool.runtime import prompt
+    from kvtool.runtime.citations import SourceMap
     from kvtool.runtime.session import ReadResult
 
     t0 = time.perf_counter()
@@ -603,6 +607,13 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
         if hasattr(cache.counters, key) and isinstance(value, int):
             setattr(cache.counters, key, value)
     doc = meta["document"]
+    source = None
+    if isinstance(doc.get("source_map"), dict):  # absent in caches from before citations: --cite says so
+        try:
+            source = SourceMap.from_meta(doc["source_map"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise _corrupt(p, f"bad source map: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}") \
+                from None
     result = ReadResult(
         cache=cache,
         document_tokens=int(doc.get("tokens", 0)),
@@ -612,6 +623,8 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
         name=str(doc.get("name", "")),
         loaded_from=str(p),
         load_seconds=time.perf_counter() - t0,
+        source=source,
+        fmt=str(doc.get("format", "text")),
     )
     result.snapshot = cache.snapshot()
     session.last_read = result
@@ -673,6 +686,10 @@ def describe(header: KvcHeader) -> dict[str, Any]:
                            "compensation": info.get("compensation", False)})
         layers.append({"layer": li, "groups": groups})
     promised = (meta.get("bytes") or {}).get("kv_promised")
+    smap = (meta.get("document") or {}).get("source_map")
+    if isinstance(smap, dict):  # the packed per-token arrays are for --cite, not for reading: show their size
+        meta = {**meta, "document": {**meta["document"], "source_map": {
+            k: v for k, v in smap.items() if k not in ("positions", "spans", "ids")}}}
     return {
         "path": header.path,
         "size_bytes": header.size,

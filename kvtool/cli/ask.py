@@ -46,14 +46,14 @@ def summarize(
     run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet)
 
 
-def _open_input(path: str) -> tuple[str, Any]:
+def _open_input(path: str, quiet: bool = False) -> tuple[str, Any]:
     """('kvc', header) for a saved cache (detected by content), else ('text', Document)."""
     from kvtool.runtime import store
     from kvtool.runtime.document import open_document
 
     if path != "-" and store.is_kvc(path):
         return "kvc", store.read_header(path)
-    return "text", open_document(path)
+    return "text", open_document(path, notify=sayer(quiet))
 
 
 def _run(
@@ -63,15 +63,17 @@ def _run(
     quiet: bool,
     work: Callable[[Any, Any], list[Any]],
 ) -> tuple[Any, Any, list[Any], dict[str, Any]]:
-    from kvtool.core.events import RunSummary
     from kvtool.runtime import store
-    from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    kind, source = _open_input(path)
+    # Files, .kvc headers and settings are checked before torch is imported (a bad path fails in ms).
+    kind, source = _open_input(path, quiet)
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
+    from kvtool.core.events import RunSummary
+    from kvtool.runtime.session import Session
+
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=sayer(quiet), show_progress=not quiet)
         meter = session.engine.meter

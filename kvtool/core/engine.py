@@ -198,17 +198,31 @@ class Engine:
         cache.end_step()
         return out.logits[0]
 
-    def pin(self, cache: BoundedCache, length: int) -> None:
-        """Protect the next ``length`` tokens (a question) until ``unpin``; they must fit every group."""
+    def pin(self, cache: BoundedCache, length: int, answer_tokens: int | None = None) -> None:
+        """Protect the next ``length`` tokens (a question) until the caller clears ``cache.pin_start``.
+
+        The question is never evicted: it must fit each group's capacity together with everything else that
+        is always kept (sinks and the larger of the engine's and the policy's recent window), else this is a
+        ``UsageError`` before anything is fed. The answer's own tokens are not pinned: the newest of them
+        sit in the recent windows, older ones are evictable like document tokens. While ``answer_tokens``
+        (default: a whole window) are generated, the kept set is sinks + the larger of the window and the
+        question plus the answer's windowed part; that must fit. RazorAttention's
+        compensated (non-retrieval) heads keep only their local window by design and are not checked.
+        """
         for g in cache.groups():
-            if g.capacity is None:
+            if g.capacity is None or g.compensation:
                 continue
-            if self.config.sinks + length > g.capacity:
+            window = max(self.config.recent, g.policy.protected_recent(g.capacity))
+            answer = window if answer_tokens is None else min(answer_tokens, window)
+            need = self.config.sinks + max(window, length + answer)
+            if need > g.capacity:
                 raise UsageError(
                     f"the question ({length} tokens with the chat template) does not fit the budget: a head group "
-                    f"holds {g.capacity} tokens including {self.config.sinks} sinks; raise --budget or shorten it"
+                    f"holds {g.capacity} tokens and must keep {self.config.sinks} sinks, a {window}-token recent "
+                    f"window and the question while answering; raise --budget to at least {need} or shorten it"
                 )
         cache.pin_start = cache.seen
+        cache.pin_end = cache.seen + length
 
     def feed(
         self,

@@ -11,15 +11,16 @@ import codecs
 import hashlib
 import io
 import os
+import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, BinaryIO
 
 from kvtool.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where tokens are made: a bad path fails before torch loads (~10 s)
+    from torch import Tensor
 
 CHUNK_BYTES = 64 * 1024
 SNIFF_BYTES = 8192
@@ -45,8 +46,13 @@ class Document:
         return "<stdin>" if self.path == "-" else self.path
 
 
-def open_document(path: str) -> Document:
-    """Open and sanity-check a document; bad input is a one-line ``UsageError``."""
+def open_document(path: str, notify: Callable[[str], None] | None = None) -> Document:
+    """Open and sanity-check a document; bad input is a one-line ``UsageError``.
+
+    A FIFO, character device or socket is read like ``-`` (size unknown); opening one may wait for a
+    writer, so ``notify`` (a note on stderr) is told "waiting for input on FILE" first: a silent hang
+    would look like a bug, and Ctrl-C interrupts the wait like any other.
+    """
     if path == "-":
         stream: BinaryIO = sys.stdin.buffer
         size = None
@@ -56,10 +62,16 @@ def open_document(path: str) -> Document:
         if os.path.isdir(path):
             raise UsageError(f"{path} is a directory, not a text file")
         try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        if not regular and notify is not None:
+            notify(f"waiting for input on {path} (not a regular file; Ctrl-C to stop)")
+        try:
             stream = open(path, "rb")  # noqa: SIM115 - closed by the reader
         except OSError as e:
             raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-        size = os.path.getsize(path)
+        size = os.path.getsize(path) if regular else None
     try:
         head = stream.read(SNIFF_BYTES)
     except OSError as e:
@@ -119,6 +131,8 @@ def iter_text(doc: Document, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
 
 def iter_token_blocks(doc: Document, tokenizer, block_size: int) -> Iterator[Tensor]:
     """Token blocks of exactly ``block_size`` (the last may be shorter), streamed from the text."""
+    import torch
+
     buf: list[int] = []
     for text in iter_text(doc):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

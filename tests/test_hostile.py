@@ -262,7 +262,8 @@ def test_errors_that_need_no_model_do_not_import_torch(tmp_path):
 # -- huge budgets and blocks ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--budget", "999999999999"], ["--budget", "1m"], ["--block-size", "999999999999"]])
 def test_huge_budget_or_block_allocates_what_the_document_needs(env, capsys, flags):
-    rc = main(["ask", str(env.doc), "q", "--model", env.model, "--device", "cpu", "--max-new-tokens", "4", "-q", *flags])
+    rc = main(["ask", str(env.doc), "q", "--model", env.model, "--device", "cpu", "--max-new-tokens", "4", "-q",
+               *flags])
     assert rc == 0, capsys.readouterr().err
 
 
@@ -328,10 +329,10 @@ def test_each_policy_keeps_its_own_window(policy, options, window):
             for h in range(g.num_heads):
                 assert set(range(max(0, c.seen - window), c.seen)) <= set(g.positions[h, : g.length].tolist())
 
-    for logits in engine.steps(cache, ids):
+    for step_logits in engine.steps(cache, ids):
         check(cache)
+        tok = step_logits[-1:].argmax(-1)
     assert cache.counters.evicted_tokens > 0
-    tok = logits[-1:].argmax(-1)
     for _ in range(12):  # decoding: blocks of one token, the window still holds
         logits = engine.step(cache, tok, 1)
         tok = logits[-1:].argmax(-1)
@@ -346,9 +347,7 @@ def test_decode_after_eviction_equals_masking_reference(monkeypatch, policy):
     engine = make_engine(model, policy, 32, block_size=8, options={"window": "8"} if "snapkv" in policy else None)
     cache = engine.new_cache()
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(6))
-    logits = None
-    for logits in engine.steps(cache, ids):
-        pass
+    *_, logits = engine.steps(cache, ids)
     got, seq = [], ids.tolist()
     tok = int(logits[-1].argmax())
     for _ in range(16):

@@ -380,9 +380,9 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     unknown = [k for k in data if k not in PROFILE_KEYS]  # all of them at once: one round trip to fix a file
     if unknown:
-        hint = " (put generation settings under generation:)" if any(k in GENERATION_KEYS for k in unknown) else ""
+        named = ", ".join(repr(k) + (" (put it under generation:)" if k in GENERATION_KEYS else "") for k in unknown)
         plural = "s" if len(unknown) > 1 else ""
-        raise UsageError(f"{where}: unknown key{plural} {', '.join(repr(k) for k in unknown)}{hint}; "
+        raise UsageError(f"{where}: unknown key{plural} {named}; "
                          f"valid keys: {', '.join(PROFILE_KEYS)}")
     for key, value in data.items():
         try:

@@ -360,3 +360,39 @@ def test_decode_after_eviction_equals_masking_reference(monkeypatch, policy):
     ref = _reference_logits(model, torch.tensor(seq), visibility, c.num_key_value_heads,
                             c.num_attention_heads // c.num_key_value_heads)
     torch.testing.assert_close(torch.stack(got), ref[len(ids):], atol=2e-5, rtol=1e-4)
+
+
+# -- small correctness fixes (case 14) ------------------------------------------------------------------------------
+def test_compensation_sums_the_dropped_tokens_without_cancellation():
+    from kvtool.core.cache import HeadGroup
+    from kvtool.core.contract import GroupSpec, PolicyEnv
+    from kvtool.policies import build_policy
+
+    env = PolicyEnv(num_layers=1, num_kv_heads=2, num_attention_heads=2, head_dim=4, budget=62)
+    g = HeadGroup(GroupSpec(heads=[0, 1], capacity=62, policy=build_policy("sink", {}, env), compensation=True),
+                  num_kv_heads=2, q_per_kv=1, head_dim=4, block_size=64, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    keys = 1e6 + torch.rand(1, 2, 64, 4, generator=gen) * 100  # large common offset: "all − kept" cancels
+    values = -1e6 + torch.rand(1, 2, 64, 4, generator=gen) * 100
+    g.append(keys, values, torch.arange(64).expand(2, 64))
+    keep = torch.stack([torch.cat([torch.arange(10), torch.arange(12, 64)]), torch.arange(2, 64)])  # drop 2 each
+    g.gather(keep)
+    drop = [sorted(set(range(64)) - set(k.tolist())) for k in keep]
+    want_k = torch.stack([keys[0, h, drop[h]].double().sum(0) for h in range(2)])
+    want_v = torch.stack([values[0, h, drop[h]].double().sum(0) for h in range(2)])
+    # two float32 values near 1e6 sum to within half an ulp of 2e6 (0.125); sums of all 64 (6.4e7, ulp 4)
+    # minus the kept 62 would be off by several units
+    torch.testing.assert_close(g.comp_key_sum.double(), want_k, rtol=0, atol=0.13)
+    torch.testing.assert_close(g.comp_value_sum.double(), want_v, rtol=0, atol=0.13)
+    assert g.comp_count == 2  # per head
+
+
+def test_caote_joint_error_is_kept_per_layer():
+    model = tiny_llama()
+    engine = make_engine(model, "tova+caote", 24, block_size=8, options={"caote.greedy": "true"})
+    cache = engine.new_cache()
+    engine.feed(cache, [torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(8))], progress=False)
+    errors = engine.policy.last_joint_error
+    assert sorted(errors) == list(range(model.config.num_hidden_layers))
+    assert all(e.shape == (model.config.num_key_value_heads,) for e in errors.values())

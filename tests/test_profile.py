@@ -278,4 +278,6 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
     assert p["model"] == "SmolLM2-135M-Instruct" and p["budget_tokens"] == 512
     assert 1500 <= m["document_tokens"] <= 2600
     assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
-    assert 0.75 <= m["ratio"] <= 1.25
+    # Every buffer kvtool allocates is a term of the formula (the per-question snapshot included); what is
+    # left is allocator and library slack in RSS: measured 1.066 here (issue 16), so ±10% is the claim.
+    assert 0.90 <= m["ratio"] <= 1.10

@@ -72,10 +72,9 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _reduce_gqa(p: Tensor, off: int, how: str) -> Tensor:
-    """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head."""
-    p = p[..., off:]
-    return p.amax(1) if how == "max" else p.mean(1)
+def _reduce_gqa(p: Tensor, off: int) -> Tensor:
+    """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head (mean)."""
+    return p[..., off:].mean(1)
 
 
 def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: float) -> Tensor:
@@ -95,7 +94,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
         attn = _probs(q, k, mask, scaling)  # every row: the probabilities give the output too
         h, qk, _, nk = attn.shape
         out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
-        probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
+        probs = _reduce_gqa(attn, g.off)
         cache.counters.prob_rows += rows
         cache.counters.probs_seconds += cache.clock() - t0
     else:
@@ -104,7 +103,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             t0 = cache.clock()
             sub_mask = None if mask is None else mask[-rows:]
             attn = _probs(q[:, :, -rows:], k, sub_mask, scaling)
-            probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
+            probs = _reduce_gqa(attn, g.off)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     layer.after_attention(g, probs)

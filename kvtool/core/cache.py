@@ -228,9 +228,12 @@ class HeadGroup:
         kept_k = k_all.gather(1, idx)
         kept_v = v_all.gather(1, idx)
         if self.comp_key_sum is not None and n > c:
-            # sum(dropped) = sum(all) − sum(kept), accumulated in float32 (eq. 4 as a running mean)
-            self.comp_key_sum += k_all.float().sum(1) - kept_k.float().sum(1)
-            self.comp_value_sum += v_all.float().sum(1) - kept_v.float().sum(1)
+            # The dropped tokens are summed themselves, in float32 (eq. 4 as a running mean): "all minus
+            # kept" would subtract two large sums and lose the small difference to cancellation.
+            dropped = torch.ones(h, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, False)
+            didx = dropped.nonzero()[:, 1].view(h, n - c).unsqueeze(-1).expand(h, n - c, d)
+            self.comp_key_sum += k_all.gather(1, didx).float().sum(1)
+            self.comp_value_sum += v_all.gather(1, didx).float().sum(1)
             self.comp_count += n - c
             self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
             self.values[0, :, 0] = (self.comp_value_sum / self.comp_count).to(self.values.dtype)
@@ -429,7 +432,6 @@ class BoundedCache(Cache):
         self.pin_end: int | None = None  # first position after the pinned question (the answer is not pinned)
         self.counters = CacheCounters()
         self.step = StepInfo()
-        self.gqa_reduce = "mean"
 
     # -- clocks and counters -------------------------------------------------------------------
     def clock(self) -> float:

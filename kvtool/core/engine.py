@@ -40,7 +40,6 @@ class EngineConfig:
     sinks: int = 4  # first S tokens are never evicted
     recent: int = 8  # last R tokens are never evicted
     positions: str = "auto"  # absolute | compact | auto
-    gqa_reduce: str = "mean"  # how query-head probabilities become KV-head scores
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
 
     def validate(self) -> None:
@@ -54,8 +53,6 @@ class EngineConfig:
             )
         if self.positions not in POSITION_MODES:
             raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
-        if self.gqa_reduce not in ("mean", "max"):
-            raise UsageError(f"gqa reduction must be mean or max (got {self.gqa_reduce!r})")
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -171,7 +168,6 @@ class Engine:
             rotator=self.rotator,
             sync_timing=self.config.sync_timing,
         )
-        cache.gqa_reduce = self.config.gqa_reduce
         return cache
 
     def emit(self, event: Any) -> None:

@@ -396,3 +396,20 @@ def test_caote_joint_error_is_kept_per_layer():
     errors = engine.policy.last_joint_error
     assert sorted(errors) == list(range(model.config.num_hidden_layers))
     assert all(e.shape == (model.config.num_key_value_heads,) for e in errors.values())
+
+
+@pytest.mark.parametrize("value", [5, "x", [], None, {}, -1, 10**30, True])
+def test_any_metadata_value_is_corrupted_or_fine_never_an_internal_error(env, tmp_path, capsys, value):
+    """A sweep: every metadata key (top level and one level down) set to a hostile value, then inspected."""
+    meta = json.loads(__import__("safetensors").safe_open(str(env.kvc), "pt").metadata()["kvtool"])
+    paths = [(k,) for k in meta] + [(k, kk) for k, v in meta.items() if isinstance(v, dict) for kk in v]
+    for path in paths:
+        def edit(m, path=path):
+            d = m
+            for key in path[:-1]:
+                d = d[key]
+            d[path[-1]] = value
+        f = _rewrite_meta(env.kvc, tmp_path / "z.kvc", edit)
+        rc = main(["inspect", str(f)])
+        err = capsys.readouterr().err
+        assert rc in (0, 2) and "internal error" not in err and len(err.strip().splitlines()) <= 1, (path, err)

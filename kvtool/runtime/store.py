@@ -264,6 +264,10 @@ def _opt_str(v: Any) -> bool:
     return v is None or isinstance(v, str)
 
 
+def _dtype(v: Any) -> bool:
+    return isinstance(v, str) and v in _DTYPE_BYTES
+
+
 def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -278,7 +282,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     "settings": {"policy": _str, "policy_options": lambda v: v is None or isinstance(v, dict),
                  "budget": lambda v: v is None or isinstance(v, (str, int)), "budget_tokens": _opt_int(1),
                  "block_size": lambda v: _is_int(v, 1), "sinks": lambda v: _is_int(v), "recent": lambda v: _is_int(v),
-                 "positions": _str, "dtype": lambda v: isinstance(v, str) and v in _DTYPE_BYTES, "quantize": _opt_str},
+                 "positions": _str, "dtype": _dtype, "quantize": _opt_str},
     "prompt": {"prefix": _str, "prefix_tokens": lambda v: _is_int(v)},
     "document": {"name": _str, "sha256": _str, "tokens": lambda v: _is_int(v)},
     "cache": {"seen": lambda v: _is_int(v), "rotary_next": lambda v: v is None or _is_int(v),
@@ -287,7 +291,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
                   _is_int(x) for x in v.values()))},
     "bytes": {"kv_stored": _opt_int(), "kv_promised": _opt_int(), "kv_allocated": _opt_int()},
 }
-_TOP: dict[str, Any] = {"kvtool_version": _str, "created": _str, "dtype": lambda v: isinstance(v, str) and v in _DTYPE_BYTES,
+_TOP: dict[str, Any] = {"kvtool_version": _str, "created": _str, "dtype": _dtype,
                         "prefill_seconds": _num, "tensors_sha256": _str, "meta_sha256": _str}
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # SIGTERM or SIGHUP (128 + 15, the shell's convention for SIGTERM)
 
 
 class KvtoolError(Exception):
@@ -23,3 +26,37 @@ class UsageError(KvtoolError):
     """Bad input or options (exit code 2)."""
 
     exit_code = EXIT_USAGE
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, raised from the signal handler so that cleanup runs exactly as for Ctrl-C.
+
+    A ``KeyboardInterrupt`` subclass: every ``finally`` (temp files of a ``.kvc`` write) and every handler of
+    Ctrl-C also handles it; only the final message and exit code differ.
+    """
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+
+def interrupt_exit(e: BaseException) -> tuple[str, int]:
+    """The one line and the exit code for Ctrl-C (130) or a termination signal (143)."""
+    if isinstance(e, Terminated):
+        return f"kvtool: terminated ({e.signame})", EXIT_TERMINATED
+    return "kvtool: interrupted", EXIT_INTERRUPTED
+
+
+# C0 controls but tab and newline, DEL and C1 controls: ESC starts ANSI/OSC sequences, CR rewrites a line.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: object, one_line: bool = False) -> str:
+    """``text`` with every terminal control character shown as ``\\xNN``: printed literally, never obeyed.
+
+    For user-supplied strings (file names, .kvc metadata, model names) on their way to a terminal; rich
+    markup is a separate concern (print through ``rich.text.Text`` or with ``markup=False``). ``one_line`` also
+    escapes newlines and tabs, so that an error stays one line.
+    """
+    out = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out

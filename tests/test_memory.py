@@ -153,7 +153,9 @@ def test_predict_peak_sums_components() -> None:
     assert p["weights_bytes"] == 20_000
     assert p["kv_allocated_bytes"] == 1792 and p["kv_promised_bytes"] == 1280
     assert p["attention_scratch_bytes"] == 1344 and p["policy_state_bytes"] == 448
-    assert p["predicted_peak_bytes"] == 20_000 + 1792 + 1344 + 2688 + 448 + 3472 + 5
+    # snapshot: 10 tokens x (K+V 2 x 8 x 2 B + two int64 positions + two float32 fields) x 2 heads x 2 layers
+    assert p["snapshot_bytes"] == 10 * (32 + 16 + 8) * 2 * 2 == 2240
+    assert p["predicted_peak_bytes"] == 20_000 + 1792 + 1344 + 2688 + 448 + 3472 + 2240 + 5
 
 
 def test_largest_budget_consistent_and_monotonic() -> None:

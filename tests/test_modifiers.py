@@ -294,11 +294,11 @@ def test_greedy_never_evicts_protected_tokens():
     assert kept.shape == (h, capacity)
     assert (kept[:, 1:] > kept[:, :-1]).all()  # sorted, distinct
     assert protected.gather(1, kept).sum(-1).tolist() == protected.sum(-1).tolist()
-    assert caote.last_joint_error is not None and caote.last_joint_error.shape == (h,)
+    assert list(caote.last_joint_error) == [ctx.layer_idx] and caote.last_joint_error[ctx.layer_idx].shape == (h,)
     # the recorded error is eq. 31 for the complement of what was kept
     evicted = torch.stack([torch.tensor(sorted(set(range(n)) - set(kept[k].tolist()))) for k in range(h)])
     torch.testing.assert_close(
-        caote.last_joint_error,
+        caote.last_joint_error[ctx.layer_idx],
         joint_eviction_error(normalise(alpha.float()), values.float(), evicted),
         rtol=1e-4,
         atol=1e-6,

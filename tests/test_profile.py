@@ -63,7 +63,10 @@ def test_plan_matches_hand_computation() -> None:
     # 16 tokens x (64 hidden x 4 B x 6 tensors + 96 intermediate x 4 B x 3 tensors) + 100 logits x 4 B
     assert p["activation_bytes"] == 16 * 64 * 4 * 6 + 16 * 96 * 4 * 3 + 100 * 4 == 43408
     assert p["weights_bytes"] == 4000 and p["runtime_baseline_bytes"] == 1000
-    assert p["predicted_peak_bytes"] == 1000 + 4000 + 40960 + 40960 + 61440 + 1280 + 43408 == 193048
+    # the snapshot kept between questions: 64 tokens x (K+V 128 B + 2 int64 positions + 1 float32 field)
+    # x 2 KV heads x 2 layers
+    assert p["snapshot_bytes"] == 64 * (128 + 16 + 4) * 2 * 2 == 37888
+    assert p["predicted_peak_bytes"] == 1000 + 4000 + 40960 + 40960 + 61440 + 1280 + 43408 + 37888 == 230936
     # dense: every token's K+V, and activations for all 1000 tokens at once
     assert p["dense"] == {
         "doc_tokens": 1000,
@@ -275,4 +278,6 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
     assert p["model"] == "SmolLM2-135M-Instruct" and p["budget_tokens"] == 512
     assert 1500 <= m["document_tokens"] <= 2600
     assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
-    assert 0.75 <= m["ratio"] <= 1.25
+    # Every buffer kvtool allocates is a term of the formula (the per-question snapshot included); what is
+    # left is allocator and library slack in RSS: measured 1.066 here (issue 16), so ±10% is the claim.
+    assert 0.90 <= m["ratio"] <= 1.10

@@ -1,13 +1,18 @@
 """The ``kvtool`` command line (Typer): the app, its error handling, and where each command is mounted.
 
 Answers go to stdout; progress, notes and errors go to stderr. Every error a user can cause is one
-line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 130 interrupted).
+line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 130 interrupted,
+143 terminated by SIGTERM/SIGHUP).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import typer
@@ -18,7 +23,7 @@ from kvtool import __version__
 from kvtool.cli import ask, cache, calibrate, eval, profile
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import emit_json
-from kvtool.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, EXIT_USAGE, KvtoolError
+from kvtool.errors import EXIT_RUNTIME, EXIT_USAGE, KvtoolError, Terminated, interrupt_exit, printable
 
 
 class _Group(typer.core.TyperGroup):
@@ -31,11 +36,12 @@ class _Group(typer.core.TyperGroup):
         try:
             return super().invoke(ctx)
         except KvtoolError as e:
-            print(f"kvtool: error: {e}", file=sys.stderr)
+            print(f"kvtool: error: {printable(e, one_line=True)}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            print("kvtool: interrupted", file=sys.stderr)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt as e:
+            msg, code = interrupt_exit(e)
+            print(msg, file=sys.stderr)
+            raise typer.Exit(code) from None
 
 
 app = typer.Typer(
@@ -83,28 +89,54 @@ def version() -> None:
 
 
 
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _termination_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP behave like Ctrl-C (temp files removed, one line) but exit 143; restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    old = {s: signal.signal(s, _raise_terminated) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and turn every failure into one line and an exit code."""
+    with _termination_signals():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         rc = app(args=argv, standalone_mode=False, prog_name="kvtool")
         return rc if isinstance(rc, int) else 0
     except KvtoolError as e:  # raised outside a command (e.g. while registering)
-        print(f"kvtool: error: {e}", file=sys.stderr)
+        print(f"kvtool: error: {printable(e, one_line=True)}", file=sys.stderr)
         return e.exit_code
     except typer.Exit as e:
         return int(e.exit_code or 0)
-    except typer.Abort:
-        print("kvtool: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except typer.Abort as e:  # click turns a KeyboardInterrupt (or Terminated) outside a command into Abort
+        msg, code = interrupt_exit(e.__cause__ or e)
+        print(msg, file=sys.stderr)
+        return code
     except TyperException as e:  # usage errors from the command-line parser
         fmt = getattr(e, "format_message", None)
         msg = fmt() if fmt else str(e)
         if msg:  # "no arguments: show help" has already printed the help and has no message
-            print(f"kvtool: error: {msg}", file=sys.stderr)
+            print(f"kvtool: error: {printable(msg, one_line=True)}", file=sys.stderr)
         return int(getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE)
-    except KeyboardInterrupt:
-        print("kvtool: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        msg, code = interrupt_exit(e)
+        print(msg, file=sys.stderr)
+        return code
     except BrokenPipeError:
         # the reader of stdout went away (e.g. `| head`): not an error worth a message
         try:
@@ -116,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("KVTOOL_DEBUG"):
             raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"kvtool: internal error: {type(e).__name__}: {msg} (set KVTOOL_DEBUG=1 for details)", file=sys.stderr)
+        print(f"kvtool: internal error: {type(e).__name__}: {printable(msg, one_line=True)} "
+              "(set KVTOOL_DEBUG=1 for details)", file=sys.stderr)
         return EXIT_RUNTIME
 
 

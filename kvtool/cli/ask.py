@@ -62,14 +62,14 @@ def summarize(
     run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet, doc_format=doc_format)
 
 
-def _open_input(path: str, doc_format: str | None = None) -> tuple[str, Any]:
+def _open_input(path: str, doc_format: str | None = None, quiet: bool = False) -> tuple[str, Any]:
     """('kvc', header) for a saved cache (detected by content), else ('document', Document)."""
     from kvtool.runtime import store
     from kvtool.runtime.document import open_document
 
     if path != "-" and store.is_kvc(path) and doc_format in (None, "auto"):
         return "kvc", store.read_header(path)
-    return "document", open_document(path, doc_format)
+    return "document", open_document(path, doc_format, notify=sayer(quiet))
 
 
 def _run(
@@ -80,15 +80,17 @@ def _run(
     work: Callable[[Any, Any], list[Any]],
     doc_format: str | None = None,
 ) -> tuple[Any, Any, list[Any], dict[str, Any]]:
-    from kvtool.core.events import RunSummary
     from kvtool.runtime import store
-    from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    kind, source = _open_input(path, doc_format)
+    # Files, .kvc headers and settings are checked before torch is imported (a bad path fails in ms).
+    kind, source = _open_input(path, doc_format, quiet)
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
+    from kvtool.core.events import RunSummary
+    from kvtool.runtime.session import Session
+
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=sayer(quiet), show_progress=not quiet)
         meter = session.engine.meter

@@ -13,7 +13,7 @@ import typer
 
 from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, printable
 from kvtool.runtime.memory import format_bytes
 
 
@@ -32,7 +32,6 @@ def prefill(
     """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
     from kvtool.runtime import store
     from kvtool.runtime.document import open_document
-    from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before the model loads.
@@ -41,8 +40,10 @@ def prefill(
     if file != "-" and doc_format in (None, "auto") and store.is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
     store.check_output(output, force, source=file)
-    doc = open_document(file, doc_format)
+    doc = open_document(file, doc_format, notify=sayer(quiet))
     settings = resolve_settings(profile, flags or {})
+    from kvtool.runtime.session import Session  # torch loads only once the input is known to be good
+
     say = sayer(quiet)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=say)
@@ -80,7 +81,7 @@ def inspect(
 def _print_inspect(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-
+    from rich.text import Text
 
     meta = info["metadata"]
     model = meta.get("model") or {}
@@ -108,7 +109,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         ("model", f"{model.get('name')} ({model.get('source')})"),
         ("model identity", str(model.get("identity"))),
         ("dtype", str(meta.get("dtype")) + (f", quantize {quant}" if quant not in (None, "none") else "")),
-        ("policy", pol.get("spec", "?") + (f"  {opts}" if opts else "")),
+        ("policy", str(pol.get("spec", "?")) + (f"  {opts}" if opts else "")),
         ("budget", "none (full)" if budget is None else f"{budget} tokens per KV head (--budget {budget_text})"),
         ("block size", str(settings.get("block_size"))),
         ("sinks / recent", f"{settings.get('sinks')} / {settings.get('recent')}"),
@@ -122,8 +123,8 @@ def _print_inspect(info: dict[str, Any]) -> None:
     table = Table(title="kvtool cache", show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value", overflow="fold")
-    for key, value in rows:
-        table.add_row(key, value)
+    for key, value in rows:  # Text: a name like "notes[/v2].txt" is shown as is, never parsed as markup
+        table.add_row(key, Text(printable(value)))
     console.print(table)
 
     layers = Table(title="cache per layer (tokens per KV head)")
@@ -135,5 +136,5 @@ def _print_inspect(info: dict[str, Any]) -> None:
             cap = g.get("capacity")
             cap_text = "unbounded" if cap is None else str(cap) + (" + comp" if g.get("compensation") else "")
             layers.add_row(str(layer["layer"]), str(gi), ",".join(map(str, heads)) if heads else "?",
-                           str(g["length"]), cap_text)
+                           str(g["length"]), Text(cap_text))
     console.print(layers)

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
+from kvtool.errors import printable
 from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
@@ -354,14 +355,14 @@ class Dashboard:
 
     def _plain(self, line: str) -> None:
         # No markup, no highlighting, no wrapping: one log line per call, no escape codes even on a tty.
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self.console.print(printable(line), markup=False, highlight=False, soft_wrap=True)
 
     def _print_line(self, line: str, style: str) -> None:
         """A notice line: plain text in plain mode, styled in live mode (printed above a running view)."""
         if self.mode == "plain":
             self._plain(line)
         else:
-            self.console.print(Text(line, style=style), soft_wrap=True)
+            self.console.print(Text(printable(line), style=style), soft_wrap=True)
 
     def render(self) -> RenderableType:
         """The live view for the latest state; called by rich's refresh thread, cheap and side-effect free."""
@@ -424,7 +425,7 @@ class Dashboard:
         table.add_column("value", overflow="fold")
         for key, value in stats.items():
             # Text, not str: a model name like "[org]/x" must not be parsed as rich markup.
-            table.add_row(Text(str(key)), Text(_format_stat(str(key), value)))
+            table.add_row(Text(printable(key)), Text(printable(_format_stat(str(key), value))))
         return table
 
 

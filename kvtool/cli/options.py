@@ -127,7 +127,10 @@ def read_questions(questions: list[str] | None, questions_file: Path | None) -> 
             lines = questions_file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read --questions-file {questions_file}: {e}") from None
-        qs += [ln.strip() for ln in lines if ln.strip()]
+        from_file = [ln.strip() for ln in lines if ln.strip()]
+        if not from_file and not qs:
+            raise UsageError(f"--questions-file {questions_file} has no questions (one per line)")
+        qs += from_file
     if not qs:
         raise UsageError("give at least one question (arguments or --questions-file)")
     return qs

@@ -108,10 +108,9 @@ def _decode_mass(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, off:
     return torch.softmax(scores, dim=-1)[..., off:].sum(1)
 
 
-def _reduce_gqa(p: Tensor, off: int, how: str) -> Tensor:
-    """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head."""
-    p = p[..., off:]
-    return p.amax(1) if how == "max" else p.mean(1)
+def _reduce_gqa(p: Tensor, off: int) -> Tensor:
+    """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head (mean)."""
+    return p[..., off:].mean(1)
 
 
 def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: float,
@@ -136,7 +135,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
         h, qk, _, nk = attn.shape
         out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
         if rows > 0:
-            probs = _reduce_gqa(attn[:, :, m - rows :], g.off, cache.gqa_reduce)
+            probs = _reduce_gqa(attn[:, :, m - rows :], g.off)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     else:
@@ -145,7 +144,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             t0 = cache.clock()
             sub_mask = None if mask is None else mask[-rows:]
             attn = _probs(q[:, :, -rows:], k, sub_mask, scaling)
-            probs = _reduce_gqa(attn, g.off, cache.gqa_reduce)
+            probs = _reduce_gqa(attn, g.off)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     if g.mass is not None and m == 1:  # citing: this decode step's attention over the stored tokens

@@ -34,6 +34,36 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.core.contract import GroupSpec, Policy, ScoreContext
 from kvtool.core.positions import Rotator
+from kvtool.errors import UsageError
+
+#: a head group whose full buffers would exceed this starts small and grows (see ``HeadGroup.__init__``)
+LAZY_GROUP_BYTES = 256 * 1024 * 1024
+LAZY_START_SLOTS = 4096
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Memory the device can still give (CUDA: free memory; CPU: MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_free(g: HeadGroup, new_slots: int) -> None:
+    per_slot = g.num_heads * (2 * g.keys.shape[-1] * g.keys.element_size() + 16 + 4 * g.state.shape[0])
+    need = (new_slots - g.slots) * per_slot
+    free = free_device_bytes(g.keys.device)
+    if free is not None and need > free:
+        raise UsageError(
+            f"the KV cache needs {need / 2**30:.1f} GiB more for {new_slots:,} tokens per head, but "
+            f"{g.keys.device} has {free / 2**30:.1f} GiB free; lower --budget or --block-size"
+        )
 
 
 @dataclass
@@ -76,7 +106,14 @@ class HeadGroup:
         self.q_per_kv = q_per_kv
         self.state_fields: tuple[str, ...] = tuple(self.policy.state_fields)
         h = len(self.heads)
-        slots = (self.capacity if self.capacity is not None else 4 * block_size) + block_size
+        # What the run may need is capacity + one block; buffers start there unless that is large, then they
+        # start small and double up to it as tokens arrive: a budget or block far above the document's length
+        # allocates only what the document fills (growth happens a few times per run, never per token).
+        self.max_slots = None if self.capacity is None else self.capacity + block_size
+        per_slot = h * (2 * head_dim * torch.empty((), dtype=dtype).element_size() + 16 + 4 * len(self.state_fields))
+        slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
+        if slots * per_slot > LAZY_GROUP_BYTES:
+            slots = min(slots, LAZY_START_SLOTS)
         self.keys = torch.zeros(1, h, self.off + slots, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.positions = torch.zeros(h, slots, dtype=torch.long, device=device)
@@ -113,8 +150,15 @@ class HeadGroup:
 
     # -- appending ----------------------------------------------------------------------------
     def _grow(self, needed: int) -> None:
-        """Only the unbounded ``full`` group grows (doubling); bounded groups never reallocate."""
+        """Double the buffers (to at most ``max_slots``): the unbounded ``full`` group, or a very large one.
+
+        Before allocating, the new size is checked against the device's free memory: a plan that cannot fit
+        is a one-line usage error with the figure, not an allocator failure or the OOM killer.
+        """
         new_slots = max(needed, 2 * self.slots)
+        if self.max_slots is not None:
+            new_slots = min(new_slots, self.max_slots)
+        _check_free(self, new_slots)
         n = self.length
         keys = torch.zeros(1, self.num_heads, self.off + new_slots, self.keys.shape[-1], dtype=self.keys.dtype,
                            device=self.keys.device)
@@ -139,7 +183,7 @@ class HeadGroup:
         """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""
         m = key_states.shape[2]
         if self.length + m > self.slots:
-            if self.capacity is not None:
+            if self.max_slots is not None and self.length + m > self.max_slots:
                 raise RuntimeError(f"block of {m} tokens does not fit: capacity {self.capacity}, slots {self.slots}")
             self._grow(self.length + m)
         if not self.all_heads:
@@ -194,9 +238,12 @@ class HeadGroup:
         kept_k = k_all.gather(1, idx)
         kept_v = v_all.gather(1, idx)
         if self.comp_key_sum is not None and n > c:
-            # sum(dropped) = sum(all) − sum(kept), accumulated in float32 (eq. 4 as a running mean)
-            self.comp_key_sum += k_all.float().sum(1) - kept_k.float().sum(1)
-            self.comp_value_sum += v_all.float().sum(1) - kept_v.float().sum(1)
+            # The dropped tokens are summed themselves, in float32 (eq. 4 as a running mean): "all minus
+            # kept" would subtract two large sums and lose the small difference to cancellation.
+            dropped = torch.ones(h, n, dtype=torch.bool, device=keep.device).scatter_(1, keep, False)
+            didx = dropped.nonzero()[:, 1].view(h, n - c).unsqueeze(-1).expand(h, n - c, d)
+            self.comp_key_sum += k_all.gather(1, didx).float().sum(1)
+            self.comp_value_sum += v_all.gather(1, didx).float().sum(1)
             self.comp_count += n - c
             self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
             self.values[0, :, 0] = (self.comp_value_sum / self.comp_count).to(self.values.dtype)
@@ -233,7 +280,7 @@ class HeadGroup:
         if keys.shape[0] != self.num_heads or keys.shape[-1] != self.keys.shape[-1]:
             raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
         if n > self.slots:
-            if self.capacity is not None:
+            if self.capacity is not None and n > self.capacity:
                 raise ValueError(f"{prefix}: {n} tokens exceed the capacity {self.capacity}")
             self._grow(n)
         dev = self.keys.device
@@ -396,9 +443,9 @@ class BoundedCache(Cache):
         self.seen = 0
         self.rotary_next = 0  # compact mode: rotary position of the next token
         self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
+        self.pin_end: int | None = None  # first position after the pinned question (the answer is not pinned)
         self.counters = CacheCounters()
         self.step = StepInfo()
-        self.gqa_reduce = "mean"
 
     # -- clocks and counters -------------------------------------------------------------------
     def clock(self) -> float:
@@ -445,7 +492,8 @@ class BoundedCache(Cache):
         end = self.seen + self.step.length  # tokens seen once this block is in
         mask = (pos < self.sinks) | (pos >= end - recent)
         if self.pin_start is not None:
-            mask |= pos >= self.pin_start
+            pinned = pos >= self.pin_start
+            mask |= pinned if self.pin_end is None else pinned & (pos < self.pin_end)
         return mask
 
     # -- positions -------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ class EngineConfig:
     sinks: int = 4  # first S tokens are never evicted
     recent: int = 8  # last R tokens are never evicted
     positions: str = "auto"  # absolute | compact | auto
-    gqa_reduce: str = "mean"  # how query-head probabilities become KV-head scores
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
 
     def validate(self) -> None:
@@ -56,8 +55,6 @@ class EngineConfig:
             )
         if self.positions not in POSITION_MODES:
             raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
-        if self.gqa_reduce not in ("mean", "max"):
-            raise UsageError(f"gqa reduction must be mean or max (got {self.gqa_reduce!r})")
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -176,7 +173,6 @@ class Engine:
             rotator=self.rotator,
             sync_timing=self.config.sync_timing,
         )
-        cache.gqa_reduce = self.config.gqa_reduce
         return cache
 
     def emit(self, event: Any) -> None:
@@ -203,17 +199,32 @@ class Engine:
         cache.end_step()
         return out.logits[0]
 
-    def pin(self, cache: BoundedCache, length: int) -> None:
-        """Protect the next ``length`` tokens (a question) until ``unpin``; they must fit every group."""
+    def pin(self, cache: BoundedCache, length: int, answer_tokens: int | None = None) -> None:
+        """Protect the next ``length`` tokens (a question) until the caller clears ``cache.pin_start``.
+
+        The question is never evicted: it must fit each group's capacity together with everything else that
+        is always kept (sinks and the larger of the engine's and the policy's recent window), else this is a
+        ``UsageError`` before anything is fed. The answer's own tokens are not pinned: the newest of them
+        sit in the recent windows, older ones are evictable like document tokens. While ``answer_tokens``
+        (default: a whole window) are generated, the kept set is sinks + the larger of the window and the
+        question plus the answer's windowed part; that must fit. RazorAttention's
+        compensated (non-retrieval) heads keep only their local window by design and are not checked.
+        """
         for g in cache.groups():
-            if g.capacity is None or g.window is not None:  # a sliding layer forgets the question anyway
+            # a sliding layer forgets the question anyway; RazorAttention's compensated heads are exempt by design
+            if g.capacity is None or g.window is not None or g.compensation:
                 continue
-            if self.config.sinks + length > g.capacity:
+            window = max(self.config.recent, g.policy.protected_recent(g.capacity))
+            answer = window if answer_tokens is None else min(answer_tokens, window)
+            need = self.config.sinks + max(window, length + answer)
+            if need > g.capacity:
                 raise UsageError(
                     f"the question ({length} tokens with the chat template) does not fit the budget: a head group "
-                    f"holds {g.capacity} tokens including {self.config.sinks} sinks; raise --budget or shorten it"
+                    f"holds {g.capacity} tokens and must keep {self.config.sinks} sinks, a {window}-token recent "
+                    f"window and the question while answering; raise --budget to at least {need} or shorten it"
                 )
         cache.pin_start = cache.seen
+        cache.pin_end = cache.seen + length
 
     def feed(
         self,

@@ -31,6 +31,11 @@ class SnapKV(Policy):
       are always kept, so the tokens before them are pooled among themselves and the protected
       tail keeps its raw column sums. Pooling across the boundary would let the observation
       window's large attention to itself (the causal diagonal) leak into its 3 left neighbours.
+    * The observation window is the current block's last ``min(window, m)`` queries (kvtool streams
+      blocks; SnapKV itself scores once, at the end of the prompt). With ``--block-size`` below
+      ``window`` it is the whole block, and while decoding (blocks of one token) it is the single
+      newest query, i.e. SnapKV then scores like TOVA pooled. Keeping older queries would cost a
+      per-layer query cache; the protected tail stays ``window`` tokens in every case (tested).
     """
 
     name = "snapkv"

@@ -82,9 +82,11 @@ def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> P
     """
     options = dict(options or {})
     parts = []
+    if not spec.strip():
+        raise UsageError(f"empty policy; valid {_valid_list()}")
     for raw in (p.strip() for p in spec.split("+")):
         if not raw:
-            continue
+            raise UsageError(f"policy {spec!r} has an empty component (a stray '+'); write base+modifier+...")
         name, inline = _split_inline(raw)
         parts.append(name)
         options.update({f"{name}.{k}": v for k, v in inline.items()})
@@ -100,7 +102,12 @@ def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> P
     used: set[str] = set()
     policy: Policy = _construct(REGISTRY.bases[base_name], options, used, base_name)
     policy.env = env
-    for name in mod_names:
+    for i, name in enumerate(mod_names):
+        if name in REGISTRY.bases:
+            raise UsageError(f"policy {spec!r} names two bases ({base_name!r} and {name!r}): one base per policy, "
+                             "then modifiers")
+        if name in mod_names[:i]:
+            raise UsageError(f"modifier {name!r} appears twice in {spec!r}; each modifier may be applied once")
         if name not in REGISTRY.modifiers:
             raise UsageError(f"unknown modifier {name!r} in {spec!r}; valid {_valid_list()}")
         modifier = REGISTRY.modifiers[name]

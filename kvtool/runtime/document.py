@@ -14,19 +14,20 @@ import codecs
 import hashlib
 import io
 import os
+import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
-
-import torch
-from torch import Tensor
 
 from kvtool.errors import UsageError
 from kvtool.runtime.documents import Part, Reader, detect_format
 
 if TYPE_CHECKING:
     from kvtool.runtime.citations import SourceMap
+
+if TYPE_CHECKING:  # torch is imported where tokens are made: a bad path fails before torch loads (~10 s)
+    from torch import Tensor
 
 CHUNK_BYTES = 64 * 1024
 SNIFF_BYTES = 8192
@@ -68,12 +69,14 @@ class Document:
         return "<stdin>" if self.path == "-" else self.path
 
 
-def open_document(path: str, fmt: str | None = None) -> Document:
+def open_document(path: str, fmt: str | None = None, notify: Callable[[str], None] | None = None) -> Document:
     """Open and sanity-check a document of any supported format; bad input is a one-line ``UsageError``.
 
     ``fmt`` (``--format``) overrides detection from the content and the extension. Formats other than
     text and Markdown are checked by their reader here (encryption, text layer, DRM, damage), before
-    any model is loaded.
+    any model is loaded. A FIFO, character device or socket is read like ``-`` (size unknown); opening
+    one may wait for a writer, so ``notify`` (a note on stderr) is told "waiting for input on FILE"
+    first: a silent hang would look like a bug, and Ctrl-C interrupts the wait like any other.
     """
     if path == "-":
         stream: BinaryIO = sys.stdin.buffer
@@ -84,10 +87,16 @@ def open_document(path: str, fmt: str | None = None) -> Document:
         if os.path.isdir(path):
             raise UsageError(f"{path} is a directory, not a document")
         try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except OSError as e:
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+        if not regular and notify is not None:
+            notify(f"waiting for input on {path} (not a regular file; Ctrl-C to stop)")
+        try:
             stream = open(path, "rb")  # noqa: SIM115 - closed by the reader
         except OSError as e:
             raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-        size = os.path.getsize(path)
+        size = os.path.getsize(path) if regular else None
     try:
         head = stream.read(SNIFF_BYTES)
     except OSError as e:
@@ -209,6 +218,8 @@ def iter_token_blocks(doc: Document, tokenizer, block_size: int, source: SourceM
     With ``source``, each token's character span in the extracted text and its part (page, chapter,
     section) are recorded as the token is handed out.
     """
+    import torch
+
     buf: list[int] = []
     for part in iter_parts(doc):
         for text in _pieces(part.text):

@@ -166,6 +166,13 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     return out
 
 
+def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int) -> int:
+    """A clone of ``tokens`` stored tokens per KV head: K and V, int64 stream and RoPE positions, float32
+    policy state (``BoundedCache.snapshot``)."""
+    per_head_token = 2 * dims["head_dim"] * dtype_bytes(elem) + 2 * 8 + 4 * n_fields
+    return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
+
+
 def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int) -> int:
     """float32 attention probabilities a policy asked for, one layer at a time.
 
@@ -253,14 +260,19 @@ def predict_peak(
     n_fields: int = 0,
     runtime_baseline_bytes: int = 0,
     unquantized_params: int = 0,
+    snapshot_tokens: int | None = None,
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
+
+    ``snapshot_bytes`` is the copy of the post-document cache the session keeps to restore before each
+    question (``snapshot_tokens`` per head: the budget, or fewer when the document is shorter).
 
     ``rows`` is the policy's ``query_rows(block_size)``, ``n_fields`` its ``len(state_fields)``;
     ``runtime_baseline_bytes`` is the process's memory before weights are loaded, measured by the
     caller (RSS on CPU; 0 on CUDA, where the CUDA context is not counted by the allocator).
     """
     kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size)
+    snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
         "kv_promised_bytes": kv["promised"],
@@ -269,6 +281,7 @@ def predict_peak(
         "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
         "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
+        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields),
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     # The promise is contained in the allocation, so it is not added twice.

@@ -269,6 +269,7 @@ def _classify_spec(spec: str | None) -> tuple[str, Path]:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
+        _check_checkpoint_dir(path)
         return "dir", path.resolve()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -282,6 +283,32 @@ def _classify_spec(spec: str | None) -> tuple[str, Path]:
         f"{text!r} is not a local path, and kvtool never downloads models: "
         "point --model at a local checkpoint directory or .gguf file"
     )
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    """Refuse, before torch reads anything, a config that is not JSON and weights that are pickles.
+
+    A pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
+    two-line warning plus advice to disable the guard, so kvtool says it once, in its own words.
+    """
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: {_one_line(exc)[:120]}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: not a JSON object")
+    files = [f.name for f in path.iterdir() if f.is_file()]
+    if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
+        return
+    pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise UsageError(
+            f"{path} holds only pickle weights ({pickles[0]}); kvtool loads safetensors or .gguf only, because "
+            "a pickle can run code: convert it to safetensors first"
+        )
 
 
 def _looks_like_path(text: str) -> bool:

@@ -174,13 +174,14 @@ def plan(
     if cache_tokens is not None:
         peak = _mem.predict_peak(
             dims, budget_tokens=cache_tokens, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=baseline, **common,
+            runtime_baseline_bytes=baseline, snapshot_tokens=doc_tokens, **common,
         )
         peak["predicted_peak_bytes"] += weights_offset
         peak["weights_bytes"] = weights
     else:
         peak = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
-                                  "sdpa_scratch_bytes", "policy_state_bytes", "predicted_peak_bytes")}
+                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
+                                  "predicted_peak_bytes")}
         peak["weights_bytes"] = weights
         peak["activation_bytes"] = _mem.activation_bytes(dims, block, elem)
     out["kv_bytes_at_budget"] = (
@@ -200,6 +201,7 @@ def plan(
         "policy_state_fields": info.n_fields,
         "policy_state_bytes": peak["policy_state_bytes"],
         "activation_bytes": peak["activation_bytes"],
+        "snapshot_bytes": peak["snapshot_bytes"],
         "weights_bytes": weights,
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
@@ -269,6 +271,7 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("SDPA scratch", _b(p["sdpa_scratch_bytes"]), f"block x ({keys}) keys, one layer"),
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
+        ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),
         ("predicted peak", _b(p["predicted_peak_bytes"]), "sum of the above (KV promised is inside allocated)"),
     ]
     return rows

@@ -259,7 +259,7 @@ class Session:
         cache = read.cache
         cache.restore(read.snapshot)
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        self.engine.pin(cache, suffix.numel())
+        self.engine.pin(cache, suffix.numel(), max_new_tokens or self.settings.max_new_tokens)
         logits = self.engine.feed(cache, [suffix], progress=False)
         assert logits is not None
         detok = Detokenizer(self.tokenizer)

@@ -394,19 +394,24 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError(f"{where}: must be a mapping of keys to values, got {type(data).__name__}")
 
     out: dict[str, Any] = {}
+    unknown = [k for k in data if k not in PROFILE_KEYS]  # all of them at once: one round trip to fix a file
+    if unknown:
+        named = ", ".join(repr(k) + (" (put it under generation:)" if k in GENERATION_KEYS else "") for k in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise UsageError(f"{where}: unknown key{plural} {named}; "
+                         f"valid keys: {', '.join(PROFILE_KEYS)}")
     for key, value in data.items():
-        if key not in PROFILE_KEYS:
-            hint = " (put it under generation:)" if key in GENERATION_KEYS else ""
-            raise UsageError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(PROFILE_KEYS)}")
         try:
             if key == "generation":
                 if value is None:
                     continue
                 if not isinstance(value, Mapping):
                     raise UsageError(f"generation must be a mapping with keys {', '.join(GENERATION_KEYS)}")
+                bad = [f"generation.{k!s}" for k in value if k not in GENERATION_KEYS]
+                if bad:
+                    raise UsageError(f"unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+                                     f"valid keys: {', '.join(GENERATION_KEYS)}")
                 for gkey, gvalue in value.items():
-                    if gkey not in GENERATION_KEYS:
-                        raise UsageError(f"unknown key generation.{gkey!s}; valid keys: {', '.join(GENERATION_KEYS)}")
                     out[gkey] = _FIELD_CHECKS[gkey](f"generation.{gkey}", gvalue)
             elif key == "description":
                 if value is not None and not isinstance(value, str):
@@ -442,7 +447,8 @@ def resolve_settings(profile: str | os.PathLike[str] | None, overrides: Mapping[
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     unknown = [k for k in given if k not in SETTINGS_FIELDS]
     if unknown:
-        raise UsageError(f"unknown setting {unknown[0]!r}; valid settings: {', '.join(SETTINGS_FIELDS)}")
+        raise UsageError(f"unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"valid settings: {', '.join(SETTINGS_FIELDS)}")
     if "policy" in given and given["policy"] != values.get("policy", Settings.policy):
         # The profile's options were written for its own policy; they mean nothing to another one.
         values.pop("policy_options", None)

@@ -115,6 +115,21 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str, sort_keys=True))
 
 
+MAX_INT = 2**40  # no count, capacity or position in a real cache comes near this
+
+
+def _loads(text: str | bytes) -> Any:
+    """``json.loads`` whose deep nesting is a ``ValueError`` (damage), not a ``RecursionError``.
+
+    json's C scanner guards its recursion, so 200,000 nested brackets end in a catchable ``RecursionError``
+    after a bounded amount of work; a real header nests five levels deep.
+    """
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _corrupt(path: str, why: str = "") -> UsageError:
     detail = f" ({why})" if why else ""
     return UsageError(f"{path} is truncated or corrupted{detail}; prefill it again")
@@ -149,7 +164,7 @@ def is_kvc(path: str | os.PathLike[str]) -> bool:
                 if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
                     raw = b"{" + f.read(n - 1)
                     try:
-                        md = json.loads(raw.decode("utf-8")).get("__metadata__") or {}
+                        md = _loads(raw).get("__metadata__") or {}
                         return isinstance(md, dict) and md.get("format") == FORMAT
                     except (UnicodeDecodeError, ValueError, AttributeError):
                         return _MARKER in raw  # a damaged kvtool header
@@ -182,7 +197,7 @@ def read_header(path: str | os.PathLike[str]) -> KvcHeader:
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = _loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
@@ -215,7 +230,127 @@ def read_header(path: str | os.PathLike[str]) -> KvcHeader:
         raise _corrupt(path, f"{size} bytes on disk, {expected} expected")
     if size > expected:
         raise _corrupt(path, f"{size - expected} unexpected bytes after the tensor data")
+    _check_meta_digest(path, meta)
+    validate_meta(path, meta, tensors)
     return KvcHeader(path=path, size=size, header_bytes=8 + n, meta=meta, tensors=tensors)
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of the metadata (itself excluded), canonical JSON: a damaged budget or layout is caught too."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
+
+
+def _check_meta_digest(path: str, meta: dict[str, Any]) -> None:
+    want = meta.get("meta_sha256")
+    if want is not None and want != meta_digest(meta):
+        raise _corrupt(path, "metadata does not match its checksum")
+
+
+# -- the metadata schema, checked once by read_header for every reader (ask, summarize, inspect) ----------------
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_INT) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _opt_int(lo: int = 0) -> Any:
+    return lambda v: v is None or _is_int(v, lo)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _opt_str(v: Any) -> bool:
+    return v is None or isinstance(v, str)
+
+
+def _dtype(v: Any) -> bool:
+    return isinstance(v, str) and v in _DTYPE_BYTES
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: section -> {key: check}; a section, when present, must be an object whose listed keys pass their check
+#: (``load_cache`` then requires the sections it uses). Types are checked before any value is used.
+_SCHEMA: dict[str, dict[str, Any]] = {
+    "model": {"name": _opt_str, "identity": _opt_str, "source": _opt_str, "dims": lambda v: isinstance(v, dict)
+              and all(_is_int(v.get(k), 1, 2**20) for k in ("num_layers", "num_kv_heads", "num_attention_heads",
+                                                               "head_dim"))},
+    "policy": {"spec": _str, "options": lambda v: isinstance(v, dict)},
+    "settings": {"policy": _str, "policy_options": lambda v: v is None or isinstance(v, dict),
+                 "budget": lambda v: v is None or isinstance(v, (str, int)), "budget_tokens": _opt_int(1),
+                 "block_size": lambda v: _is_int(v, 1), "sinks": lambda v: _is_int(v), "recent": lambda v: _is_int(v),
+                 "positions": _str, "dtype": _dtype, "quantize": _opt_str},
+    "prompt": {"prefix": _str, "prefix_tokens": lambda v: _is_int(v)},
+    "document": {"name": _str, "sha256": _str, "tokens": lambda v: _is_int(v)},
+    "cache": {"seen": lambda v: _is_int(v), "rotary_next": lambda v: v is None or _is_int(v),
+              "compact": lambda v: isinstance(v, bool), "compact_since": _opt_int(),
+              "pin_start": _opt_int(), "counters": lambda v: v is None or (isinstance(v, dict) and all(
+                  _is_int(x) for x in v.values()))},
+    "bytes": {"kv_stored": _opt_int(), "kv_promised": _opt_int(), "kv_allocated": _opt_int()},
+}
+_TOP: dict[str, Any] = {"kvtool_version": _str, "created": _str, "dtype": _dtype,
+                        "prefill_seconds": _num, "tensors_sha256": _str, "meta_sha256": _str}
+
+
+def validate_meta(path: str, meta: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> None:
+    """Check the metadata's types and ranges, and its agreement with the tensors' shapes and the document.
+
+    Nothing is allocated from metadata that fails here; every failure is "truncated or corrupted" (exit 2).
+    """
+    for key, ok in _TOP.items():
+        if key in meta and not ok(meta[key]):
+            raise _corrupt(path, f"bad metadata value for {key!r}")
+    for section, fields in _SCHEMA.items():
+        if section not in meta:
+            continue
+        value = meta[section]
+        if not isinstance(value, dict):
+            raise _corrupt(path, f"metadata {section!r} is not an object")
+        for key, ok in fields.items():
+            if key in value and not ok(value[key]):
+                raise _corrupt(path, f"bad metadata value for {section}.{key}")
+    if "layout" in meta:
+        _validate_layout(path, meta, tensors)
+    doc, prompt_, cache = meta.get("document"), meta.get("prompt"), meta.get("cache")
+    if doc and prompt_ and cache and {"tokens"} <= doc.keys() and "prefix_tokens" in prompt_ and "seen" in cache:
+        if doc["tokens"] + prompt_["prefix_tokens"] != cache["seen"]:
+            raise _corrupt(path, f"the cache has seen {cache['seen']} tokens, the document and prefix are "
+                                 f"{doc['tokens'] + prompt_['prefix_tokens']}")
+
+
+def _validate_layout(path: str, meta: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> None:
+    layout = meta["layout"]
+    dims = (meta.get("model") or {}).get("dims") or {}
+    seen = (meta.get("cache") or {}).get("seen")
+    if not isinstance(layout, list) or not all(isinstance(row, list) for row in layout):
+        raise _corrupt(path, "bad layout metadata")
+    if dims and len(layout) != dims["num_layers"]:
+        raise _corrupt(path, f"layout has {len(layout)} layers, the model {dims['num_layers']}")
+    for li, row in enumerate(layout):
+        for gi, g in enumerate(row):
+            where = f"layout of layer {li} group {gi}"
+            ok = (isinstance(g, dict) and isinstance(g.get("heads"), list) and g["heads"]
+                  and all(_is_int(h, 0, 2**20) for h in g["heads"]) and _opt_int(1)(g.get("capacity"))
+                  and isinstance(g.get("compensation", False), bool) and _is_int(g.get("length")))
+            if not ok:
+                raise _corrupt(path, f"bad {where}")
+            info = tensors.get(f"l{li}.g{gi}.positions")
+            keys = tensors.get(f"l{li}.g{gi}.keys")
+            if info is None or keys is None:
+                raise _corrupt(path, f"missing tensors for {where}")
+            h, n, cap = len(g["heads"]), g["length"], g["capacity"]
+            off = 1 if g.get("compensation") else 0
+            if info["shape"] != [h, n] or len(keys["shape"]) != 3 or keys["shape"][:2] != [h, off + n]:
+                raise _corrupt(path, f"{where} says {h} heads x {n} tokens, the tensors are {keys['shape']}")
+            if dims and keys["shape"][2] != dims["head_dim"]:
+                raise _corrupt(path, f"{where}: head size {keys['shape'][2]}, the model's is {dims['head_dim']}")
+            if cap is not None and n > cap:
+                raise _corrupt(path, f"{where} holds {n} tokens, more than its capacity {cap}")
+            if seen is not None and n > seen:
+                raise _corrupt(path, f"{where} holds {n} tokens, but only {seen} were seen")
 
 
 def _parse_meta(path: str, md: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +358,7 @@ def _parse_meta(path: str, md: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, str):
         raise _corrupt(path, f"no {META_KEY!r} metadata")
     try:
-        meta = json.loads(text)
+        meta = _loads(text)
     except ValueError:
         raise _corrupt(path, f"{META_KEY!r} metadata is not valid JSON") from None
     if not isinstance(meta, dict):
@@ -407,6 +542,8 @@ def write_kvc(path: str | os.PathLike[str], tensors: dict[str, Tensor], meta: di
     meta["format_version"] = FORMAT_VERSION
     meta.setdefault("kvtool_version", __version__)
     meta["tensors_sha256"] = tensors_digest(cpu)
+    meta = _jsonable(meta)
+    meta["meta_sha256"] = meta_digest(meta)
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), META_KEY: json.dumps(meta, sort_keys=True)}
 
     directory = os.path.dirname(os.path.abspath(path))
@@ -578,6 +715,11 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     model = meta["model"]
     loaded = session.loaded
     if model.get("identity") != loaded.identity:
+        from kvtool.runtime.model import EMBEDDED_NAME
+
+        if model.get("name") == EMBEDDED_NAME:  # its source is kvtool's own converted copy: not for --model
+            raise UsageError(f"{p} was made with the embedded model {EMBEDDED_NAME}, not {loaded.name} "
+                             f"({loaded.source}); drop --model or prefill again")
         raise UsageError(
             f"{p} was made with model {model.get('name')} ({model.get('source')}), not {loaded.name} "
             f"({loaded.source}); pass --model {model.get('source')} or prefill again"

@@ -194,7 +194,8 @@ class CAOTE(OutputErrorModifier):
     ``n_evict`` tokens are ranked by their single-token error. ``greedy=true`` evicts one token
     at a time and updates the output and weights after each eviction (App. B eq. 24–28,
     ``greedy_evict``), which accounts for the interplay between evicted tokens; the joint error
-    of the chosen set (eq. 31) is left in ``last_joint_error`` (``[h]`` per call of ``select``).
+    of the chosen set (eq. 31) is left in ``last_joint_error[layer_idx]`` (``[h]``, the layer's last
+    ``select``; one policy object serves every layer, so one shared value would only tell the last layer's).
     ``objective`` picks what each greedy step minimises: ``step``, the error given the current
     reduced output (eq. 29), or ``joint``, the eq. 31 error of the grown set (see ``greedy_evict``).
     """
@@ -206,9 +207,10 @@ class CAOTE(OutputErrorModifier):
     description = "CAOTE: base score -> eviction error of the attention output (greedy=true: joint, App. B)"
     paper = "Goel et al. 2025, CAOTE: KV Caching through Attention Output Error based Token Eviction"
 
-    last_joint_error = None  # [h] eq. 31 error of the last greedy selection (not an option)
 
     def __post_init__(self) -> None:
+        # layer -> [h] eq. 31 error of that layer's last greedy selection (an attribute, not an option)
+        self.last_joint_error: dict[int, Tensor] = {}
         if self.objective not in GREEDY_OBJECTIVES:
             raise UsageError(f"caote.objective must be one of {', '.join(GREEDY_OBJECTIVES)}, not {self.objective!r}")
 
@@ -223,7 +225,8 @@ class CAOTE(OutputErrorModifier):
         if m == 0:
             return torch.arange(n, device=ctx.values.device).expand(h, n)
         alpha, values, forced = self.weights(ctx)
-        evicted, self.last_joint_error = greedy_evict(alpha, values, m, ctx.protected | forced, self.objective)
+        evicted, self.last_joint_error[ctx.layer_idx] = greedy_evict(alpha, values, m, ctx.protected | forced,
+                                                                     self.objective)
         keep = torch.ones(h, n, dtype=torch.bool, device=alpha.device)
         keep.scatter_(1, evicted, False)
         # Exactly ``capacity`` kept per row; ``nonzero`` lists them row by row in ascending order.

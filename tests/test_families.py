@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtool.core.cache import HeadGroup
-from kvtool.core.families import layer_kinds, layer_windows, window_capacity
+from kvtool.core.layout import layer_kinds, layer_windows, window_capacity
 from kvtool.errors import UsageError
 from tests.helpers import (
     FAMILIES,

@@ -25,7 +25,8 @@ from kvtool.core import attention
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
-from kvtool.core.families import check_supported, layer_windows, text_config, window_specs
+from kvtool.core.families import check_supported, window_specs
+from kvtool.core.layout import layer_windows, text_config
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvtool.core.families import layer_kinds, window_capacity
+from kvtool.core.layout import layer_kinds, window_capacity
 
 DIM_KEYS: tuple[str, ...] = (
     "num_layers",

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import transformers
 
-from kvtool.core.families import check_config, check_supported
+from kvtool.core.families import check_supported
+from kvtool.core.layout import check_config
 from kvtool.errors import KvtoolError, UsageError
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

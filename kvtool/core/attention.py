@@ -131,6 +131,8 @@ def kvtool_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer: BoundedLayer = cache.layers[module.layer_idx]  # type: ignore[assignment]
+    if cache.query_log is not None:  # recall scores archive pages against the question's own queries
+        cache.query_log.append((module.layer_idx, query, cache.seen - cache.rotary_next if cache.compact else 0))
     if len(layer.groups) == 1:
         out = _attend_group(layer, layer.groups[0], query, scaling)
     else:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.core import attention
+from kvtool.core import attention, recall
+from kvtool.core.archive import DEFAULT_PAGE_SIZE, FileStore, MemoryStore
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
@@ -42,6 +43,9 @@ class EngineConfig:
     positions: str = "auto"  # absolute | compact | auto
     gqa_reduce: str = "mean"  # how query-head probabilities become KV-head scores
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
+    recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
+    page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
+    archive_dir: str | None = None  # where the archive file lives (None: host memory)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -54,6 +58,10 @@ class EngineConfig:
             )
         if self.positions not in POSITION_MODES:
             raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
+        if self.recall < 0:
+            raise UsageError(f"--recall must be non-negative (got {self.recall})")
+        if self.page_size < 1:
+            raise UsageError(f"archive page size must be at least 1 (got {self.page_size})")
         if self.gqa_reduce not in ("mean", "max"):
             raise UsageError(f"gqa reduction must be mean or max (got {self.gqa_reduce!r})")
 
@@ -172,6 +180,10 @@ class Engine:
             sync_timing=self.config.sync_timing,
         )
         cache.gqa_reduce = self.config.gqa_reduce
+        if self.config.recall > 0:
+            where = self.config.archive_dir
+            recall.attach(cache, self.config.recall, self.config.page_size,
+                          MemoryStore if where is None else lambda rb: FileStore(rb, where))
         return cache
 
     def emit(self, event: Any) -> None:
@@ -209,6 +221,35 @@ class Engine:
                     f"holds {g.capacity} tokens including {self.config.sinks} sinks; raise --budget or shorten it"
                 )
         cache.pin_start = cache.seen
+
+    def feed_question(self, cache: BoundedCache, ids: Tensor,
+                      restore: Callable[[], None]) -> tuple[Tensor, recall.RecallResult | None]:
+        """Restore the post-document cache and feed a pinned question; with recall on, feed it twice.
+
+        The first pass records the question's queries, the archive pages they point at come back
+        beside the kept tokens (``kvtool/core/recall.py``), and the second pass lets the question's own
+        hidden states see them. Returns the last logits and what was recalled (None: no recall).
+        """
+        restore()
+        self.pin(cache, ids.numel())
+        if self.config.recall == 0 or recall.archived_tokens(cache) == 0:
+            logits = self.feed(cache, [ids], progress=False)
+            assert logits is not None
+            return logits, None
+        t0 = cache.clock()
+        cache.query_log = []
+        try:
+            self.feed(cache, [ids], progress=False)
+            log = cache.query_log
+        finally:
+            cache.query_log = None
+        restore()
+        result = recall.recall(cache, log, self.config.recall)
+        self.pin(cache, ids.numel())
+        result.seconds = cache.clock() - t0
+        logits = self.feed(cache, [ids], progress=False)
+        assert logits is not None
+        return logits, result
 
     def feed(
         self,

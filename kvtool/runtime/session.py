@@ -8,6 +8,7 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
 from kvtool.core.events import Listener, Note
@@ -25,7 +27,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall
 
 
 @dataclass
@@ -119,12 +121,20 @@ class Session:
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
         self.budget_tokens, self.budget_note = self._resolve_budget()
+        # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing)
+        self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
+        self.archive_dir = tempfile.gettempdir()  # an unlinked file there (honours TMPDIR)
+        self.recall_seconds = 0.0
+        self.recalled_pages = 0
+        self.recalled_tokens_max = 0
         self.engine_config = EngineConfig(
             budget=self.budget_tokens,
             block_size=settings.block_size,
             sinks=settings.sinks,
             recent=settings.recent,
             positions=settings.positions,
+            recall=self.recall_tokens,
+            archive_dir=self.archive_dir if self.recall_tokens else None,
         )
         self.engine_config.validate()
         env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
@@ -215,11 +225,12 @@ class Session:
     ) -> Answer:
         """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting."""
         cache = read.cache
-        cache.restore(read.snapshot)
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        self.engine.pin(cache, suffix.numel())
-        logits = self.engine.feed(cache, [suffix], progress=False)
-        assert logits is not None
+        logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot))
+        if recalled is not None:
+            self.recall_seconds += recalled.seconds
+            self.recalled_pages += recalled.pages
+            self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -292,6 +303,7 @@ class Session:
             else {},
             "model_load_seconds": round(self.loaded.load_seconds, 3),
         }
+        out.update(self.recall_stats(cache))
         if read is not None and read.loaded_from:
             out["loaded_from"] = read.loaded_from
             out["cache_load_seconds"] = round(read.load_seconds, 4)
@@ -301,6 +313,19 @@ class Session:
         if self.budget_note:
             out["budget_conversion"] = self.budget_note
         return out
+
+
+    def recall_stats(self, cache: BoundedCache | None) -> dict[str, Any]:
+        """Recall's part of the stats: budget, archive size and place, time and pages recalled."""
+        return {
+            "recall_tokens": self.recall_tokens,
+            "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
+            "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
+            "archive_path": f"{self.archive_dir} (unlinked temporary file)" if self.recall_tokens else None,
+            "recall_seconds": round(self.recall_seconds, 4),
+            "recalled_pages": self.recalled_pages,
+            "recalled_tokens_max": self.recalled_tokens_max,
+        }
 
 
 def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:

@@ -224,3 +224,114 @@ def test_recall_does_not_archive_the_answer():
     logits, _ = engine.feed_question(cache, ids_of(10, 10), lambda: cache.restore(snap))
     engine.generate(cache, logits, 40, eos_ids=set())
     assert recall.archived_tokens(cache) == archived
+
+
+# -- the CLI: ask with recall, .kvc with its archive -----------------------------------------------------
+@pytest.fixture(scope="module")
+def kvenv(tmp_path_factory):
+    from tests.test_store import WORDS, _checkpoint
+
+    root = tmp_path_factory.mktemp("recall")
+    rng = __import__("random").Random(2)
+    doc = root / "doc.txt"
+    doc.write_text(" ".join(rng.choice(WORDS[20:]) for _ in range(300)) + "\n", encoding="utf-8")
+    return {"root": root, "model": str(_checkpoint(root / "tiny")), "doc": doc}
+
+
+KV_SETTINGS = ["--policy", "h2o", "--budget", "40", "--block-size", "16", "--device", "cpu", "--max-new-tokens", "6"]
+
+
+def run_cli(capsys, *args):
+    from kvtool.cli.app import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    base = ["--model", kvenv["model"], *KV_SETTINGS, "--recall", "64", "--json", "-q"]
+    q = ["what is the castle", "where is the ship"]
+    rc, from_doc, err = run_cli(capsys, "ask", kvenv["doc"], *q, *base)
+    assert rc == 0, err
+    doc_stats = json.loads(from_doc)["stats"]
+    assert doc_stats["recall_tokens"] == 64 and doc_stats["archive_bytes"] > 0
+    assert doc_stats["recalled_pages"] > 0 and doc_stats["recall_seconds"] > 0
+    assert doc_stats["archive_path"].startswith(str(tmp_path))
+
+    out = tmp_path / "doc.kvc"
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
+                         "--recall", "64", "-q")
+    assert rc == 0, err
+    assert (tmp_path / "doc.kvc.archive").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtool-archive-")] == []  # temp: unlinked
+    rc, info, _ = run_cli(capsys, "inspect", out, "--json")
+    arch = json.loads(info)["archive"]
+    assert arch["file"] == "doc.kvc.archive" and arch["tokens"] == doc_stats["archived_tokens"] and arch["pages"] > 0
+    rc, text, _ = run_cli(capsys, "inspect", out)
+    assert "doc.kvc.archive" in text and "pages of 32 tokens" in text
+
+    kvc_args = ["--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "6", "--json", "-q"]
+    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, *kvc_args)
+    assert rc == 0, err
+    a_doc, a_kvc = json.loads(from_doc), json.loads(from_kvc)
+    assert a_doc["answers"] == a_kvc["answers"]  # same archive, same recall, same answers
+    assert a_kvc["stats"]["recalled_pages"] == doc_stats["recalled_pages"]
+
+    # a truncated archive, then a missing one: answers without recall and a warning, exit 0
+    no_recall = ["--model", kvenv["model"], "--max-new-tokens", "6", "--json", "-q"]
+    rc, plain, _ = run_cli(capsys, "ask", out, *q, *no_recall)
+    data = (tmp_path / "doc.kvc.archive").read_bytes()
+    (tmp_path / "doc.kvc.archive").write_bytes(data[: len(data) // 2])
+    rc, damaged, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
+    assert rc == 0, err
+    assert "missing or damaged" in err and "Traceback" not in err
+    assert json.loads(damaged)["answers"] == json.loads(plain)["answers"]
+    assert json.loads(damaged)["stats"]["recalled_pages"] == 0
+    (tmp_path / "doc.kvc.archive").unlink()
+    rc, missing, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
+    assert rc == 0 and "missing or damaged" in err
+    assert json.loads(missing)["answers"] == json.loads(plain)["answers"]
+
+
+def test_kvc_without_archive_answers_with_a_note(kvenv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    out = tmp_path / "plain.kvc"
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8], "-q")
+    assert rc == 0, err
+    assert not (tmp_path / "plain.kvc.archive").exists()
+    rc, stdout, err = run_cli(capsys, "ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64",
+                              "--max-new-tokens", "4")
+    assert rc == 0 and stdout.strip()
+    assert "no archive of evicted tokens" in err
+
+
+def test_bad_recall_value_is_a_usage_error(kvenv, capsys):
+    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "q", "--model", kvenv["model"], "--recall", "lots")
+    assert rc == 2 and err.startswith("kvtool: error: ") and "recall" in err
+
+
+def test_unwritable_archive_dir_exits_2(kvenv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path / "nope"))
+    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "what", "--model", kvenv["model"], *KV_SETTINGS, "--recall",
+                         "64", "-q")
+    assert rc == 2 and "cannot create the recall archive" in err and "Traceback" not in err
+
+
+def test_disk_full_while_archiving_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    store = FileStore(8, tmp_path)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(UsageError, match="the disk is full"):
+        store.append(torch.zeros(2, 8, dtype=torch.uint8))
+    store.close()
+    assert os.listdir(tmp_path) == []

@@ -118,6 +118,7 @@ class FileStore:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.rows = 0
 
 
 class GroupArchive:
@@ -219,6 +220,33 @@ class GroupArchive:
         keys = rows[:, 0][inverse, heads]
         values = rows[:, 1][inverse, heads]
         return keys, values, self.positions[:, : self.length].gather(1, index)
+
+    # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
+    def state_dict(self, prefix: str) -> dict[str, Tensor]:
+        """Rows, positions and page summaries of the archived tokens (reads the whole store)."""
+        n, npg = self.length, self.pages
+        return {
+            f"{prefix}.rows": self.store.read(torch.arange(self.store.rows)),
+            f"{prefix}.positions": self.positions[:, :n].contiguous(),
+            f"{prefix}.kmin": self.kmin[:, :npg].contiguous(),
+            f"{prefix}.kmax": self.kmax[:, :npg].contiguous(),
+        }
+
+    def load_state_dict(self, tensors: dict[str, Tensor], prefix: str, page_size: int) -> None:
+        """Append a saved archive to this empty one (page size as saved: the summaries depend on it)."""
+        if self.length:
+            raise ValueError("an archive can only be loaded into an empty one")
+        rows, pos = tensors[f"{prefix}.rows"], tensors[f"{prefix}.positions"].long()
+        kmin, kmax = tensors[f"{prefix}.kmin"].float(), tensors[f"{prefix}.kmax"].float()
+        n = pos.shape[1]
+        if (rows.shape != (n, self.store.row_bytes) or pos.shape[0] != self.h
+                or kmin.shape != (self.h, -(-n // page_size), self.d) or kmax.shape != kmin.shape):
+            raise ValueError(f"{prefix}: archive shapes do not match this cache")
+        self.page_size = page_size
+        self.store.append(rows.contiguous())
+        self.positions = pos.clone()
+        self.kmin, self.kmax = kmin.clone(), kmax.clone()
+        self.length = n
 
     def close(self) -> None:
         self.store.close()

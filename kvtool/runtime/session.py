@@ -8,6 +8,7 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -123,7 +124,8 @@ class Session:
         self.budget_tokens, self.budget_note = self._resolve_budget()
         # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing)
         self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
-        self.archive_dir = tempfile.gettempdir()  # an unlinked file there (honours TMPDIR)
+        # an unlinked file there: KVTOOL_ARCHIVE_DIR, else the system's temporary directory (TMPDIR)
+        self.archive_dir = os.environ.get("KVTOOL_ARCHIVE_DIR") or tempfile.gettempdir()
         self.recall_seconds = 0.0
         self.recalled_pages = 0
         self.recalled_tokens_max = 0

@@ -5,7 +5,7 @@ tokens per head and a group's archive grows in lockstep across its heads::
 
     GroupArchive (one per bounded head group)
       store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
-      positions    [h, archived] int64, original stream position of each archived token (host memory)
+      positions    [h, archived] int32, original stream position of each archived token (host memory)
       kmin, kmax   [h, pages, d] float32 page summaries (host memory, 2/P of the keys' size in float32)
 
 Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
@@ -133,7 +133,7 @@ class GroupArchive:
         self.page_size = page_size
         self.store = store
         self.length = 0  # archived tokens per head
-        self.positions = torch.empty(num_heads, 0, dtype=torch.long)
+        self.positions = torch.empty(num_heads, 0, dtype=torch.int32)
         self.kmin = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
         self.kmax = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
 
@@ -148,7 +148,7 @@ class GroupArchive:
     def nbytes(self) -> int:
         """Bytes held: K/V rows plus positions and page summaries."""
         summaries = 2 * self.h * self.pages * self.d * 4
-        return self.store.rows * self.store.row_bytes + self.length * self.h * 8 + summaries
+        return self.store.rows * self.store.row_bytes + self.length * self.h * 4 + summaries
 
     # -- appending --------------------------------------------------------------------------------
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -160,7 +160,7 @@ class GroupArchive:
         rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
         self.store.append(rows)
         a = self.length
-        self.positions = _grow_cat(self.positions, positions.cpu(), a)
+        self.positions = _grow_cat(self.positions, positions.to(torch.int32).cpu(), a)
         kf = keys.detach().float().cpu()
         P = self.page_size
         first, last = a // P, (a + n - 1) // P
@@ -219,7 +219,7 @@ class GroupArchive:
         heads = torch.arange(self.h).unsqueeze(1)
         keys = rows[:, 0][inverse, heads]
         values = rows[:, 1][inverse, heads]
-        return keys, values, self.positions[:, : self.length].gather(1, index)
+        return keys, values, self.positions[:, : self.length].gather(1, index).long()
 
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
@@ -236,7 +236,7 @@ class GroupArchive:
         """Append a saved archive to this empty one (page size as saved: the summaries depend on it)."""
         if self.length:
             raise ValueError("an archive can only be loaded into an empty one")
-        rows, pos = tensors[f"{prefix}.rows"], tensors[f"{prefix}.positions"].long()
+        rows, pos = tensors[f"{prefix}.rows"], tensors[f"{prefix}.positions"].to(torch.int32)
         kmin, kmax = tensors[f"{prefix}.kmin"].float(), tensors[f"{prefix}.kmax"].float()
         n = pos.shape[1]
         if (rows.shape != (n, self.store.row_bytes) or pos.shape[0] != self.h

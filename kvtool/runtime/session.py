@@ -26,7 +26,7 @@ from kvtool.errors import UsageError
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
-from kvtool.runtime.memory import dims_from_config, dtype_bytes
+from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall
 
@@ -233,6 +233,8 @@ class Session:
             self.recall_seconds += recalled.seconds
             self.recalled_pages += recalled.pages
             self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
+            self.emit(Note(f"recall: {recalled.pages:,} pages, {recalled.tokens} tokens per KV head in "
+                           f"{recalled.seconds:.2f} s (archive {format_bytes(recall.archive_bytes(cache))})"))
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:

@@ -335,3 +335,24 @@ def test_disk_full_while_archiving_is_a_clear_error(tmp_path, monkeypatch):
         store.append(torch.zeros(2, 8, dtype=torch.uint8))
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    args = ["profile", "--model", kvenv["model"], "--budget", "40", "--block-size", "16", "--device", "cpu", "--json",
+            "-q"]
+    rc, plain, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    rc, with_recall, err = run_cli(capsys, *args, "--recall", "24")
+    assert rc == 0, err
+    p, r = json.loads(plain), json.loads(with_recall)
+    per_token = r["kv_bytes_per_token"]["total"]
+    assert "recall_tokens" not in p and r["recall_tokens"] == 24
+    assert r["recall_slots_bytes"] == 24 * per_token  # budget + recall + block per head, K and V
+    def peak(plan):  # the runtime baseline is a measured RSS: it differs between the two runs
+        return plan["predicted_peak_bytes"] - plan["runtime_baseline_bytes"]
+
+    assert peak(r) - peak(p) == 24 * per_token
+    assert r["archive_bytes_per_evicted_token"]["file"] == per_token

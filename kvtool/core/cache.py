@@ -102,8 +102,8 @@ class HeadGroup:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def promised_tokens(self) -> int | None:
-        """Tokens per head the budget promises for this group (compensation slot included)."""
-        return None if self.capacity is None else self.capacity + self.off
+        """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""
+        return None if self.base_capacity is None else self.base_capacity + self.off
 
     def stored_bytes(self) -> int:
         """Bytes of K/V actually held (stored tokens and the compensation slot)."""

@@ -15,17 +15,18 @@ VOCAB = 101
 def tiny_llama(seed: int = 0, max_positions: int = 2048, **kw) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=max_positions, rope_theta=10000.0, **kw,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, rope_theta=10000.0, **{"num_hidden_layers": 2, **kw},
     )
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_qwen2(seed: int = 0, max_positions: int = 2048) -> Qwen2ForCausalLM:
+def tiny_qwen2(seed: int = 0, max_positions: int = 2048, num_hidden_layers: int = 2) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=max_positions, use_sliding_window=False,
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=max_positions,
+        use_sliding_window=False,
     )
     return Qwen2ForCausalLM(cfg).eval()
 

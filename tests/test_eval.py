@@ -280,8 +280,8 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     assert s["needle"] == "passkey" and s["policies"] == ["full", "sink"]  # full always included
     cells = rep["results"]
     assert len(cells) == 2 * 2 * 2
-    keys = {"policy", "budget", "length", "depth", "needle_token", "document_tokens", "trials", "correct",
-            "accuracy", "answers"}
+    keys = {"policy", "budget", "recall", "length", "depth", "needle_token", "document_tokens", "trials",
+            "correct", "accuracy", "answers"}
     assert all(set(c) == keys for c in cells)
     assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}
     for c in cells:
@@ -296,6 +296,34 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     keys = {c["answers"][0]["expected"] for c in cells}
     assert keys == {passkey_needle(0, 0).answer}
     assert {(r["policy"], r["budget"]) for r in rep["summary"]} == {("full", None), ("sink", 160)}
+    for r in rep["summary"]:  # 95% Wilson interval around the observed rate
+        lo, hi = r["wilson95"]
+        assert 0 <= lo <= r["accuracy"] <= hi <= 1
+
+
+def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(tiny_dir: Path, text_file: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rep = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
+                    "--lengths", "300", "--depths", "0.5", "--policies", "sink", "--budgets", "160",
+                    "--max-new-tokens", "3", "--recall", "0,64"], capsys)
+    assert rep["settings"]["recalls"] == [0, 64]
+    assert {(c["policy"], c["recall"]) for c in rep["results"]} == {("full", 0), ("sink", 0), ("sink", 64)}
+    # the eviction-only answers come from the read that also archived: the same as a run without recall
+    alone = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
+                      "--lengths", "300", "--depths", "0.5", "--policies", "sink", "--budgets", "160",
+                      "--max-new-tokens", "3"], capsys)
+    shared = next(c for c in rep["results"] if c["policy"] == "sink" and c["recall"] == 0)
+    plain = next(c for c in alone["results"] if c["policy"] == "sink")
+    assert shared["answers"] == plain["answers"]
+
+
+def test_wilson_interval_matches_the_formula() -> None:
+    from kvtool.eval.needle import wilson
+
+    lo, hi = wilson(10, 10)
+    assert hi == 1.0 and abs(lo - 0.7225) < 1e-3  # 10/10: the textbook lower bound 0.722
+    lo, hi = wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-3 and abs(hi - 0.7634) < 1e-3
 
 
 def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -106,3 +106,23 @@ def test_cli_ask_json_real_model(tmp_path, capsys):
     result = json.loads(out.out)
     assert PASSKEY in result["answers"][0]["answer"]
     assert result["stats"]["cached_tokens_max"] <= 512
+
+
+def test_recall_finds_a_needle_eviction_dropped(loaded):
+    """keydiff at budget 256 on a ~1.2K-token text loses a pass key at depth 0.5; recall 256 brings it back."""
+    tok = loaded.tokenizer
+    text = essay_text(tok, 1150)
+    half = len(tok.decode(tok(text, add_special_tokens=False)["input_ids"][:575]))
+    doc = text[:half] + NEEDLE + " " + text[half:]
+    answers = {}
+    for rec in ("off", "256"):
+        s = session(loaded, policy="keydiff", budget="256", recall=rec, max_new_tokens=16)
+        read = s.read(text_document(doc))
+        answers[rec] = s.ask(read, "What is the pass key?").answer
+        if rec != "off":
+            stats = s.stats(read)
+            assert stats["recalled_pages"] > 0 and stats["archive_bytes"] > 0
+            assert max(read.cache.lengths()) <= 256 + 256  # budget + recall after the answer
+    print(answers)
+    assert PASSKEY not in answers["off"]
+    assert PASSKEY in answers["256"]

@@ -78,6 +78,13 @@ def inspect(
     _print_inspect(info)
 
 
+def _archive_text(arch: dict[str, Any] | None) -> str:
+    if not arch:
+        return "none (questions are answered without recall)"
+    return (f"{arch.get('file')}: {format_bytes(int(arch.get('bytes', 0)))}, {arch.get('pages', 0):,} pages of "
+            f"{arch.get('page_size')} tokens ({arch.get('tokens', 0):,} token-heads evicted)")
+
+
 def _print_inspect(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -118,6 +125,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         ("document", f"{doc.get('name')} ({doc.get('tokens', 0):,} tokens)"),
         ("document sha256", str(doc.get("sha256"))),
         ("chat prefix", f"{(meta.get('prompt') or {}).get('prefix_tokens')} tokens"),
+        ("archive", _archive_text(info.get("archive"))),
     ]
     console = Console(highlight=False)
     table = Table(title="kvtool cache", show_header=False)

@@ -74,6 +74,8 @@ def needle(
     question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
     answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
     trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new pass key each).")] = 1,
+    recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
+                                        "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
     block_size: BlockOpt = None,
     model: ModelOpt = None,
@@ -89,7 +91,7 @@ def needle(
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is always included."""
     from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
-    from kvtool.eval.needle import NeedleTask, custom_needle, render_needle, run_needle
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
 
     grid = _grid(policies, budgets, True, block_size=block_size, model=model, device=device, dtype=dtype,
                  quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
@@ -104,6 +106,7 @@ def needle(
         trials=positive(trials, "--trials"),
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
+        recalls=parse_recalls(recall),
     )
     task.haystack = load_text(path, "--haystack")
     _finish(run_needle(task, Reporter(quiet, "needle", stderr_console())), json_out, render_needle)

@@ -30,6 +30,8 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 QuantOpt = Annotated[str | None, typer.Option("--quantize", help="none, 8bit or 4bit (bitsandbytes, CUDA only).")]
 PositionsOpt = Annotated[str | None, typer.Option("--positions", help="absolute, compact or auto (default).")]
+RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV head a question may bring back "
+                                               "from the archive of evicted tokens: 512, 4k, or off (default).")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
@@ -56,6 +58,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "dtype": DtypeOpt,
     "quantize": QuantOpt,
     "positions": PositionsOpt,
+    "recall": RecallOpt,
     "sinks": SinksOpt,
     "recent": RecentOpt,
     "temperature": TempOpt,
@@ -66,7 +69,8 @@ SETTING_OPTIONS: dict[str, Any] = {
 #: the settings of a model run without generation (prefill, profile)
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize")
 #: the settings of reading a document under a budget
-READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
+                 "recall")
 #: reading plus generation (ask, summarize)
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
 #: what an evaluation grid fixes for every cell (policies and budgets are lists there)

@@ -26,6 +26,7 @@ from kvtool.cli.options import (
     ProfileOpt,
     QuantOpt,
     QuietOpt,
+    RecallOpt,
     overrides,
 )
 from kvtool.cli.output import dashboard, emit_json, sayer
@@ -48,6 +49,7 @@ def profile(
     quantize: QuantOpt = None,
     policy: PolicyOpt = None,
     policy_opt: PolicyOptOpt = None,
+    recall: RecallOpt = None,
     profile_name: ProfileOpt = None,
     doc: DocOpt = None,
     doc_format: FormatOpt = None,
@@ -59,7 +61,7 @@ def profile(
     """Predicted memory plan (weights, KV, scratch, activations, peak); --doc measures a real prefill."""
     run_profile(
         overrides(model=model, budget=budget, block_size=block_size, dtype=dtype, device=device,
-                  quantize=quantize, policy=policy, policy_opt=policy_opt),
+                  quantize=quantize, policy=policy, policy_opt=policy_opt, recall=recall),
         profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out, quiet=quiet,
         doc_format=doc_format,
     )

@@ -183,6 +183,8 @@ def kvtool_attention(
     if window != layer.groups[0].window:  # the layer table (families.layer_windows) disagrees with the model
         raise UsageError(f"layer {module.layer_idx}: the model attends with sliding_window={window}, kvtool's "
                          f"cache expected {layer.groups[0].window}; this model's layer layout is not supported")
+    if cache.query_log is not None:  # recall scores archive pages against the question's own queries
+        cache.query_log.append((module.layer_idx, query, cache.seen - cache.rotary_next if cache.compact else 0))
     if len(layer.groups) == 1:
         out = _attend_group(layer, layer.groups[0], query, scaling, softcap)
     else:

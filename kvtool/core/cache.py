@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvtool.core.archive import GroupArchive, dropped_indices
 from kvtool.core.contract import GroupSpec, Policy, ScoreContext
 from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
@@ -94,6 +95,8 @@ class HeadGroup:
     ) -> None:
         self.heads = list(spec.heads)
         self.capacity = spec.capacity
+        self.base_capacity = spec.capacity  # recall raises ``capacity`` for one answer; restore lowers it
+        self.archive: GroupArchive | None = None  # where evicted tokens go (kvtool/core/archive.py)
         self.policy: Policy = spec.policy
         self.compensation = spec.compensation
         self.off = 1 if spec.compensation else 0
@@ -140,8 +143,8 @@ class HeadGroup:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def promised_tokens(self) -> int | None:
-        """Tokens per head the budget promises for this group (compensation slot included)."""
-        return None if self.capacity is None else self.capacity + self.off
+        """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""
+        return None if self.base_capacity is None else self.base_capacity + self.off
 
     def stored_bytes(self) -> int:
         """Bytes of K/V actually held (stored tokens and the compensation slot)."""
@@ -276,6 +279,7 @@ class HeadGroup:
 
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
         keys = tensors[f"{prefix}.keys"]
+        self.capacity = self.base_capacity
         n = keys.shape[1] - self.off
         if keys.shape[0] != self.num_heads or keys.shape[-1] != self.keys.shape[-1]:
             raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
@@ -362,6 +366,8 @@ class BoundedLayer(CacheLayerMixin):
         owner.counters.score_seconds += t1 - t0
         if keep is not None:
             owner.counters.evicted_tokens += (g.length - keep.shape[1]) * g.num_heads
+            if g.archive is not None and owner.pin_start is None:
+                owner.archive_dropped(g, keep)
             g.gather(keep)
         owner.compact_group(g, evicted=keep is not None)
         owner.counters.evict_seconds += owner.clock() - t1
@@ -446,6 +452,7 @@ class BoundedCache(Cache):
         self.pin_end: int | None = None  # first position after the pinned question (the answer is not pinned)
         self.counters = CacheCounters()
         self.step = StepInfo()
+        self.query_log: list[tuple[int, Tensor, int]] | None = None  # recall: (layer, queries, original − rotary)
 
     # -- clocks and counters -------------------------------------------------------------------
     def clock(self) -> float:
@@ -624,6 +631,20 @@ class BoundedCache(Cache):
         if not pos:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0)
         return torch.cat(pos), torch.cat(mass)
+
+    def archive_dropped(self, g: HeadGroup, keep: Tensor) -> None:
+        """Append the tokens ``keep`` leaves out to the group's archive, keys at their original positions."""
+        assert g.archive is not None
+        n, o = g.length, g.off
+        drop = dropped_indices(keep, n)
+        idx = drop.unsqueeze(-1).expand(-1, -1, g.keys.shape[-1])
+        keys = g.keys[0, :, o : o + n].gather(1, idx)
+        values = g.values[0, :, o : o + n].gather(1, idx)
+        pos = g.positions[:, :n].gather(1, drop)
+        if self.compact:
+            assert self.rotator is not None
+            keys = self.rotator.rotate(keys, pos - g.rotary[:, :n].gather(1, drop))
+        g.archive.append(keys, values, pos)
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.core import attention
+from kvtool.core import attention, recall
+from kvtool.core.archive import DEFAULT_PAGE_SIZE, FileStore, MemoryStore
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
@@ -44,6 +45,9 @@ class EngineConfig:
     recent: int = 8  # last R tokens are never evicted
     positions: str = "auto"  # absolute | compact | auto
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
+    recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
+    page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
+    archive_dir: str | None = None  # where the archive file lives (None: host memory)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -56,6 +60,10 @@ class EngineConfig:
             )
         if self.positions not in POSITION_MODES:
             raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
+        if self.recall < 0:
+            raise UsageError(f"--recall must be non-negative (got {self.recall})")
+        if self.page_size < 1:
+            raise UsageError(f"archive page size must be at least 1 (got {self.page_size})")
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -174,6 +182,10 @@ class Engine:
             rotator=self.rotator,
             sync_timing=self.config.sync_timing,
         )
+        if self.config.recall > 0:
+            where = self.config.archive_dir
+            recall.attach(cache, self.config.recall, self.config.page_size,
+                          MemoryStore if where is None else lambda rb: FileStore(rb, where))
         return cache
 
     def emit(self, event: Any) -> None:
@@ -226,6 +238,35 @@ class Engine:
                 )
         cache.pin_start = cache.seen
         cache.pin_end = cache.seen + length
+
+    def feed_question(self, cache: BoundedCache, ids: Tensor, restore: Callable[[], None],
+                      answer_tokens: int | None = None) -> tuple[Tensor, recall.RecallResult | None]:
+        """Restore the post-document cache and feed a pinned question; with recall on, feed it twice.
+
+        The first pass records the question's queries, the archive pages they point at come back
+        beside the kept tokens (``kvtool/core/recall.py``), and the second pass lets the question's own
+        hidden states see them. Returns the last logits and what was recalled (None: no recall).
+        """
+        restore()
+        self.pin(cache, ids.numel(), answer_tokens)
+        if self.config.recall == 0 or recall.archived_tokens(cache) == 0:
+            logits = self.feed(cache, [ids], progress=False)
+            assert logits is not None
+            return logits, None
+        t0 = cache.clock()
+        cache.query_log = []
+        try:
+            self.feed(cache, [ids], progress=False)
+            log = cache.query_log
+        finally:
+            cache.query_log = None
+        restore()
+        result = recall.recall(cache, log, self.config.recall)
+        self.pin(cache, ids.numel(), answer_tokens)
+        result.seconds = cache.clock() - t0
+        logits = self.feed(cache, [ids], progress=False)
+        assert logits is not None
+        return logits, result
 
     def feed(
         self,

@@ -17,6 +17,8 @@ The default needle is a passkey, regenerated per trial from ``random.Random(seed
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ from kvtool.eval import (
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
+from kvtool.runtime.session import Session
+from kvtool.runtime.settings import parse_recall
 
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key?"
@@ -148,6 +152,7 @@ class NeedleTask:
     trials: int
     needle: Needle | None  # None: the passkey needle, new per trial
     max_new_tokens: int
+    recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
 
     def needle_for(self, trial: int) -> Needle:
         return self.needle if self.needle is not None else passkey_needle(self.grid.settings.seed, trial)
@@ -163,6 +168,7 @@ class NeedleTask:
             "question": custom.question if custom else PASSKEY_QUESTION,
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
+            "recalls": self.recalls,
             **self.grid.describe(),
         }
 
@@ -173,6 +179,19 @@ def custom_needle(needle: str | None, question: str | None, answer: str | None) 
     if not (needle and needle.strip() and question and question.strip() and answer and answer.strip()):
         raise UsageError("a custom needle needs all of --needle, --question and --answer (non-empty)")
     return Needle(" ".join(needle.split()), question.strip(), answer.strip())
+
+
+def parse_recalls(text: str) -> list[int]:
+    """``--recall`` of the needle grid: a comma list of recall budgets ("0,256", "off,4k"), in order, unique."""
+    out: list[int] = []
+    for part in text.split(","):
+        if part.strip():
+            r = parse_recall(part.strip())
+            if r not in out:
+                out.append(r)
+    if not out:
+        raise UsageError("--recall needs at least one value (0 = eviction only)")
+    return out
 
 
 def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
@@ -190,48 +209,73 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
 
     runs = task.grid.runs()
     cells: list[dict[str, Any]] = []
-    total = len(runs) * len(task.lengths) * len(task.depths) * task.trials
+    total = sum(len(task.recalls) if run.budget is not None else 1 for run in runs) * len(task.lengths) * len(
+        task.depths) * task.trials
     with reporter.bar(total):
         for run in runs:
+            recalls = task.recalls if run.budget is not None else [0]
             session = make_session(task.grid, run, loaded, reporter.say)
+            if max(recalls):
+                # One read serves every recall budget of this run: archiving does not change what the
+                # cache keeps, so the eviction-only answer is the same read answered with recall 0.
+                settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)))
+                session = Session(settings, listener=None, say=reporter.say, loaded=loaded)
             for L in task.lengths:
                 for d in task.depths:
-                    cell: dict[str, Any] = {
-                        "policy": run.policy, "budget": session.budget_tokens, "length": L, "depth": d,
-                        "needle_token": None, "document_tokens": None, "trials": task.trials, "correct": 0,
-                        "accuracy": 0.0, "answers": [],
-                    }
+                    row = {rec: {
+                        "policy": run.policy, "budget": session.budget_tokens, "recall": rec, "length": L,
+                        "depth": d, "needle_token": None, "document_tokens": None, "trials": task.trials,
+                        "correct": 0, "accuracy": 0.0, "answers": [],
+                    } for rec in recalls}  # fmt: skip
                     for t, needle in enumerate(needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
                         hay, starts = haystack.cut(L - needle_tokens[t])
                         text, at = insert_needle(hay, needle.text, d, starts)
                         read = session.read(text_document(text, f"<haystack L={L} depth={d:g}>"))
-                        ans = session.ask(read, needle.question)
-                        ok = contains_answer(ans.answer, needle.answer)
-                        if t == 0:
-                            cell["needle_token"] = bisect.bisect_left(starts, at - 1) if d > 0 else 0
-                            cell["document_tokens"] = read.document_tokens
-                        cell["correct"] += int(ok)
-                        cell["answers"].append({"trial": t, "expected": needle.answer, "answer": ans.answer,
-                                                "correct": ok})
-                        reporter.advance()
-                    cell["accuracy"] = round(cell["correct"] / task.trials, 4)
-                    cells.append(cell)
+                        for rec in recalls:
+                            session.engine.config.recall = rec
+                            ans = session.ask(read, needle.question)
+                            ok = contains_answer(ans.answer, needle.answer)
+                            cell = row[rec]
+                            if t == 0:
+                                cell["needle_token"] = bisect.bisect_left(starts, at - 1) if d > 0 else 0
+                                cell["document_tokens"] = read.document_tokens
+                            cell["correct"] += int(ok)
+                            cell["answers"].append({"trial": t, "expected": needle.answer, "answer": ans.answer,
+                                                    "correct": ok})
+                            reporter.advance()
+                        session.engine.config.recall = max(recalls)
+                    for cell in row.values():
+                        cell["accuracy"] = round(cell["correct"] / task.trials, 4)
+                        cells.append(cell)
     summary = summarize(cells)
     return report("needle", {**model_settings(loaded), **task.settings()}, cells, timer.seconds(), summary=summary)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Accuracy per (policy, budget) over every length, depth and trial."""
-    out: dict[tuple[str, Any], dict[str, Any]] = {}
+    """Accuracy per (policy, budget, recall) over every length, depth and trial, with a 95% Wilson interval."""
+    out: dict[tuple[str, Any, int], dict[str, Any]] = {}
     for c in cells:
-        row = out.setdefault((c["policy"], c["budget"]),
-                             {"policy": c["policy"], "budget": c["budget"], "correct": 0, "total": 0})
+        rec = c.get("recall", 0)
+        row = out.setdefault((c["policy"], c["budget"], rec), {"policy": c["policy"], "budget": c["budget"],
+                                                              "recall": rec, "correct": 0, "total": 0})
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
     for row in out.values():
         row["accuracy"] = round(row["correct"] / row["total"], 4) if row["total"] else 0.0
+        row["wilson95"] = [round(x, 4) for x in wilson(row["correct"], row["total"])]
     return list(out.values())
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate k/n (sound for small n and rates near 0 or 1)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -253,12 +297,12 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
 
     s = rep["settings"]
     lengths, depths = s["lengths"], s["depths"]
-    groups: dict[tuple[str, Any], dict[tuple[int, float], float]] = {}
+    groups: dict[tuple[str, Any, int], dict[tuple[int, float], float]] = {}
     for c in rep["results"]:
-        groups.setdefault((c["policy"], c["budget"]), {})[(c["length"], c["depth"])] = c["accuracy"]
+        groups.setdefault((c["policy"], c["budget"], c.get("recall", 0)), {})[(c["length"], c["depth"])] = c["accuracy"]
     maps = []
-    for (policy, budget), acc in groups.items():
-        title = policy if budget is None else f"{policy} @ {budget}"
+    for (policy, budget, rec), acc in groups.items():
+        title = policy if budget is None else f"{policy} @ {budget}" + (f" + recall {rec}" if rec else "")
         t = Table(title=title, title_style="bold")
         t.add_column("length \\ depth", justify="right")
         for d in depths:
@@ -268,11 +312,13 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
         maps.append(t)
     console.print(Columns(maps, padding=(0, 2)))
     summary = Table(title=f"needle accuracy ({s['model']}, {s['trials']} trial(s) per cell)")
-    for col in ("policy", "budget", "accuracy", "correct"):
+    for col in ("policy", "budget", "recall", "accuracy", "95% CI", "correct"):
         summary.add_column(col, justify="left" if col == "policy" else "right")
     for row in rep["summary"]:
         budget = "-" if row["budget"] is None else str(row["budget"])
-        summary.add_row(row["policy"], budget, Text(f"{row['accuracy']:.2f}", style=_heat(row["accuracy"])),
+        lo, hi = row.get("wilson95", (0.0, 1.0))
+        summary.add_row(row["policy"], budget, str(row.get("recall", 0) or "-"),
+                        Text(f"{row['accuracy']:.2f}", style=_heat(row["accuracy"])), f"{lo:.2f}–{hi:.2f}",
                         f"{row['correct']}/{row['total']}")
     console.print(summary)
     console.print(f"{rep['seconds']:.1f} s", style="dim")

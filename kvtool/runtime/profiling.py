@@ -28,8 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtool.core.archive import DEFAULT_PAGE_SIZE
 from kvtool.runtime import memory as _mem
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, sliding_note
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
 @dataclass
@@ -206,6 +207,20 @@ def plan(
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
+    # Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
+    # archive itself lives in a file (host: positions and page summaries, a few bytes per evicted token).
+    recall_tokens = parse_recall(settings.recall) if budget is not None else 0
+    if recall_tokens:
+        per_token = out["kv_bytes_per_token"]["total"]
+        heads = dims["num_kv_heads"] * dims["num_layers"]
+        out["recall_tokens"] = recall_tokens
+        out["recall_slots_bytes"] = recall_tokens * per_token
+        out["archive_bytes_per_evicted_token"] = {
+            "file": per_token,
+            "host": heads * (4 + 2 * 4 * dims["head_dim"] // DEFAULT_PAGE_SIZE),
+        }
+        if out["predicted_peak_bytes"] is not None:
+            out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
         out["dense"] = {
             "doc_tokens": doc_tokens,
@@ -272,8 +287,17 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
         ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),
-        ("predicted peak", _b(p["predicted_peak_bytes"]), "sum of the above (KV promised is inside allocated)"),
     ]
+    if p.get("recall_tokens"):
+        arch = p["archive_bytes_per_evicted_token"]
+        rows += [
+            ("recall slots", _b(p["recall_slots_bytes"]),
+             f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
+            ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['host'])}",
+             "K/V in an unlinked temp file (KVTOOL_ARCHIVE_DIR or TMPDIR) + host positions and page summaries"),
+        ]
+    rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
+                 "sum of the above (KV promised is inside allocated)"))
     return rows
 
 

@@ -8,6 +8,8 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
@@ -24,9 +27,9 @@ from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
-from kvtool.runtime.memory import dims_from_config, dtype_bytes
+from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, sliding_note
+from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
 @dataclass
@@ -125,12 +128,21 @@ class Session:
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
         self.budget_tokens, self.budget_note = self._resolve_budget()
+        # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing)
+        self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
+        # an unlinked file there: KVTOOL_ARCHIVE_DIR, else the system's temporary directory (TMPDIR)
+        self.archive_dir = os.environ.get("KVTOOL_ARCHIVE_DIR") or tempfile.gettempdir()
+        self.recall_seconds = 0.0
+        self.recalled_pages = 0
+        self.recalled_tokens_max = 0
         self.engine_config = EngineConfig(
             budget=self.budget_tokens,
             block_size=settings.block_size,
             sinks=settings.sinks,
             recent=settings.recent,
             positions=settings.positions,
+            recall=self.recall_tokens,
+            archive_dir=self.archive_dir if self.recall_tokens else None,
         )
         self.engine_config.validate()
         env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
@@ -257,11 +269,15 @@ class Session:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
         cache = read.cache
-        cache.restore(read.snapshot)
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        self.engine.pin(cache, suffix.numel(), max_new_tokens or self.settings.max_new_tokens)
-        logits = self.engine.feed(cache, [suffix], progress=False)
-        assert logits is not None
+        logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
+                                                     max_new_tokens or self.settings.max_new_tokens)
+        if recalled is not None:
+            self.recall_seconds += recalled.seconds
+            self.recalled_pages += recalled.pages
+            self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
+            self.emit(Note(f"recall: {recalled.pages:,} pages, {recalled.tokens} tokens per KV head in "
+                           f"{recalled.seconds:.2f} s (archive {format_bytes(recall.archive_bytes(cache))})"))
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -346,6 +362,7 @@ class Session:
             else {},
             "model_load_seconds": round(self.loaded.load_seconds, 3),
         }
+        out.update(self.recall_stats(cache))
         if read is not None and read.loaded_from:
             out["loaded_from"] = read.loaded_from
             out["cache_load_seconds"] = round(read.load_seconds, 4)
@@ -355,6 +372,18 @@ class Session:
         if self.budget_note:
             out["budget_conversion"] = self.budget_note
         return out
+
+    def recall_stats(self, cache: BoundedCache | None) -> dict[str, Any]:
+        """Recall's part of the stats: budget, archive size and place, time and pages recalled."""
+        return {
+            "recall_tokens": self.recall_tokens,
+            "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
+            "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
+            "archive_path": f"{self.archive_dir} (unlinked temporary file)" if self.recall_tokens else None,
+            "recall_seconds": round(self.recall_seconds, 4),
+            "recalled_pages": self.recalled_pages,
+            "recalled_tokens_max": self.recalled_tokens_max,
+        }
 
 
 def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:

@@ -45,6 +45,7 @@ class Settings:
     sinks: int = 4
     recent: int = 8
     positions: str = "auto"
+    recall: str = "off"
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -136,6 +137,22 @@ def parse_budget(text: str | int) -> Budget:
             raise UsageError(f"budget must be at least 1 byte: got {raw!r}")
         return Budget(tokens=None, nbytes=nbytes, text=raw)
     raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
+
+
+def parse_recall(text: str | int) -> int:
+    """Recall budget in tokens per KV head: "off" or "0" (no archive), "512", "4k"."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise UsageError(f"recall must be off or a token count like 512 or 4k: got {text!r}")
+    raw = str(text).strip().lower()
+    if raw in ("off", "0", "none", "no"):
+        return 0
+    parts = _split_number(raw)
+    if parts is None or parts[1] not in _TOKEN_UNITS:
+        raise UsageError(f"recall must be off or a token count like 512 or 4k: got {raw!r}")
+    tokens = int(parts[0] * _TOKEN_UNITS[parts[1]])
+    if tokens < 0:
+        raise UsageError(f"recall must be off or a positive token count: got {raw!r}")
+    return tokens
 
 
 def parse_size(text: str | int) -> int:
@@ -259,6 +276,12 @@ def _budget(name: str, value: Any) -> str:
     return str(value).strip()
 
 
+def _recall(name: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise UsageError(f"{name} must be off or a token count like 512 or 4k: got {value!r}")
+    return "off" if parse_recall(value) == 0 else str(value).strip()
+
+
 def _temperature(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UsageError(f"{name} must be a number >= 0: got {value!r}")
@@ -300,6 +323,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sinks": _int(0),
     "recent": _int(0),
     "positions": _choice(POSITIONS),
+    "recall": _recall,
     "max_new_tokens": _int(1),
     "temperature": _temperature,
     "top_p": _top_p,

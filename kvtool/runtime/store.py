@@ -670,9 +670,89 @@ def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], s
 
 
 def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult, force: bool = False) -> int:
-    """Write the post-document cache of ``read`` (its snapshot, not a cache a question modified)."""
+    """Write the post-document cache of ``read`` (its snapshot, not a cache a question modified).
+
+    With recall on, the archive of evicted tokens goes to a sibling file ``<path>.archive`` (written
+    first, same atomic write), which the ``.kvc`` names and checksums (docs/kvc-format.md).
+    """
     tensors, scalars = read.snapshot if read.snapshot is not None else read.cache.snapshot()
-    return write_kvc(path, tensors, build_meta(session, read, tensors, scalars), force=force)
+    meta = build_meta(session, read, tensors, scalars)
+    archived = archive_tensors(read.cache)
+    if archived:
+        check_output(path, force)  # fail before writing the (larger) archive
+        apath = archive_path(path)
+        size = write_kvc(apath, archived, {"archive_of": os.path.basename(os.fspath(path))}, force=True)
+        meta["archive"] = {
+            "file": os.path.basename(apath),
+            "tensors_sha256": tensors_digest(_as_saved(archived)),
+            "bytes": int(size),
+            "page_size": _page_size(read.cache),
+            "tokens": int(sum(g.archive.length * g.num_heads for g in read.cache.groups() if g.archive)),
+            "pages": int(sum(g.archive.pages * g.num_heads for g in read.cache.groups() if g.archive)),
+        }
+        try:
+            return write_kvc(path, tensors, meta, force=force)
+        except BaseException:  # no orphan archive beside a cache that was not written
+            with contextlib.suppress(OSError):
+                os.unlink(apath)
+            raise
+    return write_kvc(path, tensors, meta, force=force)
+
+
+def archive_path(path: str | os.PathLike[str]) -> str:
+    """Where the archive of the cache ``path`` lives: a sibling file ``<path>.archive``."""
+    return os.fspath(path) + ".archive"
+
+
+def archive_tensors(cache: Any) -> dict[str, Tensor]:
+    """Every group archive's tensors (empty when the cache archived nothing)."""
+    out: dict[str, Tensor] = {}
+    for li, layer in enumerate(cache.layers):
+        for gi, g in enumerate(layer.groups):
+            if g.archive is not None and g.archive.length:
+                out.update(g.archive.state_dict(f"l{li}.g{gi}"))
+    return out
+
+
+def _page_size(cache: Any) -> int:
+    return next(g.archive.page_size for g in cache.groups() if g.archive is not None)
+
+
+def _as_saved(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors as ``write_kvc`` stores them (positions as int32), for the checksum the .kvc records."""
+    import torch
+
+    return {n: (t.to(torch.int32) if n.endswith(".positions") else t) for n, t in tensors.items()}
+
+
+def load_archive(path: str, meta: dict[str, Any], cache: Any) -> str | None:
+    """Fill ``cache``'s archives from the ``.kvc``'s sibling archive; returns a warning instead of failing.
+
+    A missing, truncated or damaged archive (or one from another cache) leaves the archives empty: the
+    questions are answered without recall, and the caller says so.
+    """
+    info = meta.get("archive")
+    if not info:
+        return f"{path} has no archive of evicted tokens: answering without recall (prefill with --recall)"
+    apath = os.path.join(os.path.dirname(os.path.abspath(path)), str(info.get("file", "")))
+    try:
+        header = read_header(apath)
+        tensors = load_tensors(header)
+        if tensors_digest(_as_saved(tensors)) != info.get("tensors_sha256"):
+            raise UsageError("checksum mismatch")
+        page_size = int(info["page_size"])
+        for li, layer in enumerate(cache.layers):
+            for gi, g in enumerate(layer.groups):
+                if g.archive is not None and f"l{li}.g{gi}.rows" in tensors:
+                    g.archive.load_state_dict(tensors, f"l{li}.g{gi}", page_size)
+    except (UsageError, OSError, ValueError, KeyError, TypeError) as e:
+        for g in cache.groups():
+            if g.archive is not None:
+                g.archive.close()
+                g.archive.length = 0
+        why = str(e).split(":")[-1].strip() or type(e).__name__
+        return f"the archive {apath} is missing or damaged ({why[:80]}): answering without recall"
+    return None
 
 
 # -- loading ----------------------------------------------------------------------------------------------------
@@ -768,6 +848,10 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
         source=source,
         fmt=str(doc.get("format", "text")),
     )
+    if session.recall_tokens:
+        warning = load_archive(p, meta, cache)
+        if warning:
+            session.emit(Note(f"warning: {warning}"))
     result.snapshot = cache.snapshot()
     session.last_read = result
     session.emit(Note(
@@ -840,4 +924,5 @@ def describe(header: KvcHeader) -> dict[str, Any]:
         "kv_promised_bytes": promised,
         "metadata": meta,
         "layers": layers,
+        "archive": meta.get("archive"),
     }

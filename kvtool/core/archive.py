@@ -1,0 +1,271 @@
+"""The archive: a second level of memory for what eviction drops (ArkVale, Quest, InfLLM).
+
+Every head of a group keeps exactly ``capacity`` tokens, so every eviction drops the same number of
+tokens per head and a group's archive grows in lockstep across its heads::
+
+    GroupArchive (one per bounded head group)
+      store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
+      positions    [h, archived] int32, original stream position of each archived token (host memory)
+      kmin, kmax   [h, pages, d] float32 page summaries (host memory, 2/P of the keys' size in float32)
+
+Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
+per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 2024)
+``Σ_d max(q_d·min_d, q_d·max_d) = relu(q)·max + min(q, 0)·min ≥ q·k`` for every key k of the page:
+two matrix products score every page of a head against every query row.
+
+The backing store is pluggable: :class:`MemoryStore` (a growing host tensor, tests) or
+:class:`FileStore` (an unlinked temporary file written with ``pwrite`` and read through a short-lived
+``mmap``): the process RSS stays flat however long the document, and the file vanishes with the
+process, even on Ctrl-C, SIGTERM or SIGKILL, because it has no name after it is created.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import tempfile
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvtool.errors import UsageError
+
+DEFAULT_PAGE_SIZE = 32
+
+
+class ArchiveStore(Protocol):
+    """Append-only rows of bytes (one row per archived token of a group)."""
+
+    row_bytes: int
+    rows: int
+    where: str
+
+    def append(self, rows: Tensor) -> None: ...  # [n, row_bytes] uint8 on the CPU
+
+    def read(self, index: Tensor) -> Tensor: ...  # [k] row numbers → [k, row_bytes] uint8
+
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """Rows in a host tensor that doubles when full (tests, small documents)."""
+
+    def __init__(self, row_bytes: int) -> None:
+        self.row_bytes = row_bytes
+        self.rows = 0
+        self.where = "memory"
+        self.buf = torch.empty(0, row_bytes, dtype=torch.uint8)
+
+    def append(self, rows: Tensor) -> None:
+        n = rows.shape[0]
+        if self.rows + n > self.buf.shape[0]:
+            grown = torch.empty(max(2 * self.buf.shape[0], self.rows + n, 256), self.row_bytes, dtype=torch.uint8)
+            grown[: self.rows] = self.buf[: self.rows]
+            self.buf = grown
+        self.buf[self.rows : self.rows + n] = rows
+        self.rows += n
+
+    def read(self, index: Tensor) -> Tensor:
+        return self.buf[: self.rows].index_select(0, index)
+
+    def close(self) -> None:
+        self.buf = torch.empty(0, self.row_bytes, dtype=torch.uint8)
+        self.rows = 0
+
+
+class FileStore:
+    """Rows appended to an unlinked temporary file in ``directory`` (nothing is left behind, ever)."""
+
+    def __init__(self, row_bytes: int, directory: str | os.PathLike[str]) -> None:
+        self.row_bytes = row_bytes
+        self.rows = 0
+        self.where = str(directory)
+        try:
+            fd, path = tempfile.mkstemp(prefix="kvtool-archive-", suffix=".tmp", dir=directory)
+        except OSError as e:
+            raise UsageError(f"cannot create the recall archive in {directory}: {e.strerror or e}") from None
+        os.unlink(path)  # the descriptor keeps the data; the name is gone before anything is written
+        self.fd: int | None = fd
+
+    def append(self, rows: Tensor) -> None:
+        assert self.fd is not None
+        data = memoryview(rows.numpy()).cast("B")  # no copy: the rows' own bytes
+        offset = self.rows * self.row_bytes
+        try:
+            written = os.pwrite(self.fd, data, offset)
+            while written < len(data):
+                written += os.pwrite(self.fd, data[written:], offset + written)
+        except OSError as e:
+            reason = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise UsageError(f"cannot write the recall archive in {self.where}: {reason} "
+                             "(use --recall off or free some space)") from None
+        self.rows += rows.shape[0]
+
+    def read(self, index: Tensor) -> Tensor:
+        assert self.fd is not None
+        if self.rows == 0:
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8)
+        with mmap.mmap(self.fd, self.rows * self.row_bytes, access=mmap.ACCESS_READ) as mm:
+            view = np.frombuffer(mm, dtype=np.uint8).reshape(self.rows, self.row_bytes)
+            out = torch.from_numpy(view[index.numpy()])  # fancy indexing copies: nothing points into the map
+            del view
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.rows = 0
+
+
+class GroupArchive:
+    """The archived tokens of one head group, in lockstep across its heads, with page summaries."""
+
+    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int, store: ArchiveStore) -> None:
+        if page_size < 1:
+            raise UsageError(f"archive page size must be at least 1 (got {page_size})")
+        self.h = num_heads
+        self.d = head_dim
+        self.dtype = dtype
+        self.page_size = page_size
+        self.store = store
+        self.length = 0  # archived tokens per head
+        self.positions = torch.empty(num_heads, 0, dtype=torch.int32)
+        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
+        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
+
+    @staticmethod
+    def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def pages(self) -> int:
+        return -(-self.length // self.page_size)
+
+    def nbytes(self) -> int:
+        """Bytes held: K/V rows plus positions and page summaries."""
+        summaries = 2 * self.h * self.pages * self.d * 4
+        return self.store.rows * self.store.row_bytes + self.length * self.h * 4 + summaries
+
+    # -- appending --------------------------------------------------------------------------------
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Archive ``n`` tokens per head: keys/values [h, n, d] (keys at original positions), positions [h, n]."""
+        n = keys.shape[1]
+        if n == 0:
+            return
+        rows = torch.cat((keys.transpose(0, 1).reshape(n, -1), values.transpose(0, 1).reshape(n, -1)), dim=1)
+        rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
+        self.store.append(rows)
+        a = self.length
+        self.positions = _grow_cat(self.positions, positions.to(torch.int32).cpu(), a)
+        kf = keys.detach().float().cpu()
+        P = self.page_size
+        first, last = a // P, (a + n - 1) // P
+        need = last + 1
+        if need > self.kmin.shape[1]:
+            cap = max(need, 2 * self.kmin.shape[1], 16)
+            kmin = torch.full((self.h, cap, self.d), float("inf"))
+            kmax = torch.full((self.h, cap, self.d), float("-inf"))
+            kmin[:, : self.kmin.shape[1]] = self.kmin
+            kmax[:, : self.kmax.shape[1]] = self.kmax
+            self.kmin, self.kmax = kmin, kmax
+        for p in range(first, last + 1):
+            lo, hi = max(p * P, a) - a, min((p + 1) * P, a + n) - a
+            part = kf[:, lo:hi]
+            torch.minimum(self.kmin[:, p], part.amin(1), out=self.kmin[:, p])
+            torch.maximum(self.kmax[:, p], part.amax(1), out=self.kmax[:, p])
+        self.length += n
+
+    # -- recall -------------------------------------------------------------------------------------
+    def page_scores(self, queries: Tensor) -> Tensor:
+        """Upper bound of q·k over each page, maximised over the query rows: [h, pages].
+
+        ``queries`` [h, r, d] (float, original-position frame), all rows of the query heads that share
+        each KV head.
+        """
+        q = queries.float().cpu()
+        npg = self.pages
+        pos, neg = q.clamp(min=0), q.clamp(max=0)
+        bound = torch.bmm(pos, self.kmax[:, :npg].transpose(1, 2)) + torch.bmm(neg, self.kmin[:, :npg].transpose(1, 2))
+        return bound.amax(1)
+
+    def select(self, queries: Tensor, tokens: int) -> tuple[Tensor, int]:
+        """Token indices [h, T] (ascending) of the best pages that fit ``tokens`` per head; and pages touched.
+
+        Pages are taken in score order; the last one may be cut so every head recalls exactly
+        ``T = min(tokens, archived)`` tokens (a group's heads must hold equal counts).
+        """
+        T = min(tokens, self.length)
+        if T <= 0:
+            return torch.empty(self.h, 0, dtype=torch.long), 0
+        P = self.page_size
+        order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
+        idx = order.unsqueeze(-1) * P + torch.arange(P)  # [h, pages, P]
+        idx = idx.reshape(self.h, -1)
+        valid = idx < self.length  # only the tail page is short: the same count per head
+        first = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :T]
+        chosen = idx.gather(1, first)
+        touched = torch.zeros(self.h, self.pages, dtype=torch.bool)
+        touched.scatter_(1, chosen // P, True)
+        return torch.sort(chosen, dim=1).values, int(touched.sum())
+
+    def read(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values [h, T, d] and positions [h, T] of archived tokens ``index`` [h, T]."""
+        uniq, inverse = torch.unique(index, return_inverse=True)
+        rows = self.store.read(uniq).view(self.dtype).view(-1, 2, self.h, self.d)
+        heads = torch.arange(self.h).unsqueeze(1)
+        keys = rows[:, 0][inverse, heads]
+        values = rows[:, 1][inverse, heads]
+        return keys, values, self.positions[:, : self.length].gather(1, index).long()
+
+    # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
+    def state_dict(self, prefix: str) -> dict[str, Tensor]:
+        """Rows, positions and page summaries of the archived tokens (reads the whole store)."""
+        n, npg = self.length, self.pages
+        return {
+            f"{prefix}.rows": self.store.read(torch.arange(self.store.rows)),
+            f"{prefix}.positions": self.positions[:, :n].contiguous(),
+            f"{prefix}.kmin": self.kmin[:, :npg].contiguous(),
+            f"{prefix}.kmax": self.kmax[:, :npg].contiguous(),
+        }
+
+    def load_state_dict(self, tensors: dict[str, Tensor], prefix: str, page_size: int) -> None:
+        """Append a saved archive to this empty one (page size as saved: the summaries depend on it)."""
+        if self.length:
+            raise ValueError("an archive can only be loaded into an empty one")
+        rows, pos = tensors[f"{prefix}.rows"], tensors[f"{prefix}.positions"].to(torch.int32)
+        kmin, kmax = tensors[f"{prefix}.kmin"].float(), tensors[f"{prefix}.kmax"].float()
+        n = pos.shape[1]
+        if (rows.shape != (n, self.store.row_bytes) or pos.shape[0] != self.h
+                or kmin.shape != (self.h, -(-n // page_size), self.d) or kmax.shape != kmin.shape):
+            raise ValueError(f"{prefix}: archive shapes do not match this cache")
+        self.page_size = page_size
+        self.store.append(rows.contiguous())
+        self.positions = pos.clone()
+        self.kmin, self.kmax = kmin.clone(), kmax.clone()
+        self.length = n
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _grow_cat(buf: Tensor, new: Tensor, used: int) -> Tensor:
+    """Append ``new`` [h, n] after ``used`` columns of ``buf``, doubling its capacity when needed."""
+    n = new.shape[1]
+    if used + n > buf.shape[1]:
+        grown = torch.empty(buf.shape[0], max(2 * buf.shape[1], used + n, 256), dtype=buf.dtype)
+        grown[:, :used] = buf[:, :used]
+        buf = grown
+    buf[:, used : used + n] = new
+    return buf
+
+
+def dropped_indices(keep: Tensor, n: int) -> Tensor:
+    """The complement of ``keep`` [h, c] in range(n), ascending: [h, n − c] (no host sync)."""
+    h, c = keep.shape
+    mask = torch.ones(h, n, dtype=torch.uint8, device=keep.device)
+    mask.scatter_(1, keep, 0)
+    return torch.sort(mask, dim=1, descending=True, stable=True).indices[:, : n - c]

@@ -1,0 +1,358 @@
+"""Archive and recall (kvtool/core/archive.py, kvtool/core/recall.py) on tiny random models.
+
+Oracles: with a recall budget that brings back every archived token, a question's logits equal the
+``full`` policy's (dense transformers) — archive and recall lose nothing; recalled K/V equal what was
+evicted (bit-identical in absolute positions, after re-rotation in compact); page summaries bound
+q·k for every key of their page; a head never holds more than budget + recall + block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvtool.core import recall
+from kvtool.core.archive import FileStore, GroupArchive, MemoryStore, dropped_indices
+from kvtool.core.cache import BoundedLayer
+from kvtool.core.engine import Engine, EngineConfig, model_env
+from kvtool.errors import UsageError
+from kvtool.policies import build_policy
+from tests.helpers import VOCAB, dense_logits, tiny_llama, tiny_qwen2
+
+
+def recall_engine(model, policy: str, budget: int, recall_tokens: int, positions: str = "absolute",
+                  block_size: int = 16, page_size: int = 8, archive_dir: str | None = None) -> Engine:
+    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=recall_tokens,
+                       page_size=page_size, archive_dir=archive_dir)
+    env = model_env(model, cfg)
+    return Engine(model, build_policy(policy, {}, env), cfg, env=env)
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def read(engine: Engine, doc: torch.Tensor):
+    cache = engine.new_cache()
+    engine.feed(cache, [doc], progress=False)
+    return cache, cache.snapshot()
+
+
+# -- the archive itself -------------------------------------------------------------------------------
+def test_archive_appends_in_order_and_page_bounds_hold():
+    torch.manual_seed(0)
+    h, d, P = 3, 8, 5
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    ks, vs, ps = [], [], []
+    for n in (3, 7, 1, 12):  # appends that start and end mid-page
+        k, v = torch.randn(h, n, d), torch.randn(h, n, d)
+        p = torch.randint(0, 1000, (h, n))
+        arch.append(k, v, p)
+        ks.append(k), vs.append(v), ps.append(p)
+    K, V, Pos = torch.cat(ks, 1), torch.cat(vs, 1), torch.cat(ps, 1)
+    assert arch.length == K.shape[1] and arch.pages == -(-K.shape[1] // P)
+    every = torch.arange(arch.length).expand(h, -1)
+    k2, v2, p2 = arch.read(every)
+    assert torch.equal(k2, K) and torch.equal(v2, V) and torch.equal(p2, Pos)
+    q = torch.randn(h, 6, d)
+    bound = torch.bmm(q.clamp(min=0), arch.kmax[:, : arch.pages].transpose(1, 2)) + torch.bmm(
+        q.clamp(max=0), arch.kmin[:, : arch.pages].transpose(1, 2))  # [h, r, pages]
+    exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
+    page_of = torch.arange(arch.length) // P
+    assert (bound[:, :, page_of] >= exact - 1e-5).all()
+    # brute-force summaries: min/max over each page's keys
+    for p in range(arch.pages):
+        sl = K[:, p * P : (p + 1) * P]
+        assert torch.equal(arch.kmin[:, p], sl.amin(1)) and torch.equal(arch.kmax[:, p], sl.amax(1))
+
+
+def test_select_takes_best_pages_and_equal_counts():
+    h, d, P = 2, 4, 4
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    k = torch.zeros(h, 18, d)
+    k[0, 8:12, 0] = 5.0  # head 0: page 2 matches the query
+    k[1, 16:18, 0] = 5.0  # head 1: the short tail page matches
+    arch.append(k, k.clone(), torch.arange(18).expand(h, -1))
+    q = torch.zeros(h, 1, d)
+    q[:, 0, 0] = 1.0
+    idx, pages = arch.select(q, 4)
+    assert idx.shape == (h, 4)
+    assert idx[0].tolist() == [8, 9, 10, 11]
+    assert {16, 17} <= set(idx[1].tolist())  # tail page first, then part of the next best
+    assert pages >= 3
+
+
+def test_dropped_indices_is_the_complement():
+    keep = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    assert dropped_indices(keep, 6).tolist() == [[1, 3, 4], [0, 2, 5]]
+
+
+def test_file_store_leaves_no_file_and_round_trips(tmp_path):
+    store = FileStore(8, tmp_path)
+    assert os.listdir(tmp_path) == []  # unlinked at creation: Ctrl-C/SIGTERM/SIGKILL leave nothing
+    rows = torch.arange(40, dtype=torch.uint8).view(5, 8)
+    store.append(rows)
+    store.append(rows[:2])
+    assert torch.equal(store.read(torch.tensor([6, 0, 3])), rows[[1, 0, 3]])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_archive_location_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="cannot create the recall archive"):
+        FileStore(8, tmp_path / "missing" / "dir")
+
+
+def test_interrupt_during_archiving_leaves_no_file(tmp_path, monkeypatch):
+    model = tiny_llama()
+    engine = recall_engine(model, "keydiff", 32, 64, archive_dir=str(tmp_path))
+    cache = engine.new_cache()
+    calls = {"n": 0}
+    real = GroupArchive.append
+
+    def interrupted(self, *a):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *a)
+
+    monkeypatch.setattr(GroupArchive, "append", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.feed(cache, [ids_of(120, 1)], progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+# -- recall through the engine ----------------------------------------------------------------------------
+# A streamed document's later tokens are computed under eviction in every layer above the first,
+# so their archived K/V are what the bounded run computed, not what ``full`` computes. The oracle
+# therefore (a) feeds the document in one block (every hidden state exact, then eviction to the
+# budget archives the rest), and (b) streams it in small blocks through a one-layer model (layer-0
+# K/V depend on the tokens only). Either way, recalling every archived token must give ``full``.
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv", "sink"])
+@pytest.mark.parametrize("layout", ["one_block", "one_layer_streamed"])
+def test_full_recall_equals_full_policy(family, positions, policy, layout):
+    kw = {"num_hidden_layers": 1} if layout == "one_layer_streamed" else {}
+    model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family](**kw)
+    doc, question = ids_of(150, 3), ids_of(10, 4)
+    ref = dense_logits(model, torch.cat([doc, question]))[-1]
+    block = 160 if layout == "one_block" else 16
+    engine = recall_engine(model, policy, 40, 256, positions=positions, block_size=block)
+    cache, snap = read(engine, doc)
+    assert recall.archived_tokens(cache) > 0
+    logits, res = engine.feed_question(cache, question, lambda: cache.restore(snap))
+    assert res is not None and res.tokens == 150 - 40
+    torch.testing.assert_close(logits[-1], ref, atol=2e-4, rtol=2e-4)
+    # without recall the same cache answers differently (the document is longer than the budget)
+    plain = recall_engine(model, policy, 40, 0, positions=positions, block_size=block)
+    c2, s2 = read(plain, doc)
+    l2, r2 = plain.feed_question(c2, question, lambda: c2.restore(s2))
+    assert r2 is None and not torch.allclose(l2[-1], ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_recalled_kv_equal_what_was_evicted(positions, monkeypatch):
+    model = tiny_llama()
+    engine = recall_engine(model, "keydiff", 32, 512, positions=positions)
+    cache = engine.new_cache()
+    evicted: dict[tuple[int, int], tuple] = {}  # (layer, head) → (k, v, pos) at eviction, original positions
+    real = BoundedLayer.after_attention
+
+    def spy(self, g, probs):
+        before = (g.keys[0, :, g.off : g.off + g.length].clone(), g.values[0, :, g.off : g.off + g.length].clone(),
+                  g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone())
+        real(self, g, probs)
+        kept = g.positions[:, : g.length]
+        for h in range(g.num_heads):
+            gone = ~torch.isin(before[2][h], kept[h])
+            k = before[0][h, gone]
+            if positions == "compact":
+                delta = before[2][h, gone] - before[3][h, gone]
+                k = cache.rotator.rotate(k.unsqueeze(0), delta.unsqueeze(0))[0]
+            for kk, vv, pp in zip(k, before[1][h, gone], before[2][h, gone], strict=True):
+                evicted[(self.layer_idx, h, int(pp))] = (kk, vv)
+
+    monkeypatch.setattr(BoundedLayer, "after_attention", spy)
+    engine.feed(cache, [ids_of(100, 5)], progress=False)
+    monkeypatch.setattr(BoundedLayer, "after_attention", real)
+    for li, layer in enumerate(cache.layers):
+        g = layer.groups[0]
+        a = g.archive
+        k, v, pos = a.read(torch.arange(a.length).expand(g.num_heads, -1))
+        for h in range(g.num_heads):
+            for t in range(a.length):
+                ek, ev = evicted[(li, h, int(pos[h, t]))]
+                if positions == "absolute":
+                    assert torch.equal(k[h, t], ek) and torch.equal(v[h, t], ev)
+                else:
+                    torch.testing.assert_close(k[h, t], ek, atol=1e-5, rtol=1e-5)
+                    assert torch.equal(v[h, t], ev)
+
+
+def test_recall_stays_within_budget_plus_recall_plus_block_and_restores():
+    model = tiny_qwen2()
+    budget, rec, block = 32, 24, 16
+    engine = recall_engine(model, "keydiff", budget, rec, block_size=block)
+    cache, snap = read(engine, ids_of(200, 6))
+    before = {k: v.clone() for k, v in cache.state_dict().items()}
+    for seed in (7, 8):  # each question recalls for itself
+        q = ids_of(12, seed)
+        logits, res = engine.feed_question(cache, q, lambda: cache.restore(snap))
+        assert res is not None and res.tokens == rec and res.pages > 0
+        for g in cache.groups():
+            assert g.length <= budget + rec + block
+        out, _ = engine.generate(cache, logits, 30, eos_ids=set())
+        for g in cache.groups():
+            assert g.length <= budget + rec
+            assert g.slots == budget + rec + block
+        assert cache.counters.max_stored <= budget + rec + block
+        cache.pin_start = None
+        cache.restore(snap)
+        after = cache.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        assert all(g.capacity == budget for g in cache.groups())
+
+
+def test_recall_does_not_archive_the_answer():
+    model = tiny_llama()
+    engine = recall_engine(model, "keydiff", 32, 32)
+    cache, snap = read(engine, ids_of(120, 9))
+    archived = recall.archived_tokens(cache)
+    logits, _ = engine.feed_question(cache, ids_of(10, 10), lambda: cache.restore(snap))
+    engine.generate(cache, logits, 40, eos_ids=set())
+    assert recall.archived_tokens(cache) == archived
+
+
+# -- the CLI: ask with recall, .kvc with its archive -----------------------------------------------------
+@pytest.fixture(scope="module")
+def kvenv(tmp_path_factory):
+    from tests.test_store import WORDS, _checkpoint
+
+    root = tmp_path_factory.mktemp("recall")
+    rng = __import__("random").Random(2)
+    doc = root / "doc.txt"
+    doc.write_text(" ".join(rng.choice(WORDS[20:]) for _ in range(300)) + "\n", encoding="utf-8")
+    return {"root": root, "model": str(_checkpoint(root / "tiny")), "doc": doc}
+
+
+KV_SETTINGS = ["--policy", "h2o", "--budget", "40", "--block-size", "16", "--device", "cpu", "--max-new-tokens", "6"]
+
+
+def run_cli(capsys, *args):
+    from kvtool.cli.app import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    base = ["--model", kvenv["model"], *KV_SETTINGS, "--recall", "64", "--json", "-q"]
+    q = ["what is the castle", "where is the ship"]
+    rc, from_doc, err = run_cli(capsys, "ask", kvenv["doc"], *q, *base)
+    assert rc == 0, err
+    doc_stats = json.loads(from_doc)["stats"]
+    assert doc_stats["recall_tokens"] == 64 and doc_stats["archive_bytes"] > 0
+    assert doc_stats["recalled_pages"] > 0 and doc_stats["recall_seconds"] > 0
+    assert doc_stats["archive_path"].startswith(str(tmp_path))
+
+    out = tmp_path / "doc.kvc"
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
+                         "--recall", "64", "-q")
+    assert rc == 0, err
+    assert (tmp_path / "doc.kvc.archive").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtool-archive-")] == []  # temp: unlinked
+    rc, info, _ = run_cli(capsys, "inspect", out, "--json")
+    arch = json.loads(info)["archive"]
+    assert arch["file"] == "doc.kvc.archive" and arch["tokens"] == doc_stats["archived_tokens"] and arch["pages"] > 0
+    rc, text, _ = run_cli(capsys, "inspect", out)
+    assert "doc.kvc.archive" in text and "pages of 32 tokens" in text
+
+    kvc_args = ["--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "6", "--json", "-q"]
+    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, *kvc_args)
+    assert rc == 0, err
+    a_doc, a_kvc = json.loads(from_doc), json.loads(from_kvc)
+    assert a_doc["answers"] == a_kvc["answers"]  # same archive, same recall, same answers
+    assert a_kvc["stats"]["recalled_pages"] == doc_stats["recalled_pages"]
+
+    # a truncated archive, then a missing one: answers without recall and a warning, exit 0
+    no_recall = ["--model", kvenv["model"], "--max-new-tokens", "6", "--json", "-q"]
+    rc, plain, _ = run_cli(capsys, "ask", out, *q, *no_recall)
+    data = (tmp_path / "doc.kvc.archive").read_bytes()
+    (tmp_path / "doc.kvc.archive").write_bytes(data[: len(data) // 2])
+    rc, damaged, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
+    assert rc == 0, err
+    assert "missing or damaged" in err and "Traceback" not in err
+    assert json.loads(damaged)["answers"] == json.loads(plain)["answers"]
+    assert json.loads(damaged)["stats"]["recalled_pages"] == 0
+    (tmp_path / "doc.kvc.archive").unlink()
+    rc, missing, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
+    assert rc == 0 and "missing or damaged" in err
+    assert json.loads(missing)["answers"] == json.loads(plain)["answers"]
+
+
+def test_kvc_without_archive_answers_with_a_note(kvenv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    out = tmp_path / "plain.kvc"
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8], "-q")
+    assert rc == 0, err
+    assert not (tmp_path / "plain.kvc.archive").exists()
+    rc, stdout, err = run_cli(capsys, "ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64",
+                              "--max-new-tokens", "4")
+    assert rc == 0 and stdout.strip()
+    assert "no archive of evicted tokens" in err
+
+
+def test_bad_recall_value_is_a_usage_error(kvenv, capsys):
+    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "q", "--model", kvenv["model"], "--recall", "lots")
+    assert rc == 2 and err.startswith("kvtool: error: ") and "recall" in err
+
+
+def test_unwritable_archive_dir_exits_2(kvenv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path / "nope"))
+    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "what", "--model", kvenv["model"], *KV_SETTINGS, "--recall",
+                         "64", "-q")
+    assert rc == 2 and "cannot create the recall archive" in err and "Traceback" not in err
+
+
+def test_disk_full_while_archiving_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    store = FileStore(8, tmp_path)
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(UsageError, match="the disk is full"):
+        store.append(torch.zeros(2, 8, dtype=torch.uint8))
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    args = ["profile", "--model", kvenv["model"], "--budget", "40", "--block-size", "16", "--device", "cpu", "--json",
+            "-q"]
+    rc, plain, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    rc, with_recall, err = run_cli(capsys, *args, "--recall", "24")
+    assert rc == 0, err
+    p, r = json.loads(plain), json.loads(with_recall)
+    per_token = r["kv_bytes_per_token"]["total"]
+    assert "recall_tokens" not in p and r["recall_tokens"] == 24
+    assert r["recall_slots_bytes"] == 24 * per_token  # budget + recall + block per head, K and V
+    def peak(plan):  # the runtime baseline is a measured RSS: it differs between the two runs
+        return plan["predicted_peak_bytes"] - plan["runtime_baseline_bytes"]
+
+    assert peak(r) - peak(p) == 24 * per_token
+    assert r["archive_bytes_per_evicted_token"]["file"] == per_token

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtool.errors import UsageError
 from kvtool.eval import (
+    CellLog,
     Grid,
     Reporter,
     Timer,
@@ -35,9 +36,14 @@ from kvtool.eval import (
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
+from kvtool.eval.stats import newcombe_difference, wilson
 
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key?"
+#: the multi-needle variant: k labelled pass keys in one document, the question asks for one label
+LABELS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "golden")
+LABELLED_NEEDLE = "The pass key of the {label} door is {key}. Remember it: the {label} door opens with {key}."
+LABELLED_QUESTION = "What is the pass key of the {label} door?"
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -54,6 +60,15 @@ def passkey_needle(seed: int, trial: int) -> Needle:
     """The default needle of trial ``trial``: a 5-digit pass key drawn from ``random.Random(seed + trial)``."""
     key = str(random.Random(seed + trial).randint(10000, 99999))
     return Needle(PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION, key)
+
+
+def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
+    """The k needles of trial ``trial`` in the multi-needle variant; the first is the one asked for."""
+    rng = random.Random(seed * 7919 + trial)
+    labels = rng.sample(LABELS, k)
+    keys = rng.sample(range(10000, 100000), k)
+    return [Needle(LABELLED_NEEDLE.format(label=lab, key=key), LABELLED_QUESTION.format(label=lab), str(key))
+            for lab, key in zip(labels, keys, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------- haystack
@@ -106,12 +121,14 @@ def sentence_boundaries(text: str) -> list[int]:
     return [m.end() for m in _SENTENCE_END.finditer(text)]
 
 
-def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[int] | None = None) -> tuple[str, int]:
+def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[int] | None = None,
+                  avoid: list[tuple[int, int]] | None = None) -> tuple[str, int]:
     """Insert ``needle`` at ``depth`` ∈ [0, 1]; returns (document, index of the needle's first character).
 
     Depth 0: the document starts with the needle. Depth 1: it ends with the needle. Otherwise the needle goes
     on the sentence boundary nearest to the target (token ``round(depth · n)`` when ``token_starts`` are given,
     else character ``round(depth · len)``), falling back to the nearest whitespace, then the target itself.
+    ``avoid`` = [(start, end), ...] keeps the insertion point out of those spans (other needles' text).
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -126,9 +143,12 @@ def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[i
         target = token_starts[min(round(depth * len(token_starts)), len(token_starts) - 1)]
     else:
         target = round(depth * n)
-    candidates = [b for b in sentence_boundaries(haystack) if 0 < b < n]
+    def allowed(i: int) -> bool:
+        return 0 < i < n and not any(a <= i <= b for a, b in avoid or ())
+
+    candidates = [b for b in sentence_boundaries(haystack) if allowed(b)]
     if not candidates:
-        candidates = [i for i, ch in enumerate(haystack) if ch.isspace() and 0 < i < n]
+        candidates = [i for i, ch in enumerate(haystack) if ch.isspace() and allowed(i)]
     pos = min(candidates, key=lambda b: (abs(b - target), b)) if candidates else target
     after = "" if haystack[pos : pos + 1].isspace() else " "
     before = "" if pos == 0 else " "
@@ -148,9 +168,16 @@ class NeedleTask:
     trials: int
     needle: Needle | None  # None: the passkey needle, new per trial
     max_new_tokens: int
+    needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
+    resume: str | None = None  # a JSONL file of finished trials (--resume)
 
-    def needle_for(self, trial: int) -> Needle:
-        return self.needle if self.needle is not None else passkey_needle(self.grid.settings.seed, trial)
+    def needles_for(self, trial: int) -> list[Needle]:
+        """The needles of one trial; the first is the one asked for (the only one unless ``needles`` > 1)."""
+        if self.needle is not None:
+            return [self.needle]
+        if self.needles > 1:
+            return labelled_needles(self.grid.settings.seed, trial, self.needles)
+        return [passkey_needle(self.grid.settings.seed, trial)]
 
     def settings(self) -> dict[str, Any]:
         custom = self.needle
@@ -159,8 +186,9 @@ class NeedleTask:
             "lengths": self.lengths,
             "depths": self.depths,
             "trials": self.trials,
-            "needle": custom.text if custom else "passkey",
-            "question": custom.question if custom else PASSKEY_QUESTION,
+            "needles": self.needles,
+            "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else "passkey"),
+            "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else PASSKEY_QUESTION),
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             **self.grid.describe(),
@@ -175,6 +203,43 @@ def custom_needle(needle: str | None, question: str | None, answer: str | None) 
     return Needle(" ".join(needle.split()), question.strip(), answer.strip())
 
 
+def build_document(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
+                   needle_tokens: int) -> tuple[str, int, list[int]]:
+    """The trial's document: the asked needle at ``depth``, distractors (if any) at seeded other depths.
+
+    Returns (text, character index of the asked needle, token start characters of the haystack cut).
+    """
+    hay, starts = haystack.cut(length - needle_tokens)
+    text, at = insert_needle(hay, needles[0].text, depth, starts)
+    rng = random.Random(seed * 104729 + trial)
+    spans = [(at, at + len(needles[0].text))]
+    for other in needles[1:]:
+        before = len(text)
+        text, pos = insert_needle(text, other.text, rng.uniform(0.02, 0.98), None, avoid=spans)
+        grown = len(text) - before
+        spans = [(a + grown, b + grown) if a >= pos else (a, b) for a, b in spans] + [(pos, pos + len(other.text))]
+        if pos <= at:
+            at += grown
+    return text, at, starts
+
+
+def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int,
+                 trial: int, needle_tokens: int) -> dict[str, Any]:
+    """Read one trial's document and ask for the first needle; the record the resume log keeps."""
+    text, at, starts = build_document(haystack, needles, length, depth, seed, trial, needle_tokens)
+    read = session.read(text_document(text, f"<haystack L={length} depth={depth:g}>"))
+    ans = session.ask(read, needles[0].question)
+    if depth == 0:
+        needle_token = 0
+    elif len(needles) == 1:
+        needle_token = bisect.bisect_left(starts, at - 1)
+    else:  # distractors shift the haystack's token starts: estimate from the character position
+        needle_token = round(at / max(1, len(text)) * read.document_tokens)
+    return {"expected": needles[0].answer, "answer": ans.answer,
+            "correct": contains_answer(ans.answer, needles[0].answer), "budget": session.budget_tokens,
+            "document_tokens": read.document_tokens, "needle_token": needle_token}
+
+
 def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     timer = Timer()
     loaded = load_once(task.grid, reporter.say)
@@ -182,56 +247,77 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     haystack = Haystack(task.haystack, tok, max(task.lengths))
     if haystack.repeated:
         reporter.say(f"note: the haystack has fewer than {max(task.lengths)} tokens; it is repeated to fill")
-    needles = [task.needle_for(t) for t in range(task.trials)]
-    needle_tokens = [len(tok(" " + n.text + " ", add_special_tokens=False)["input_ids"]) for n in needles]
+    trial_needles = [task.needles_for(t) for t in range(task.trials)]
+    needle_tokens = [sum(len(tok(" " + n.text + " ", add_special_tokens=False)["input_ids"]) for n in ns)
+                     for ns in trial_needles]
     for L in task.lengths:
         if L - max(needle_tokens) < MIN_HAYSTACK_TOKENS:
-            raise UsageError(f"length {L} is too short for the needle ({max(needle_tokens)} tokens)")
+            raise UsageError(f"length {L} is too short for the needle(s) ({max(needle_tokens)} tokens)")
+    settings = {**model_settings(loaded), **task.settings()}
+    log = CellLog(task.resume, "needle", {**settings, "identity": loaded.identity})
+    if log.ignored:
+        reporter.say(f"note: {task.resume}: {log.ignored} line(s) from other settings are ignored")
 
     runs = task.grid.runs()
     cells: list[dict[str, Any]] = []
     total = len(runs) * len(task.lengths) * len(task.depths) * task.trials
+    seed = task.grid.settings.seed
     with reporter.bar(total):
         for run in runs:
-            session = make_session(task.grid, run, loaded, reporter.say)
+            session = None  # built on first need: a fully resumed run loads nothing more
             for L in task.lengths:
                 for d in task.depths:
                     cell: dict[str, Any] = {
-                        "policy": run.policy, "budget": session.budget_tokens, "length": L, "depth": d,
+                        "policy": run.policy, "budget": None, "length": L, "depth": d,
                         "needle_token": None, "document_tokens": None, "trials": task.trials, "correct": 0,
                         "accuracy": 0.0, "answers": [],
                     }
-                    for t, needle in enumerate(needles):
+                    for t, needles in enumerate(trial_needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
-                        hay, starts = haystack.cut(L - needle_tokens[t])
-                        text, at = insert_needle(hay, needle.text, d, starts)
-                        read = session.read(text_document(text, f"<haystack L={L} depth={d:g}>"))
-                        ans = session.ask(read, needle.question)
-                        ok = contains_answer(ans.answer, needle.answer)
+
+                        key = f"{run.label}|{L}|{d}|{t}"
+                        if key not in log:
+                            if session is None:
+                                session = make_session(task.grid, run, loaded, reporter.say)
+                            log.put(key, needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t]))
+                        rec = log.get(key)
                         if t == 0:
-                            cell["needle_token"] = bisect.bisect_left(starts, at - 1) if d > 0 else 0
-                            cell["document_tokens"] = read.document_tokens
-                        cell["correct"] += int(ok)
-                        cell["answers"].append({"trial": t, "expected": needle.answer, "answer": ans.answer,
-                                                "correct": ok})
+                            cell["needle_token"] = rec["needle_token"]
+                            cell["document_tokens"] = rec["document_tokens"]
+                        cell["budget"] = rec["budget"]
+                        cell["correct"] += int(rec["correct"])
+                        cell["answers"].append({"trial": t, "expected": rec["expected"], "answer": rec["answer"],
+                                                "correct": rec["correct"]})
                         reporter.advance()
-                    cell["accuracy"] = round(cell["correct"] / task.trials, 4)
+                    iv = wilson(cell["correct"], task.trials)
+                    cell["accuracy"] = round(iv.value, 4)
+                    cell["interval"] = [round(iv.low, 4), round(iv.high, 4)]
                     cells.append(cell)
     summary = summarize(cells)
-    return report("needle", {**model_settings(loaded), **task.settings()}, cells, timer.seconds(), summary=summary)
+    return report("needle", settings, cells, timer.seconds(), summary=summary)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Accuracy per (policy, budget) over every length, depth and trial."""
+    """Found-rate per (policy, budget) over every length, depth and trial, with a Wilson interval.
+
+    ``significant`` marks a row whose difference from the best row excludes 0 (Newcombe interval).
+    """
     out: dict[tuple[str, Any], dict[str, Any]] = {}
     for c in cells:
         row = out.setdefault((c["policy"], c["budget"]),
                              {"policy": c["policy"], "budget": c["budget"], "correct": 0, "total": 0})
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
-    for row in out.values():
-        row["accuracy"] = round(row["correct"] / row["total"], 4) if row["total"] else 0.0
-    return list(out.values())
+    rows = list(out.values())
+    best = max(rows, key=lambda r: r["correct"] / r["total"] if r["total"] else 0.0) if rows else None
+    for row in rows:
+        iv = wilson(row["correct"], row["total"])
+        row["accuracy"] = round(iv.value, 4)
+        row["interval"] = [round(iv.low, 4), round(iv.high, 4)]
+        diff = newcombe_difference(row["correct"], row["total"], best["correct"], best["total"])  # type: ignore[index]
+        row["best"] = row is best
+        row["significant"] = row is not best and diff.excludes(0.0)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -267,12 +353,15 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
             t.add_row(str(L), *[Text(f"{acc[(L, d)]:.2f}", style=_heat(acc[(L, d)])) for d in depths])
         maps.append(t)
     console.print(Columns(maps, padding=(0, 2)))
-    summary = Table(title=f"needle accuracy ({s['model']}, {s['trials']} trial(s) per cell)")
-    for col in ("policy", "budget", "accuracy", "correct"):
+    summary = Table(title=f"needle found-rate ({s['model']}, {s['trials']} trial(s) per cell; 95% Wilson "
+                          "interval; * = significantly below the best row)")
+    for col in ("policy", "budget", "found", "95% interval", "correct"):
         summary.add_column(col, justify="left" if col == "policy" else "right")
     for row in rep["summary"]:
         budget = "-" if row["budget"] is None else str(row["budget"])
-        summary.add_row(row["policy"], budget, Text(f"{row['accuracy']:.2f}", style=_heat(row["accuracy"])),
-                        f"{row['correct']}/{row['total']}")
+        mark = " *" if row.get("significant") else ""
+        lo, hi = row.get("interval", [0.0, 1.0])
+        summary.add_row(row["policy"], budget, Text(f"{row['accuracy']:.2f}{mark}", style=_heat(row["accuracy"])),
+                        f"[{lo:.2f}, {hi:.2f}]", f"{row['correct']}/{row['total']}")
     console.print(summary)
     console.print(f"{rep['seconds']:.1f} s", style="dim")

@@ -35,6 +35,7 @@ class Answer:
     tokens: int
     seconds: float
     prompt_tokens: int = 0
+    ids: list[int] = field(default_factory=list)  # the generated token ids (eval agreement teacher-forces them)
 
     @property
     def tokens_per_second(self) -> float:
@@ -214,12 +215,7 @@ class Session:
         max_new_tokens: int | None = None,
     ) -> Answer:
         """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting."""
-        cache = read.cache
-        cache.restore(read.snapshot)
-        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        self.engine.pin(cache, suffix.numel())
-        logits = self.engine.feed(cache, [suffix], progress=False)
-        assert logits is not None
+        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -234,9 +230,35 @@ class Session:
         )
         cache.pin_start = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
-                     prompt_tokens=suffix.numel())
+                     prompt_tokens=suffix_tokens, ids=list(ids))
         self.answers.append(ans)
         return ans
+
+    def _begin_answer(self, read: ReadResult, suffix_text: str) -> tuple[BoundedCache, Tensor, int]:
+        """Restore the post-document cache and feed the pinned suffix: (cache, its logits, suffix length)."""
+        cache = read.cache
+        cache.restore(read.snapshot)
+        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
+        self.engine.pin(cache, suffix.numel())
+        logits = self.engine.feed(cache, [suffix], progress=False)
+        assert logits is not None
+        return cache, logits, suffix.numel()
+
+    def forced_logits(self, read: ReadResult, question: str, forced: list[int]) -> Tensor:
+        """Next-token logits [len(forced), V] (float32, CPU) while teacher-forcing ``forced`` as the answer.
+
+        Row i is the distribution the model gives the i-th answer token after the question and the
+        forced tokens before it: ``eval agreement`` compares these rows between ``full`` and a policy on
+        the *same* context (the dense answer), so KL and top-1 measure what eviction changed.
+        """
+        if not forced:
+            raise ValueError("nothing to force")
+        cache, logits, _ = self._begin_answer(read, prompt.question_suffix(self.tokenizer, question))
+        rows = [logits[-1].float().cpu()]
+        for step in self.engine.steps(cache, torch.tensor(forced[:-1], dtype=torch.long), block_size=1):
+            rows.append(step[-1].float().cpu())
+        cache.pin_start = None
+        return torch.stack(rows)
 
     def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None) -> Answer:
         if not question.strip():

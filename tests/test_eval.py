@@ -141,7 +141,7 @@ def test_contains_answer() -> None:
 def test_passkey_needle_is_seeded_per_trial() -> None:
     a, b = passkey_needle(0, 0), passkey_needle(0, 1)
     assert a == passkey_needle(0, 0) and a != b
-    assert a.question == "What is the pass key?"
+    assert a.question == "What is the secret number?"
     assert a.answer.isdigit() and len(a.answer) == 5 and a.text.count(a.answer) == 2
 
 

@@ -334,11 +334,18 @@ def report(task: str, settings: dict[str, Any], results: list[dict[str, Any]], s
 # --------------------------------------------------------------------------------------------- resumption
 
 
+#: settings that only say how big the grid is (its cells carry their own keys)
+GRID_EXTENT = frozenset({"policies", "budgets", "lengths", "depths", "trials", "windows", "samples", "seconds"})
+
+
 class CellLog:
     """``--resume FILE.jsonl``: finished units of work, appended as they complete, reused on the next run.
 
     Each line is ``{"task", "fingerprint", "key", "record"}``. The fingerprint hashes the task's settings
-    (model, grid, lengths, seed, ...), so lines written under other settings are ignored, never mixed in.
+    that change what a key means (model, seed, block size, prompt, lengths of windows, ...), so lines
+    written under other settings are ignored, never mixed in. The grid's extent (policies, budgets,
+    lengths, depths, trials, windows) is left out: keys name their cell, so a grid can grow and reuse
+    every cell it already has.
     A line is written and flushed (and fsynced) as soon as its unit is done: a run killed at any point
     loses at most the unit in flight; a torn last line is skipped.
     """
@@ -346,7 +353,8 @@ class CellLog:
     def __init__(self, path: str | os.PathLike[str] | None, task: str, settings: dict[str, Any]) -> None:
         self.path = Path(path) if path is not None else None
         self.task = task
-        blob = json.dumps(settings, sort_keys=True, default=str).encode()
+        meaning = {k: v for k, v in settings.items() if k not in GRID_EXTENT}
+        blob = json.dumps(meaning, sort_keys=True, default=str).encode()
         self.fingerprint = hashlib.sha256(blob).hexdigest()[:16]
         self.done: dict[str, Any] = {}
         self.ignored = 0

@@ -11,7 +11,7 @@ For every (policy, budget) run, length L, depth d and trial:
 4. the answer is scored by containment of the expected answer (:func:`kvtool.eval.metrics.contains_answer`:
    whitespace-normalised, case-insensitive).
 
-The default needle is a passkey, regenerated per trial from ``random.Random(seed + trial)``.
+The default needle is a 5-digit secret number, regenerated per trial from ``random.Random(seed + trial)``.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ from kvtool.eval import (
 from kvtool.eval.metrics import contains_answer
 from kvtool.eval.stats import newcombe_difference, wilson
 
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "What is the pass key?"
+# Wording measured on the embedded 135M model: with "The pass key is N ..." / "What is the pass key?" the
+# model defines the phrase "pass key" instead of reading the text (dense: 0 of 12 at 512-1K tokens);
+# "secret number" is read back (docs/results.md).
+PASSKEY_NEEDLE = "The secret number is {key}. Remember it: the secret number is {key}."
+PASSKEY_QUESTION = "What is the secret number?"
 #: the multi-needle variant: k labelled pass keys in one document, the question asks for one label
 LABELS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "golden")
-LABELLED_NEEDLE = "The pass key of the {label} door is {key}. Remember it: the {label} door opens with {key}."
-LABELLED_QUESTION = "What is the pass key of the {label} door?"
+LABELLED_NEEDLE = "The secret number of the {label} door is {key}. Remember it: the {label} door opens with {key}."
+LABELLED_QUESTION = "What is the secret number of the {label} door?"
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")

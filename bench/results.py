@@ -32,7 +32,7 @@ POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote,h2o+vatp"
 def tasks(quick: bool) -> dict[str, list[str]]:
     trials = "3" if quick else "10"
     return {
-        "needle": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k,2k",
+        "needle": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                    "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", "full," + POLICIES,
                    "--budgets", "256", "--max-new-tokens", "16"],
         "needle-multi": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",

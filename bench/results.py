@@ -27,16 +27,18 @@ DATA = ROOT / "docs" / "results-data.json"
 RESUME = ROOT / "bench" / ".results"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote,h2o+vatp"
+ORDER = ("needle", "agreement", "peer", "ppl", "needle-multi")
 
 
 def tasks(quick: bool) -> dict[str, list[str]]:
     trials = "3" if quick else "10"
+    multi_trials = "3" if quick else "5"
     return {
         "needle": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                    "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", "full," + POLICIES,
                    "--budgets", "256", "--max-new-tokens", "16"],
         "needle-multi": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
-                         "--depths", "0.1,0.5,0.9", "--trials", trials, "--needles", "3",
+                         "--depths", "0.1,0.5,0.9", "--trials", multi_trials, "--needles", "3",
                          "--policies", "full," + POLICIES, "--budgets", "256", "--max-new-tokens", "24"],
         "agreement": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
                       "bench/data/aord_questions.txt", "--policies", POLICIES, "--budgets",
@@ -62,7 +64,7 @@ def run_eval(name: str, argv: list[str]) -> dict:
 
 
 def run_peer(quick: bool) -> dict | None:
-    argv = [sys.executable, "bench/peer/compare.py", "--trials", "2" if quick else "5"]
+    argv = [sys.executable, "bench/peer/compare.py", "--trials", "2" if quick else "3"]
     t0 = time.perf_counter()
     print("[peer] python bench/peer/compare.py", flush=True)
     proc = subprocess.run(argv, cwd=ROOT)
@@ -230,15 +232,17 @@ def main() -> None:
         data = {"version": 2}
     if not args.render_only:
         only = {x for x in args.only.split(",") if x}
-        for name, argv in tasks(args.quick).items():
-            if not only or name in only:
-                data[name] = run_eval(name, argv)
-                DATA.write_text(json.dumps(data, indent=1))
-        if not only or "peer" in only:
-            peer = run_peer(args.quick)
-            if peer is not None:
-                data["peer"] = peer
-                DATA.write_text(json.dumps(data, indent=1))
+        table = tasks(args.quick)
+        for name in ORDER:  # most decisive first: a stopped run has the tables that matter most
+            if only and name not in only:
+                continue
+            if name == "peer":
+                peer = run_peer(args.quick)
+                if peer is not None:
+                    data["peer"] = peer
+            else:
+                data[name] = run_eval(name, table[name])
+            DATA.write_text(json.dumps(data, indent=1))
     total = time.perf_counter() - t0
     DOC.write_text(render(data, total))
     print(f"wrote {DOC.relative_to(ROOT)} in {total:.0f} s", flush=True)

@@ -26,7 +26,7 @@ DOC = ROOT / "docs" / "results.md"
 DATA = ROOT / "docs" / "results-data.json"
 RESUME = ROOT / "bench" / ".results"
 CORPUS = "../shared/corpus"
-POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote,h2o+vatp"
+POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "agreement", "peer", "ppl", "needle-multi")
 
 

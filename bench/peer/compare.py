@@ -72,7 +72,7 @@ def ensure_venv() -> Path:
 
 
 def run(impl: str, policy: str, cases_path: Path, model: str, budget: int) -> dict:
-    out = OUT / f"{impl}-{policy}-{budget}.json"
+    out = OUT / f"{cases_path.stem}-{impl}-{policy}.json"
     if out.exists():
         return json.loads(out.read_text())
     tmp = out.with_suffix(".tmp")
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    cases_path = OUT / f"cases-{args.length}-{args.trials}-{args.budget}.json"
+    cases_path = OUT / f"cases-{args.length}-{args.depths.replace(',', '_')}-{args.trials}-{args.budget}.json"
     if cases_path.exists():
         cases = json.loads(cases_path.read_text())
     else:

@@ -42,7 +42,7 @@ def tasks(quick: bool) -> dict[str, list[str]]:
                          "--policies", "full," + POLICIES, "--budgets", "256", "--max-new-tokens", "24"],
         "agreement": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
                       "bench/data/aord_questions.txt", "--policies", POLICIES, "--budgets",
-                      "256" if quick else "256,512,1024", "--max-new-tokens", "32", "--first-tokens", "8"],
+                      "256" if quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8"],
         "ppl": ["eval", "ppl", "--text", f"{CORPUS}/sherlock_holmes.txt,{CORPUS}/pride_and_prejudice.txt,"
                 f"{CORPUS}/paul_graham_essays", "--context", "1k", "--continuation", "32",
                 "--samples", "4" if quick else "16", "--policies", "full," + POLICIES, "--budgets", "256"],

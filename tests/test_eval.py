@@ -141,7 +141,7 @@ def test_contains_answer() -> None:
 def test_passkey_needle_is_seeded_per_trial() -> None:
     a, b = passkey_needle(0, 0), passkey_needle(0, 1)
     assert a == passkey_needle(0, 0) and a != b
-    assert a.question == "What is the pass key?"
+    assert a.question == "What is the secret number?"
     assert a.answer.isdigit() and len(a.answer) == 5 and a.text.count(a.answer) == 2
 
 
@@ -240,23 +240,27 @@ def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFix
                     "--block-size", "32"], capsys)
     assert rep["task"] == "ppl"
     s = rep["settings"]
-    assert s["context"] == 64 and s["continuation"] == 6 and s["samples"] == 2 and len(s["offsets"]) == 2
+    assert s["context"] == 64 and s["continuation"] == 6 and s["samples"] == 2 and len(s["windows"]) == 2
     assert s["model"] == "tiny-byte-llama" and s["budgets"] == [24] and s["policies"] == ["full", "sink"]
     assert rep["reference"]["ppl"] > 1
     full, sink = rep["results"]
     keys = {"policy", "budget", "ppl", "dense_ppl", "ppl_gap", "ppl_gap_pct", "kl", "top1", "tokens", "seconds",
-            "samples"}
+            "samples", "window_gap_pct", "kl_interval", "top1_interval", "best", "significant"}
     assert set(full) == keys and set(sink) == keys
     assert (full["policy"], full["budget"], sink["policy"], sink["budget"]) == ("full", None, "sink", 24)
     assert abs(full["ppl_gap"]) < 1e-3 * full["dense_ppl"] and abs(full["ppl_gap_pct"]) < 0.1
     assert full["kl"] == pytest.approx(0.0, abs=1e-5) and full["top1"] == 1.0 and full["tokens"] == 12
     assert sink["kl"] > 0
-    assert set(full["samples"][0]) == {"offset", "ppl", "dense_ppl", "kl", "top1"}
+    assert set(full["samples"][0]) == {"window", "ppl", "dense_ppl", "kl", "top1"}
+    best = min((full, sink), key=lambda r: r["window_gap_pct"]["value"])
+    assert best["best"] and not best["significant"] and [full["best"], sink["best"]].count(True) == 1
+    lo, hi = sink["window_gap_pct"]["low"], sink["window_gap_pct"]["high"]
+    assert lo <= sink["window_gap_pct"]["value"] <= hi
     # deterministic under --seed
     again = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
                       "--continuation", "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
                       "--block-size", "32"], capsys)
-    assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["offsets"] == s["offsets"]
+    assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["windows"] == s["windows"]
 
 
 def test_cli_attn_error_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -265,7 +269,7 @@ def test_cli_attn_error_json(tiny_dir: Path, text_file: Path, capsys: pytest.Cap
     assert rep["task"] == "attn-error"
     assert rep["settings"]["num_layers"] == 2 and rep["settings"]["num_heads"] == 4
     full, sink = rep["results"]
-    assert set(full) == {"policy", "budget", "layers", "mean", "max"}
+    assert set(full) == {"policy", "budget", "layers", "mean", "max", "mean_interval"}
     assert full["layers"] == [0.0, 0.0] and full["mean"] == 0.0
     assert all(e > 0 for e in sink["layers"]) and sink["budget"] == 16
 
@@ -281,12 +285,13 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     cells = rep["results"]
     assert len(cells) == 2 * 2 * 2
     keys = {"policy", "budget", "recall", "length", "depth", "needle_token", "document_tokens", "trials",
-            "correct", "accuracy", "answers"}
+            "correct", "accuracy", "answers", "interval"}
     assert all(set(c) == keys for c in cells)
     assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}
     for c in cells:
         assert len(c["answers"]) == 2 and set(c["answers"][0]) == {"trial", "expected", "answer", "correct"}
         assert c["accuracy"] == c["correct"] / 2
+        assert c["interval"][0] <= c["accuracy"] <= c["interval"][1]
         assert abs(c["document_tokens"] - c["length"]) <= 2  # byte tokenizer: ≈ exact length
         needle = passkey_needle(0, 0).text
         if c["depth"] == 0:
@@ -297,7 +302,7 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     assert keys == {passkey_needle(0, 0).answer}
     assert {(r["policy"], r["budget"]) for r in rep["summary"]} == {("full", None), ("sink", 160)}
     for r in rep["summary"]:  # 95% Wilson interval around the observed rate
-        lo, hi = r["wilson95"]
+        lo, hi = r["interval"]
         assert 0 <= lo <= r["accuracy"] <= hi <= 1
 
 
@@ -318,12 +323,10 @@ def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(tiny_dir: P
 
 
 def test_wilson_interval_matches_the_formula() -> None:
-    from kvtool.eval.needle import wilson
+    from kvtool.eval.stats import wilson
 
-    lo, hi = wilson(10, 10)
-    assert hi == 1.0 and abs(lo - 0.7225) < 1e-3  # 10/10: the textbook lower bound 0.722
-    lo, hi = wilson(5, 10)
-    assert abs(lo - 0.2366) < 1e-3 and abs(hi - 0.7634) < 1e-3
+    iv = wilson(10, 10)
+    assert iv.high == 1.0 and abs(iv.low - 0.7225) < 1e-3  # 10/10: the textbook lower bound 0.722
 
 
 def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -333,7 +336,7 @@ def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.Captur
                  "--quiet"])
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert "needle accuracy" in out.out and "length \\ depth" in out.out and out.err == ""
+    assert "needle found-rate" in out.out and "length \\ depth" in out.out and out.err == ""
 
 
 @pytest.mark.parametrize(
@@ -357,3 +360,76 @@ def test_usage_errors_before_model_load(argv: list[str], message: str, tmp_path:
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_needle_resume_continues_without_recomputing(tiny_dir: Path, text_file: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtool.eval.needle as needle_mod
+
+    log = tmp_path / "needle.jsonl"
+    argv = ["eval", "needle", "--haystack", str(text_file), "--model", str(tiny_dir), "--lengths", "200",
+            "--depths", "0.5", "--policies", "sink", "--budgets", "160", "--max-new-tokens", "2", "--trials", "3",
+            "--resume", str(log)]
+    calls: list[int] = []
+    real_trial = needle_mod.needle_trial
+
+    def killed_after_two(*args, **kwargs):
+        if len(calls) == 4:  # full's 3 trials and sink's first one are done: "kill" the run here
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_trial(*args, **kwargs)
+
+    monkeypatch.setattr(needle_mod, "needle_trial", killed_after_two)
+    assert main([*argv, "--quiet"]) == 130
+    capsys.readouterr()
+    assert len(log.read_text().splitlines()) == 4
+    calls.clear()
+    monkeypatch.setattr(needle_mod, "needle_trial", lambda *a, **k: calls.append(1) or real_trial(*a, **k))
+    rep = run_json(argv, capsys)
+    assert len(calls) == 2  # only sink's two missing trials ran
+    assert [c["trials"] for c in rep["results"]] == [3, 3]
+    calls.clear()
+    again = run_json(argv, capsys)  # everything logged: no trial runs at all
+    assert calls == [] and again["results"] == rep["results"]
+
+
+def test_multi_needle_document_holds_every_needle_and_asks_the_first(text_file: Path) -> None:
+    from kvtool.eval.needle import Haystack, build_document, labelled_needles
+
+    needles = labelled_needles(0, 0, 3)
+    assert len({n.answer for n in needles}) == 3 and len({n.question for n in needles}) == 3
+    hay = Haystack(text_file.read_text(encoding="utf-8"), byte_tokenizer(), 400)
+    text, at, _ = build_document(hay, needles, 400, 0.5, 0, 0, 60)
+    assert text[at:].startswith(needles[0].text)
+    for n in needles:
+        assert text.count(n.text) == 1
+
+
+def test_cli_agreement_json(tiny_dir: Path, text_file: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    qfile = tmp_path / "q.txt"
+    qfile.write_text("What is the story about?\n\nWho speaks first?\n", encoding="utf-8")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text_file.read_text(encoding="utf-8")[:1200], encoding="utf-8")
+    rep = run_json(["eval", "agreement", "--doc", str(doc), "--questions-file", str(qfile), "--model", str(tiny_dir),
+                    "--policies", "full,sink", "--budgets", "160,2k", "--max-new-tokens", "4", "--first-tokens", "3",
+                    "--block-size", "32"], capsys)
+    assert rep["task"] == "agreement" and rep["settings"]["questions"] == 2
+    small, big = rep["results"]
+    assert (small["policy"], small["budget"], big["budget"]) == ("sink", 160, 2048)
+    # budget 2k holds the whole document: the answers and the distributions equal full's
+    assert big["exact_match"]["value"] == 1.0 and big["f1"]["value"] == 1.0
+    assert big["kl"]["value"] == pytest.approx(0.0, abs=1e-5) and big["top1"]["value"] == 1.0
+    assert small["kl"]["value"] > 0
+    assert [a["dense"] for a in small["answers"]] == [r["answer"] for r in rep["reference"]]
+
+
+def test_cli_agreement_empty_questions_file_is_named(tiny_dir: Path, text_file: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n", encoding="utf-8")
+    code = main(["eval", "agreement", "--doc", str(text_file), "--questions-file", str(empty), "--model",
+                 str(tiny_dir), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(empty) in err and len(err.strip().splitlines()) == 1

@@ -41,11 +41,15 @@ DEFAULT_TEXT = "sherlock_holmes.txt"
 PoliciesOpt = Annotated[str, typer.Option("--policies", help="Comma list of policies (base[+modifier...]).")]
 BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Comma list of KV budgets per head: 256,512 or 1k.")]
 EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for passkeys and sample offsets.")]
-TextOpt = Annotated[str | None, typer.Option("--text", help="A UTF-8 text file, or a directory of .txt files "
-                                             "(default: ../shared/corpus/sherlock_holmes.txt beside the repo).")]
+TextOpt = Annotated[str | None, typer.Option("--text", help="UTF-8 text file(s), comma-separated (windows are "
+                                             "spread over them), or a directory of .txt files (default: "
+                                             "../shared/corpus/sherlock_holmes.txt beside the repo).")]
 ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
 ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
-SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text at seeded offsets.")]
+SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text(s) at seeded offsets "
+                                         "(spread round-robin over the texts).")]
+ResumeOpt = Annotated[str | None, typer.Option("--resume", help="A JSONL file: finished units are appended as they "
+                                               "complete and reused when the same command runs again.")]
 
 
 def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
@@ -73,9 +77,12 @@ def needle(
                                                     "pass key per trial).")] = None,
     question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
     answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
-    trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new pass key each).")] = 1,
+    trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new secret number each).")] = 10,
+    needles: Annotated[int, typer.Option("--needles", help="k > 1: k labelled secret numbers per document, the "
+                                         "question asks for one (multi-needle).")] = 1,
     recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
                                         "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
+    resume: ResumeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
     block_size: BlockOpt = None,
     model: ModelOpt = None,
@@ -107,21 +114,36 @@ def needle(
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
+        needles=_needle_count(needles, needle_text),
+        resume=resume,
     )
     task.haystack = load_text(path, "--haystack")
     _finish(run_needle(task, Reporter(quiet, "needle", stderr_console())), json_out, render_needle)
 
 
-def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any) -> Any:
-    from kvtool.eval import load_text, parse_tokens, positive, resolve_input
+def _needle_count(needles: int, custom: str | None) -> int:
+    from kvtool.errors import UsageError
+    from kvtool.eval.needle import LABELS
+
+    if not 1 <= needles <= len(LABELS):
+        raise UsageError(f"--needles must be between 1 and {len(LABELS)} (got {needles})")
+    if needles > 1 and custom is not None:
+        raise UsageError("--needles > 1 uses labelled pass keys; it cannot be combined with --needle")
+    return needles
+
+
+def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any,
+                 resume: str | None) -> Any:
+    from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
     from kvtool.eval.ppl import WindowTask
 
-    path = resolve_input(text, DEFAULT_TEXT, "--text")
+    paths = [resolve_input(p, DEFAULT_TEXT, "--text") for p in split_list(text, "--text")] if text else [
+        resolve_input(None, DEFAULT_TEXT, "--text")]
     n = parse_tokens(context, "--context")
     m = parse_tokens(continuation, "--continuation")
     k = positive(samples, "--samples")
-    return WindowTask(grid=grid, text_path=path, text=load_text(path, "--text"), context=n, continuation=m,
-                      samples=k)
+    texts = [(p.name, load_text(p, "--text")) for p in paths]
+    return WindowTask(grid=grid, texts=texts, context=n, continuation=m, samples=k, resume=resume)
 
 
 @eval_app.command("ppl")
@@ -130,10 +152,11 @@ def ppl(
     text: TextOpt = None,
     context: ContextOpt = "1k",
     continuation: ContinuationOpt = "64",
-    samples: SamplesOpt = 2,
+    samples: SamplesOpt = 16,
     policies: PoliciesOpt = "full,sink,h2o,tova,keydiff",
     budgets: BudgetsOpt = "256",
     seed: EvalSeedOpt = 0,
+    resume: ResumeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
@@ -143,7 +166,7 @@ def ppl(
     from kvtool.eval.ppl import render_ppl, run_ppl
 
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid)
+    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
@@ -153,10 +176,11 @@ def attn_error(
     text: TextOpt = None,
     context: ContextOpt = "512",
     continuation: ContinuationOpt = "32",
-    samples: SamplesOpt = 2,
+    samples: SamplesOpt = 16,
     policies: PoliciesOpt = "sink,h2o,tova,keydiff",
     budgets: BudgetsOpt = "256",
     seed: EvalSeedOpt = 0,
+    resume: ResumeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
@@ -166,5 +190,39 @@ def attn_error(
     from kvtool.eval.attn_error import render_attn_error, run_attn_error
 
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid)
+    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
+
+
+@eval_app.command("agreement")
+@with_settings(*EVAL_SETTINGS)
+def agreement(
+    doc: Annotated[str, typer.Option("--doc", help="The document to read (a text file).")],
+    questions_file: Annotated[str, typer.Option("--questions-file", help="One question per line.")],
+    policies: PoliciesOpt = "sink,h2o,tova,snapkv,keydiff",
+    budgets: BudgetsOpt = "256,512,1024",
+    first_tokens: Annotated[int, typer.Option("--first-tokens", help="Dense answer tokens teacher-forced for KL "
+                                              "and top-1.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 48,
+    seed: EvalSeedOpt = 0,
+    resume: ResumeOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
+) -> None:
+    """Fidelity to dense: each policy's answers vs full's (exact match, token F1, ROUGE-L, KL, top-1)."""
+    from pathlib import Path
+
+    from kvtool.eval import Reporter, positive, resolve_input
+    from kvtool.eval.agreement import AgreementTask, read_questions_file, render_agreement, run_agreement
+
+    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
+    path = resolve_input(doc, "", "--doc")
+    if not path.is_file():
+        from kvtool.errors import UsageError
+
+        raise UsageError(f"--doc {path} is not a file")
+    task = AgreementTask(grid=grid, doc_path=path, questions=read_questions_file(Path(questions_file)),
+                         first_tokens=positive(first_tokens, "--first-tokens"),
+                         max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
+    _finish(run_agreement(task, Reporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import hashlib
 import io
+import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -339,3 +342,84 @@ def report(task: str, settings: dict[str, Any], results: list[dict[str, Any]], s
            **extra: Any) -> dict[str, Any]:
     """The ``--json`` object every task prints."""
     return {"task": task, "settings": settings, "results": results, **extra, "seconds": seconds}
+
+
+# --------------------------------------------------------------------------------------------- resumption
+
+
+#: settings that only say how big the grid is (its cells carry their own keys)
+GRID_EXTENT = frozenset({"policies", "budgets", "lengths", "depths", "trials", "windows", "samples", "seconds",
+                         "recalls"})
+
+
+class CellLog:
+    """``--resume FILE.jsonl``: finished units of work, appended as they complete, reused on the next run.
+
+    Each line is ``{"task", "fingerprint", "key", "record"}``. The fingerprint hashes the task's settings
+    that change what a key means (model, seed, block size, prompt, lengths of windows, ...), so lines
+    written under other settings are ignored, never mixed in. The grid's extent (policies, budgets,
+    lengths, depths, trials, windows) is left out: keys name their cell, so a grid can grow and reuse
+    every cell it already has.
+    A line is written and flushed (and fsynced) as soon as its unit is done: a run killed at any point
+    loses at most the unit in flight; a torn last line is skipped.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, task: str, settings: dict[str, Any]) -> None:
+        self.path = Path(path) if path is not None else None
+        self.task = task
+        meaning = {k: v for k, v in settings.items() if k not in GRID_EXTENT}
+        blob = json.dumps(meaning, sort_keys=True, default=str).encode()
+        self.fingerprint = hashlib.sha256(blob).hexdigest()[:16]
+        self.done: dict[str, Any] = {}
+        self.ignored = 0
+        if self.path is None:
+            return
+        if self.path.is_dir():
+            raise UsageError(f"--resume: {self.path} is a directory")
+        if self.path.exists():
+            try:
+                lines = self.path.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"--resume: cannot read {self.path}: {e}") from None
+            for line in lines:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a kill
+                if not isinstance(row, dict) or "key" not in row:
+                    continue
+                if row.get("task") == task and row.get("fingerprint") == self.fingerprint:
+                    self.done[str(row["key"])] = row.get("record")
+                else:
+                    self.ignored += 1
+        else:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.touch()
+            except OSError as e:
+                raise UsageError(f"--resume: cannot create {self.path}: {e.strerror or e}") from None
+
+    def get(self, key: str) -> Any:
+        return self.done.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.done
+
+    def put(self, key: str, record: Any) -> None:
+        self.done[key] = record
+        if self.path is None:
+            return
+        line = json.dumps({"task": self.task, "fingerprint": self.fingerprint, "key": key, "record": record},
+                          ensure_ascii=False)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def cached(self, key: str, compute: Any) -> Any:
+        """The record of ``key``: from the log when it is there, else ``compute()`` (then logged)."""
+        if key in self.done:
+            return self.done[key]
+        record = compute()
+        self.put(key, record)
+        return record

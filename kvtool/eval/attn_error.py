@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from kvtool.errors import KvtoolError
-from kvtool.eval import Reporter, Run, Timer, load_once, make_session, model_settings, report
+from kvtool.eval import CellLog, Reporter, Run, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import normalised_error
 from kvtool.eval.ppl import WindowTask, make_windows
+from kvtool.eval.stats import bootstrap_mean
 
 
 def o_proj_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -99,34 +100,50 @@ def run_attn_error(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     loaded = load_once(task.grid, reporter.say)
     windows = make_windows(task, loaded.tokenizer)
     runs = task.grid.runs()
+    settings = {**model_settings(loaded), **task.settings(), "windows": [w.key for w in windows],
+                "num_heads": loaded.model.config.num_attention_heads,
+                "reference": "policy full through the engine (no eviction)"}
+    log = CellLog(task.resume, "attn-error", {**settings, "identity": loaded.identity})
     reference = make_session(task.grid, Run("full", None), loaded, reporter.say)
-    sessions = [make_session(task.grid, run, loaded, reporter.say) for run in runs]
+    sessions: dict[int, Any] = {}
     n = task.context
     errors: list[list[list[float]]] = [[] for _ in runs]  # run -> sample -> layer
+    budgets: list[int | None] = [None] * len(runs)
     with OutputCapture(loaded.model) as cap, reporter.bar(len(windows) * (1 + len(runs))):
         num_layers = len(cap.modules)
         for k, w in enumerate(windows):
             reporter.doing(f"sample {k + 1}/{len(windows)} dense (full)")
-            dense = capture_outputs(reference.engine, cap, w.ids, n)
+            missing = [r for r, run in enumerate(runs) if f"{run.label}|{w.key}" not in log]
+            dense = capture_outputs(reference.engine, cap, w.ids, n) if missing else None
             reporter.advance()
-            for r, (run, session) in enumerate(zip(runs, sessions, strict=True)):
+            for r, run in enumerate(runs):
                 reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
-                got = capture_outputs(session.engine, cap, w.ids, n)
-                errors[r].append([normalised_error(a, b) for a, b in zip(dense, got, strict=True)])
+                key = f"{run.label}|{w.key}"
+                if key not in log:
+                    if r not in sessions:
+                        sessions[r] = make_session(task.grid, run, loaded, reporter.say)
+                    got = capture_outputs(sessions[r].engine, cap, w.ids, n)
+                    assert dense is not None
+                    log.put(key, {"layers": [normalised_error(a, b) for a, b in zip(dense, got, strict=True)],
+                                  "budget": sessions[r].budget_tokens})
+                rec = log.get(key)
+                budgets[r] = rec["budget"]
+                errors[r].append(rec["layers"])
                 reporter.advance()
     results = []
-    for run, session, per_sample in zip(runs, sessions, errors, strict=True):
+    seed = task.grid.settings.seed
+    for r, (run, per_sample) in enumerate(zip(runs, errors, strict=True)):
         layers = [sum(s[i] for s in per_sample) / len(per_sample) for i in range(num_layers)]
+        window_means = [sum(s) / len(s) for s in per_sample]
         results.append({
             "policy": run.policy,
-            "budget": session.budget_tokens,
+            "budget": budgets[r],
             "layers": layers,
             "mean": sum(layers) / len(layers),
+            "mean_interval": bootstrap_mean(window_means, seed=seed).as_dict(),
             "max": max(layers),
         })
-    settings = {**model_settings(loaded), **task.settings(), "offsets": [w.offset for w in windows],
-                "num_layers": num_layers, "num_heads": loaded.model.config.num_attention_heads,
-                "reference": "policy full through the engine (no eviction)"}
+    settings["num_layers"] = num_layers
     return report("attn-error", settings, results, timer.seconds())
 
 
@@ -144,5 +161,7 @@ def render_attn_error(rep: dict[str, Any], console: Any) -> None:
         t.add_row(str(i), *[f"{r['layers'][i]:.4f}" for r in results])
     t.add_section()
     t.add_row("mean", *[f"{r['mean']:.4f}" for r in results], style="bold")
+    t.add_row("95% (windows)", *[f"[{r['mean_interval']['low']:.4f}, {r['mean_interval']['high']:.4f}]"
+                                 for r in results], style="dim")
     console.print(t)
     console.print(f"{rep['seconds']:.1f} s", style="dim")

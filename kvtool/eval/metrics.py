@@ -94,3 +94,62 @@ def contains_answer(text: str, answer: str, case_sensitive: bool = False) -> boo
     if not case_sensitive:
         a, t = a.casefold(), t.casefold()
     return a in t
+
+
+# --------------------------------------------------------------------------------------------- answer agreement
+_TOKEN = re.compile(r"\w+", re.UNICODE)
+
+
+def answer_tokens(text: str) -> list[str]:
+    """Lower-cased word tokens (SQuAD-style normalisation without the English article list)."""
+    return _TOKEN.findall(text.casefold())
+
+
+def exact_match(reference: str, candidate: str) -> bool:
+    """Same words in the same order (case, punctuation and whitespace ignored)."""
+    return answer_tokens(reference) == answer_tokens(candidate)
+
+
+def token_f1(reference: str, candidate: str) -> float:
+    """Harmonic mean of word precision and recall over the bag of words (SQuAD's F1).
+
+    Two empty answers agree (1.0); one empty answer against a non-empty one scores 0.
+    """
+    ref, cand = answer_tokens(reference), answer_tokens(candidate)
+    if not ref or not cand:
+        return float(ref == cand)
+    common: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for w in ref:
+        counts[w] = counts.get(w, 0) + 1
+    for w in cand:
+        if counts.get(w, 0) > 0:
+            counts[w] -= 1
+            common[w] = common.get(w, 0) + 1
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(cand), overlap / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _lcs(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(reference: str, candidate: str) -> float:
+    """ROUGE-L F-measure (β = 1): longest common word subsequence over both lengths."""
+    ref, cand = answer_tokens(reference), answer_tokens(candidate)
+    if not ref or not cand:
+        return float(ref == cand)
+    lcs = _lcs(ref, cand)
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(cand), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)

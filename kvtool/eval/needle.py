@@ -11,14 +11,13 @@ For every (policy, budget) run, length L, depth d and trial:
 4. the answer is scored by containment of the expected answer (:func:`kvtool.eval.metrics.contains_answer`:
    whitespace-normalised, case-insensitive).
 
-The default needle is a passkey, regenerated per trial from ``random.Random(seed + trial)``.
+The default needle is a 5-digit secret number, regenerated per trial from ``random.Random(seed + trial)``.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 import random
 import re
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 
 from kvtool.errors import UsageError
 from kvtool.eval import (
+    CellLog,
     Grid,
     Reporter,
     Timer,
@@ -37,11 +37,19 @@ from kvtool.eval import (
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
+from kvtool.eval.stats import newcombe_difference, wilson
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import parse_recall
 
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
-PASSKEY_QUESTION = "What is the pass key?"
+# Wording measured on the embedded 135M model: with "The pass key is N ..." / "What is the pass key?" the
+# model defines the phrase "pass key" instead of reading the text (dense: 0 of 12 at 512-1K tokens);
+# "secret number" is read back (docs/results.md).
+PASSKEY_NEEDLE = "The secret number is {key}. Remember it: the secret number is {key}."
+PASSKEY_QUESTION = "What is the secret number?"
+#: the multi-needle variant: k labelled pass keys in one document, the question asks for one label
+LABELS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "golden")
+LABELLED_NEEDLE = "The secret number of the {label} door is {key}. Remember it: the {label} door opens with {key}."
+LABELLED_QUESTION = "What is the secret number of the {label} door?"
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -58,6 +66,15 @@ def passkey_needle(seed: int, trial: int) -> Needle:
     """The default needle of trial ``trial``: a 5-digit pass key drawn from ``random.Random(seed + trial)``."""
     key = str(random.Random(seed + trial).randint(10000, 99999))
     return Needle(PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION, key)
+
+
+def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
+    """The k needles of trial ``trial`` in the multi-needle variant; the first is the one asked for."""
+    rng = random.Random(seed * 7919 + trial)
+    labels = rng.sample(LABELS, k)
+    keys = rng.sample(range(10000, 100000), k)
+    return [Needle(LABELLED_NEEDLE.format(label=lab, key=key), LABELLED_QUESTION.format(label=lab), str(key))
+            for lab, key in zip(labels, keys, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------- haystack
@@ -110,12 +127,14 @@ def sentence_boundaries(text: str) -> list[int]:
     return [m.end() for m in _SENTENCE_END.finditer(text)]
 
 
-def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[int] | None = None) -> tuple[str, int]:
+def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[int] | None = None,
+                  avoid: list[tuple[int, int]] | None = None) -> tuple[str, int]:
     """Insert ``needle`` at ``depth`` ∈ [0, 1]; returns (document, index of the needle's first character).
 
     Depth 0: the document starts with the needle. Depth 1: it ends with the needle. Otherwise the needle goes
     on the sentence boundary nearest to the target (token ``round(depth · n)`` when ``token_starts`` are given,
     else character ``round(depth · len)``), falling back to the nearest whitespace, then the target itself.
+    ``avoid`` = [(start, end), ...] keeps the insertion point out of those spans (other needles' text).
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -130,9 +149,12 @@ def insert_needle(haystack: str, needle: str, depth: float, token_starts: list[i
         target = token_starts[min(round(depth * len(token_starts)), len(token_starts) - 1)]
     else:
         target = round(depth * n)
-    candidates = [b for b in sentence_boundaries(haystack) if 0 < b < n]
+    def allowed(i: int) -> bool:
+        return 0 < i < n and not any(a <= i <= b for a, b in avoid or ())
+
+    candidates = [b for b in sentence_boundaries(haystack) if allowed(b)]
     if not candidates:
-        candidates = [i for i, ch in enumerate(haystack) if ch.isspace() and 0 < i < n]
+        candidates = [i for i, ch in enumerate(haystack) if ch.isspace() and allowed(i)]
     pos = min(candidates, key=lambda b: (abs(b - target), b)) if candidates else target
     after = "" if haystack[pos : pos + 1].isspace() else " "
     before = "" if pos == 0 else " "
@@ -152,10 +174,17 @@ class NeedleTask:
     trials: int
     needle: Needle | None  # None: the passkey needle, new per trial
     max_new_tokens: int
+    needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
+    resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
 
-    def needle_for(self, trial: int) -> Needle:
-        return self.needle if self.needle is not None else passkey_needle(self.grid.settings.seed, trial)
+    def needles_for(self, trial: int) -> list[Needle]:
+        """The needles of one trial; the first is the one asked for (the only one unless ``needles`` > 1)."""
+        if self.needle is not None:
+            return [self.needle]
+        if self.needles > 1:
+            return labelled_needles(self.grid.settings.seed, trial, self.needles)
+        return [passkey_needle(self.grid.settings.seed, trial)]
 
     def settings(self) -> dict[str, Any]:
         custom = self.needle
@@ -164,8 +193,9 @@ class NeedleTask:
             "lengths": self.lengths,
             "depths": self.depths,
             "trials": self.trials,
-            "needle": custom.text if custom else "passkey",
-            "question": custom.question if custom else PASSKEY_QUESTION,
+            "needles": self.needles,
+            "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else "passkey"),
+            "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else PASSKEY_QUESTION),
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
@@ -194,6 +224,62 @@ def parse_recalls(text: str) -> list[int]:
     return out
 
 
+def trial_key(label: str, recall: int, length: int, depth: float, trial: int) -> str:
+    """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed)."""
+    run = label if recall == 0 else f"{label}+recall{recall}"
+    return f"{run}|{length}|{depth}|{trial}"
+
+
+def build_document(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
+                   needle_tokens: int) -> tuple[str, int, list[int]]:
+    """The trial's document: the asked needle at ``depth``, distractors (if any) at seeded other depths.
+
+    Returns (text, character index of the asked needle, token start characters of the haystack cut).
+    """
+    hay, starts = haystack.cut(length - needle_tokens)
+    text, at = insert_needle(hay, needles[0].text, depth, starts)
+    rng = random.Random(seed * 104729 + trial)
+    spans = [(at, at + len(needles[0].text))]
+    for other in needles[1:]:
+        before = len(text)
+        text, pos = insert_needle(text, other.text, rng.uniform(0.02, 0.98), None, avoid=spans)
+        grown = len(text) - before
+        spans = [(a + grown, b + grown) if a >= pos else (a, b) for a, b in spans] + [(pos, pos + len(other.text))]
+        if pos <= at:
+            at += grown
+    return text, at, starts
+
+
+def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int,
+                 trial: int, needle_tokens: int, recalls: list[int]) -> dict[int, dict[str, Any]]:
+    """Read one trial's document once and ask for the first needle under each recall budget.
+
+    One read serves every recall budget: archiving does not change what the cache keeps, so the
+    eviction-only answer is the same read answered with recall 0. Returns recall → the record the
+    resume log keeps.
+    """
+    text, at, starts = build_document(haystack, needles, length, depth, seed, trial, needle_tokens)
+    read = session.read(text_document(text, f"<haystack L={length} depth={depth:g}>"))
+    if depth == 0:
+        needle_token = 0
+    elif len(needles) == 1:
+        needle_token = bisect.bisect_left(starts, at - 1)
+    else:  # distractors shift the haystack's token starts: estimate from the character position
+        needle_token = round(at / max(1, len(text)) * read.document_tokens)
+    out: dict[int, dict[str, Any]] = {}
+    top = session.engine.config.recall
+    try:
+        for rec in recalls:
+            session.engine.config.recall = rec
+            ans = session.ask(read, needles[0].question)
+            out[rec] = {"expected": needles[0].answer, "answer": ans.answer,
+                        "correct": contains_answer(ans.answer, needles[0].answer), "budget": session.budget_tokens,
+                        "document_tokens": read.document_tokens, "needle_token": needle_token}
+    finally:
+        session.engine.config.recall = top
+    return out
+
+
 def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     timer = Timer()
     loaded = load_once(task.grid, reporter.say)
@@ -201,59 +287,75 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     haystack = Haystack(task.haystack, tok, max(task.lengths))
     if haystack.repeated:
         reporter.say(f"note: the haystack has fewer than {max(task.lengths)} tokens; it is repeated to fill")
-    needles = [task.needle_for(t) for t in range(task.trials)]
-    needle_tokens = [len(tok(" " + n.text + " ", add_special_tokens=False)["input_ids"]) for n in needles]
+    trial_needles = [task.needles_for(t) for t in range(task.trials)]
+    needle_tokens = [sum(len(tok(" " + n.text + " ", add_special_tokens=False)["input_ids"]) for n in ns)
+                     for ns in trial_needles]
     for L in task.lengths:
         if L - max(needle_tokens) < MIN_HAYSTACK_TOKENS:
-            raise UsageError(f"length {L} is too short for the needle ({max(needle_tokens)} tokens)")
+            raise UsageError(f"length {L} is too short for the needle(s) ({max(needle_tokens)} tokens)")
+    settings = {**model_settings(loaded), **task.settings()}
+    log = CellLog(task.resume, "needle", {**settings, "identity": loaded.identity})
+    if log.ignored:
+        reporter.say(f"note: {task.resume}: {log.ignored} line(s) from other settings are ignored")
 
     runs = task.grid.runs()
     cells: list[dict[str, Any]] = []
     total = sum(len(task.recalls) if run.budget is not None else 1 for run in runs) * len(task.lengths) * len(
         task.depths) * task.trials
+    seed = task.grid.settings.seed
     with reporter.bar(total):
         for run in runs:
             recalls = task.recalls if run.budget is not None else [0]
-            session = make_session(task.grid, run, loaded, reporter.say)
-            if max(recalls):
-                # One read serves every recall budget of this run: archiving does not change what the
-                # cache keeps, so the eviction-only answer is the same read answered with recall 0.
-                settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)))
-                session = Session(settings, listener=None, say=reporter.say, loaded=loaded)
+            session = None  # built on first need: a fully resumed run loads nothing more
             for L in task.lengths:
                 for d in task.depths:
                     row = {rec: {
-                        "policy": run.policy, "budget": session.budget_tokens, "recall": rec, "length": L,
-                        "depth": d, "needle_token": None, "document_tokens": None, "trials": task.trials,
-                        "correct": 0, "accuracy": 0.0, "answers": [],
+                        "policy": run.policy, "budget": None, "recall": rec, "length": L, "depth": d,
+                        "needle_token": None, "document_tokens": None, "trials": task.trials, "correct": 0,
+                        "accuracy": 0.0, "answers": [],
                     } for rec in recalls}  # fmt: skip
-                    for t, needle in enumerate(needles):
+                    for t, needles in enumerate(trial_needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
-                        hay, starts = haystack.cut(L - needle_tokens[t])
-                        text, at = insert_needle(hay, needle.text, d, starts)
-                        read = session.read(text_document(text, f"<haystack L={L} depth={d:g}>"))
+                        missing = [rec for rec in recalls if trial_key(run.label, rec, L, d, t) not in log]
+                        if missing:
+                            if session is None:
+                                session = _needle_session(task, run, loaded, recalls, reporter)
+                            got = needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t], missing)
+                            for rec, rec_row in got.items():
+                                log.put(trial_key(run.label, rec, L, d, t), rec_row)
                         for rec in recalls:
-                            session.engine.config.recall = rec
-                            ans = session.ask(read, needle.question)
-                            ok = contains_answer(ans.answer, needle.answer)
+                            rec_row = log.get(trial_key(run.label, rec, L, d, t))
                             cell = row[rec]
                             if t == 0:
-                                cell["needle_token"] = bisect.bisect_left(starts, at - 1) if d > 0 else 0
-                                cell["document_tokens"] = read.document_tokens
-                            cell["correct"] += int(ok)
-                            cell["answers"].append({"trial": t, "expected": needle.answer, "answer": ans.answer,
-                                                    "correct": ok})
+                                cell["needle_token"] = rec_row["needle_token"]
+                                cell["document_tokens"] = rec_row["document_tokens"]
+                            cell["budget"] = rec_row["budget"]
+                            cell["correct"] += int(rec_row["correct"])
+                            cell["answers"].append({"trial": t, "expected": rec_row["expected"],
+                                                    "answer": rec_row["answer"], "correct": rec_row["correct"]})
                             reporter.advance()
-                        session.engine.config.recall = max(recalls)
                     for cell in row.values():
-                        cell["accuracy"] = round(cell["correct"] / task.trials, 4)
+                        iv = wilson(cell["correct"], task.trials)
+                        cell["accuracy"] = round(iv.value, 4)
+                        cell["interval"] = [round(iv.low, 4), round(iv.high, 4)]
                         cells.append(cell)
     summary = summarize(cells)
-    return report("needle", {**model_settings(loaded), **task.settings()}, cells, timer.seconds(), summary=summary)
+    return report("needle", settings, cells, timer.seconds(), summary=summary)
+
+
+def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int], reporter: Reporter) -> Any:
+    """The run's session; with recall budgets, one archiving session that every recall budget shares."""
+    if max(recalls):
+        settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)))
+        return Session(settings, listener=None, say=reporter.say, loaded=loaded)
+    return make_session(task.grid, run, loaded, reporter.say)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Accuracy per (policy, budget, recall) over every length, depth and trial, with a 95% Wilson interval."""
+    """Found-rate per (policy, budget, recall) over every length, depth and trial, with a Wilson interval.
+
+    ``significant`` marks a row whose difference from the best row excludes 0 (Newcombe interval).
+    """
     out: dict[tuple[str, Any, int], dict[str, Any]] = {}
     for c in cells:
         rec = c.get("recall", 0)
@@ -261,21 +363,16 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                                               "recall": rec, "correct": 0, "total": 0})
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
-    for row in out.values():
-        row["accuracy"] = round(row["correct"] / row["total"], 4) if row["total"] else 0.0
-        row["wilson95"] = [round(x, 4) for x in wilson(row["correct"], row["total"])]
-    return list(out.values())
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate k/n (sound for small n and rates near 0 or 1)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
+    rows = list(out.values())
+    best = max(rows, key=lambda r: r["correct"] / r["total"] if r["total"] else 0.0) if rows else None
+    for row in rows:
+        iv = wilson(row["correct"], row["total"])
+        row["accuracy"] = round(iv.value, 4)
+        row["interval"] = [round(iv.low, 4), round(iv.high, 4)]
+        diff = newcombe_difference(row["correct"], row["total"], best["correct"], best["total"])  # type: ignore[index]
+        row["best"] = row is best
+        row["significant"] = row is not best and diff.excludes(0.0)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -311,14 +408,16 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
             t.add_row(str(L), *[Text(f"{acc[(L, d)]:.2f}", style=_heat(acc[(L, d)])) for d in depths])
         maps.append(t)
     console.print(Columns(maps, padding=(0, 2)))
-    summary = Table(title=f"needle accuracy ({s['model']}, {s['trials']} trial(s) per cell)")
-    for col in ("policy", "budget", "recall", "accuracy", "95% CI", "correct"):
+    summary = Table(title=f"needle found-rate ({s['model']}, {s['trials']} trial(s) per cell; 95% Wilson "
+                          "interval; * = significantly below the best row)")
+    for col in ("policy", "budget", "recall", "found", "95% interval", "correct"):
         summary.add_column(col, justify="left" if col == "policy" else "right")
     for row in rep["summary"]:
         budget = "-" if row["budget"] is None else str(row["budget"])
-        lo, hi = row.get("wilson95", (0.0, 1.0))
+        mark = " *" if row.get("significant") else ""
+        lo, hi = row.get("interval", [0.0, 1.0])
         summary.add_row(row["policy"], budget, str(row.get("recall", 0) or "-"),
-                        Text(f"{row['accuracy']:.2f}", style=_heat(row["accuracy"])), f"{lo:.2f}–{hi:.2f}",
-                        f"{row['correct']}/{row['total']}")
+                        Text(f"{row['accuracy']:.2f}{mark}", style=_heat(row["accuracy"])),
+                        f"[{lo:.2f}, {hi:.2f}]", f"{row['correct']}/{row['total']}")
     console.print(summary)
     console.print(f"{rep['seconds']:.1f} s", style="dim")

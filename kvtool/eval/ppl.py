@@ -1,6 +1,6 @@
 """Perplexity under eviction (CAOTE §4.3 / Table 4): M continuation tokens given N context tokens.
 
-For each of K windows of N + M tokens taken from the text at seeded offsets:
+For each of K windows of N + M tokens taken at seeded offsets from one or more texts (round-robin):
 
 * **dense reference**: one plain transformers forward over the N + M tokens with ``attn_implementation="sdpa"``
   (no kvtool cache, no eviction), keeping the logits that predict the M continuation tokens;
@@ -10,7 +10,9 @@ For each of K windows of N + M tokens taken from the text at seeded offsets:
   continuation token is predicted by the last context logits; the last continuation token is never fed.
 
 Reported per run (pooled over the K·M predicted tokens): perplexity, gap to dense (absolute and %),
-mean KL(dense ‖ policy) of the next-token distributions and top-1 agreement with dense.
+mean KL(dense ‖ policy) of the next-token distributions and top-1 agreement with dense; and the mean
+per-window gap % with a 95% bootstrap interval over windows, KL and top-1 likewise, and whether the
+run's gap differs significantly from the best run's (paired bootstrap over the same windows).
 
 If the tokenizer adds a BOS token by default, each window starts with it (it counts as one of the N context
 tokens), so the model sees what it was trained to see at the start of a sequence.
@@ -21,15 +23,15 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from kvtool.errors import UsageError
-from kvtool.eval import Grid, Reporter, Timer, load_once, make_session, model_settings, report
+from kvtool.eval import CellLog, Grid, Reporter, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import kl_divergence, mean_nll, top1_agreement
+from kvtool.eval.stats import bootstrap_mean, paired_difference
 
 #: Only this much of the text is tokenized to draw windows from.
 MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
@@ -37,18 +39,22 @@ MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
 
 @dataclass
 class WindowTask:
-    """Options shared by ``ppl`` and ``attn-error``: K windows of N context + M continuation tokens."""
+    """Options shared by ``ppl`` and ``attn-error``: K windows of N context + M continuation tokens.
+
+    ``texts`` are (name, text) pairs, e.g. several books: the K windows are spread over them round-robin,
+    so a figure is not the property of one book's style.
+    """
 
     grid: Grid
-    text_path: Path
-    text: str
+    texts: list[tuple[str, str]]
     context: int
     continuation: int
     samples: int
+    resume: str | None = None  # a JSONL file of finished (run, window) units (--resume)
 
     def settings(self) -> dict[str, Any]:
         return {
-            "text": str(self.text_path),
+            "texts": [name for name, _ in self.texts],
             "context": self.context,
             "continuation": self.continuation,
             "samples": self.samples,
@@ -58,8 +64,13 @@ class WindowTask:
 
 @dataclass
 class Window:
+    source: str  # the text (file) the window comes from
     offset: int  # token offset of the window in the tokenized text
     ids: Tensor  # [N + M] (BOS first when the tokenizer adds one)
+
+    @property
+    def key(self) -> str:
+        return f"{self.source}@{self.offset}"
 
 
 def bos_prefix(tokenizer: Any) -> list[int]:
@@ -87,11 +98,22 @@ def pick_offsets(total: int, width: int, samples: int, seed: int) -> list[int]:
 
 
 def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
+    """K windows spread round-robin over the texts (text i gets ⌈(K − i)/T⌉ of them), seeded offsets."""
     prefix = bos_prefix(tokenizer)
-    ids = tokenizer(task.text[:MAX_WINDOW_TEXT_CHARS], add_special_tokens=False)["input_ids"]
     width = task.context + task.continuation - len(prefix)
-    offsets = pick_offsets(len(ids), width, task.samples, task.grid.settings.seed)
-    return [Window(o, torch.tensor(prefix + list(ids[o : o + width]), dtype=torch.long)) for o in offsets]
+    T = len(task.texts)
+    windows: list[Window] = []
+    for i, (name, text) in enumerate(task.texts):
+        k = (task.samples - i + T - 1) // T
+        if k <= 0:
+            continue
+        ids = tokenizer(text[:MAX_WINDOW_TEXT_CHARS], add_special_tokens=False)["input_ids"]
+        try:
+            offsets = pick_offsets(len(ids), width, k, task.grid.settings.seed + i)
+        except UsageError as e:
+            raise UsageError(f"{name}: {e}") from None
+        windows += [Window(name, o, torch.tensor(prefix + list(ids[o : o + width]), dtype=torch.long)) for o in offsets]
+    return windows
 
 
 # --------------------------------------------------------------------------------------------- forward passes
@@ -125,61 +147,79 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     loaded = load_once(task.grid, reporter.say)
     windows = make_windows(task, loaded.tokenizer)
     runs = task.grid.runs()
-    sessions = [make_session(task.grid, run, loaded, reporter.say) for run in runs]
+    sessions: dict[int, Any] = {}  # built on first need: a resumed run loads nothing it does not use
     n, m = task.context, task.continuation
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
     if limit is not None and n + m > limit:
         reporter.say(f"note: context + continuation = {n + m} exceeds the model's {limit} positions; the dense "
                      "reference runs past its trained range")
+    settings = {**model_settings(loaded), **task.settings(), "windows": [w.key for w in windows],
+                "reference": "dense transformers forward (sdpa, no eviction)"}
+    log = CellLog(task.resume, "ppl", {**settings, "identity": loaded.identity})
     dense_nll: list[float] = []
     per_run: list[list[dict[str, Any]]] = [[] for _ in runs]
-    seconds = [0.0] * len(runs)
+    budgets: list[int | None] = [None] * len(runs)
     with reporter.bar(len(windows) * (1 + len(runs))):
         for k, w in enumerate(windows):
             reporter.doing(f"sample {k + 1}/{len(windows)} dense")
             targets = w.ids[n:]
-            dense = dense_logits(loaded.model, w.ids, m)
-            d_nll = mean_nll(dense, targets)
+            dense_key = f"dense|{w.key}"
+            missing = [run for run in runs if f"{run.label}|{w.key}" not in log]
+            dense = dense_logits(loaded.model, w.ids, m) if missing or dense_key not in log else None
+            if dense_key not in log:
+                log.put(dense_key, mean_nll(dense, targets))
+            d_nll = log.get(dense_key)
             dense_nll.append(d_nll)
             reporter.advance()
-            for r, (run, session) in enumerate(zip(runs, sessions, strict=True)):
+            for r, run in enumerate(runs):
                 reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
-                t = Timer()
-                q = stream_logits(session.engine, w.ids, n)
-                seconds[r] += t.seconds()
-                per_run[r].append({
-                    "offset": w.offset,
-                    "nll": mean_nll(q, targets),
-                    "dense_nll": d_nll,
-                    "kl": kl_divergence(dense, q),
-                    "top1": top1_agreement(dense, q),
-                })
+                key = f"{run.label}|{w.key}"
+                if key not in log:
+                    if r not in sessions:
+                        sessions[r] = make_session(task.grid, run, loaded, reporter.say)
+                    t = Timer()
+                    q = stream_logits(sessions[r].engine, w.ids, n)
+                    ref = dense
+                    assert ref is not None
+                    log.put(key, {"window": w.key, "nll": mean_nll(q, targets), "dense_nll": d_nll,
+                                  "kl": kl_divergence(ref, q), "top1": top1_agreement(ref, q),
+                                  "seconds": t.seconds(), "budget": sessions[r].budget_tokens})
+                rec = log.get(key)
+                budgets[r] = rec["budget"]
+                per_run[r].append(rec)
                 reporter.advance()
     dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
+    seed = task.grid.settings.seed
+    gaps = [[100.0 * (math.exp(x["nll"] - x["dense_nll"]) - 1.0) for x in rows] for rows in per_run]
+    best = min(range(len(runs)), key=lambda r: sum(gaps[r]) / len(gaps[r])) if runs else 0
     results = []
-    for run, session, rows, secs in zip(runs, sessions, per_run, seconds, strict=True):
+    for r, (run, rows) in enumerate(zip(runs, per_run, strict=True)):
         ppl = math.exp(sum(x["nll"] for x in rows) / len(rows))  # every sample has M tokens: pooled mean
         gap = ppl - dense_ppl
+        diff = paired_difference(gaps[r], gaps[best], seed=seed)
         results.append({
             "policy": run.policy,
-            "budget": session.budget_tokens,
+            "budget": budgets[r],
             "ppl": ppl,
             "dense_ppl": dense_ppl,
             "ppl_gap": gap,
             "ppl_gap_pct": 100.0 * gap / dense_ppl,
-            "kl": sum(x["kl"] for x in rows) / len(rows),
-            "top1": sum(x["top1"] for x in rows) / len(rows),
+            "window_gap_pct": bootstrap_mean(gaps[r], seed=seed).as_dict(),
+            "kl": bootstrap_mean([x["kl"] for x in rows], seed=seed).value,
+            "kl_interval": bootstrap_mean([x["kl"] for x in rows], seed=seed).as_dict(6),
+            "top1": bootstrap_mean([x["top1"] for x in rows], seed=seed).value,
+            "top1_interval": bootstrap_mean([x["top1"] for x in rows], seed=seed).as_dict(),
+            "best": r == best,
+            "significant": r != best and diff.excludes(0.0),
             "tokens": len(rows) * m,
-            "seconds": round(secs, 3),
+            "seconds": round(sum(x["seconds"] for x in rows), 3),
             "samples": [
-                {"offset": x["offset"], "ppl": math.exp(x["nll"]), "dense_ppl": math.exp(x["dense_nll"]),
+                {"window": x["window"], "ppl": math.exp(x["nll"]), "dense_ppl": math.exp(x["dense_nll"]),
                  "kl": x["kl"], "top1": x["top1"]}
                 for x in rows
             ],
         })
-    settings = {**model_settings(loaded), **task.settings(), "offsets": [w.offset for w in windows],
-                "reference": "dense transformers forward (sdpa, no eviction)"}
-    reference = {"ppl": dense_ppl, "samples": [{"offset": w.offset, "ppl": math.exp(x)}
+    reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
                                                for w, x in zip(windows, dense_nll, strict=True)]}
     return report("ppl", settings, results, timer.seconds(), reference=reference)
 
@@ -189,12 +229,15 @@ def render_ppl(rep: dict[str, Any], console: Any) -> None:
 
     s = rep["settings"]
     t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
-                    f"{s['samples']} sample(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy)")
-    for col in ("policy", "budget", "ppl", "gap", "gap %", "KL", "top-1", "seconds"):
+                    f"{s['samples']} window(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy); "
+                    "[95% bootstrap over windows]; * = gap significantly above the best row's")
+    for col in ("policy", "budget", "ppl", "gap %", "window gap % [95%]", "KL", "top-1", "seconds"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in rep["results"]:
+        g = r["window_gap_pct"]
+        mark = " *" if r.get("significant") else ""
         t.add_row(r["policy"], "-" if r["budget"] is None else str(r["budget"]), f"{r['ppl']:.4f}",
-                  f"{r['ppl_gap']:+.4f}", f"{r['ppl_gap_pct']:+.2f}", f"{r['kl']:.5f}", f"{r['top1']:.3f}",
-                  f"{r['seconds']:.1f}")
+                  f"{r['ppl_gap_pct']:+.2f}", f"{g['value']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]{mark}",
+                  f"{r['kl']:.5f}", f"{r['top1']:.3f}", f"{r['seconds']:.1f}")
     console.print(t)
     console.print(f"{rep['seconds']:.1f} s", style="dim")

@@ -41,6 +41,7 @@ class Answer:
     prompt_tokens: int = 0
     citations: list[Citation] | None = None  # with ``cite``: the document spans the answer drew on
     cite_seconds: float = 0.0  # time spent ranking citations after decoding
+    ids: list[int] = field(default_factory=list)  # the generated token ids (eval agreement teacher-forces them)
 
     @property
     def tokens_per_second(self) -> float:
@@ -268,16 +269,7 @@ class Session:
         if cite_spans and read.source is None:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
-        cache = read.cache
-        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
-                                                     max_new_tokens or self.settings.max_new_tokens)
-        if recalled is not None:
-            self.recall_seconds += recalled.seconds
-            self.recalled_pages += recalled.pages
-            self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
-            self.emit(Note(f"recall: {recalled.pages:,} pages, {recalled.tokens} tokens per KV head in "
-                           f"{recalled.seconds:.2f} s (archive {format_bytes(recall.archive_bytes(cache))})"))
+        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text, max_new_tokens)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -297,13 +289,48 @@ class Session:
             positions, mass = cache.stop_mass() if cite_spans else (None, None)
         cache.pin_start = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
-                     prompt_tokens=suffix.numel())
+                     prompt_tokens=suffix_tokens, ids=list(ids))
         if cite_spans and read.source is not None and positions is not None:
             t0 = time.perf_counter()
             ans.citations = cite(read.source, positions, mass, self.tokenizer)
             ans.cite_seconds = time.perf_counter() - t0
         self.answers.append(ans)
         return ans
+
+    def _begin_answer(self, read: ReadResult, suffix_text: str,
+                      max_new_tokens: int | None = None) -> tuple[BoundedCache, Tensor, int]:
+        """Restore the post-document cache and feed the pinned suffix (with recall when it is on).
+
+        Returns (cache, the suffix's logits, suffix length); the question stays pinned until the caller
+        clears ``cache.pin_start``.
+        """
+        cache = read.cache
+        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
+        logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
+                                                     max_new_tokens or self.settings.max_new_tokens)
+        if recalled is not None:
+            self.recall_seconds += recalled.seconds
+            self.recalled_pages += recalled.pages
+            self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
+            self.emit(Note(f"recall: {recalled.pages:,} pages, {recalled.tokens} tokens per KV head in "
+                           f"{recalled.seconds:.2f} s (archive {format_bytes(recall.archive_bytes(cache))})"))
+        return cache, logits, suffix.numel()
+
+    def forced_logits(self, read: ReadResult, question: str, forced: list[int]) -> Tensor:
+        """Next-token logits [len(forced), V] (float32, CPU) while teacher-forcing ``forced`` as the answer.
+
+        Row i is the distribution the model gives the i-th answer token after the question and the
+        forced tokens before it: ``eval agreement`` compares these rows between ``full`` and a policy on
+        the *same* context (the dense answer), so KL and top-1 measure what eviction changed.
+        """
+        if not forced:
+            raise ValueError("nothing to force")
+        cache, logits, _ = self._begin_answer(read, prompt.question_suffix(self.tokenizer, question), len(forced))
+        rows = [logits[-1].float().cpu()]
+        for step in self.engine.steps(cache, torch.tensor(forced[:-1], dtype=torch.long), block_size=1):
+            rows.append(step[-1].float().cpu())
+        cache.pin_start = None
+        return torch.stack(rows)
 
     def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None,
             cite_spans: bool = False) -> Answer:

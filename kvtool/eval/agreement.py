@@ -1,0 +1,179 @@
+"""Fidelity to dense, reference-free: what eviction changes in the answers, whatever the model's ability.
+
+For one document and a list of questions, every question is answered by ``full`` (the dense cache:
+the reference) and by each (policy, budget) run of the grid, through the same path as ``kvtool ask``
+(greedy decoding, chat template, pinned question). Per question and run:
+
+* **exact match**, **token F1** (SQuAD's bag-of-words F1) and **ROUGE-L** of the run's answer against
+  the dense answer (``kvtool.eval.metrics``);
+* **KL(dense ‖ policy)** and **top-1 agreement** of the next-token distributions over the first
+  ``first_tokens`` tokens of the *dense* answer, teacher-forced in both runs (``Session.forced_logits``),
+  so both distributions are taken on the same context.
+
+Per run: exact-match rate with a Wilson interval; F1, ROUGE-L, KL and top-1 means with bootstrap
+intervals over questions; ``significant`` marks a run whose F1 differs from the best run's (paired
+bootstrap over the same questions). Resumable with ``--resume`` (one line per finished question).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.errors import UsageError
+from kvtool.eval import CellLog, Grid, Reporter, Run, Timer, load_once, make_session, model_settings, report
+from kvtool.eval.metrics import exact_match, kl_divergence, rouge_l, token_f1, top1_agreement
+from kvtool.eval.stats import bootstrap_mean, paired_difference, wilson
+
+MAX_QUESTIONS = 10_000
+
+
+@dataclass
+class AgreementTask:
+    grid: Grid
+    doc_path: Path
+    questions: list[str]
+    first_tokens: int = 8
+    max_new_tokens: int = 48
+    resume: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "doc": str(self.doc_path),
+            "questions": len(self.questions),
+            "first_tokens": self.first_tokens,
+            "max_new_tokens": self.max_new_tokens,
+            **self.grid.describe(),
+        }
+
+
+def read_questions_file(path: Path) -> list[str]:
+    """One question per non-empty line; a clear error naming the file when it has none."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read --questions-file {path}: {e}") from None
+    qs = [ln.strip() for ln in lines if ln.strip()]
+    if not qs:
+        raise UsageError(f"--questions-file {path} has no questions (one per line)")
+    if len(qs) > MAX_QUESTIONS:
+        raise UsageError(f"--questions-file {path} has {len(qs)} questions; at most {MAX_QUESTIONS}")
+    return qs
+
+
+def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
+    from kvtool.runtime.document import open_document
+
+    timer = Timer()
+    torch.manual_seed(task.grid.settings.seed)
+    loaded = load_once(task.grid, reporter.say)
+    settings = {**model_settings(loaded), **task.settings(), "reference": "policy full (dense cache)"}
+    log = CellLog(task.resume, "agreement", {**settings, "identity": loaded.identity,
+                                             "question_list": task.questions})
+    runs = [r for r in task.grid.runs() if r.policy != "full"]
+    if not runs:
+        raise UsageError("eval agreement compares policies with full: give at least one policy other than full")
+    Q = len(task.questions)
+    with reporter.bar(Q * (1 + len(runs))):
+        # the dense reference: answers (kept in the log) and, when some run still needs them, forced logits
+        dense_session = None
+        dense_read = None
+        dense: list[dict[str, Any]] = []
+        dense_logits: list[torch.Tensor | None] = [None] * Q
+        needs_logits = [any(f"{run.label}|{i}" not in log for run in runs) for i in range(Q)]
+        for i, q in enumerate(task.questions):
+            reporter.doing(f"full: question {i + 1}/{Q}")
+            if f"full|{i}" not in log or needs_logits[i]:
+                if dense_session is None:
+                    dense_session = make_session(task.grid, Run("full", None), loaded, reporter.say)
+                    dense_read = dense_session.read(open_document(str(task.doc_path)))
+                if f"full|{i}" not in log:
+                    ans = dense_session.answer(dense_read, _suffix(dense_session, q), q,
+                                               max_new_tokens=task.max_new_tokens)
+                    log.put(f"full|{i}", {"answer": ans.answer, "ids": ans.ids[: task.first_tokens]})
+            rec = log.get(f"full|{i}")
+            dense.append(rec)
+            if needs_logits[i] and rec["ids"]:
+                dense_logits[i] = dense_session.forced_logits(dense_read, q, rec["ids"])  # type: ignore[union-attr]
+            reporter.advance()
+        results = []
+        per_run: list[list[dict[str, Any]]] = []
+        for run in runs:
+            session = None
+            read = None
+            rows = []
+            for i, q in enumerate(task.questions):
+                reporter.doing(f"{run.label}: question {i + 1}/{Q}")
+                key = f"{run.label}|{i}"
+                if key not in log:
+                    if session is None:
+                        session = make_session(task.grid, run, loaded, reporter.say)
+                        read = session.read(open_document(str(task.doc_path)))
+                    ans = session.answer(read, _suffix(session, q), q, max_new_tokens=task.max_new_tokens)
+                    ref = dense[i]["answer"]
+                    row: dict[str, Any] = {"answer": ans.answer, "budget": session.budget_tokens,
+                                           "exact": exact_match(ref, ans.answer), "f1": token_f1(ref, ans.answer),
+                                           "rouge_l": rouge_l(ref, ans.answer), "kl": None, "top1": None}
+                    if dense_logits[i] is not None:
+                        got = session.forced_logits(read, q, dense[i]["ids"])
+                        row["kl"] = kl_divergence(dense_logits[i], got)
+                        row["top1"] = top1_agreement(dense_logits[i], got)
+                    log.put(key, row)
+                rows.append(log.get(key))
+                reporter.advance()
+            per_run.append(rows)
+    seed = task.grid.settings.seed
+    f1s = [[r["f1"] for r in rows] for rows in per_run]
+    best = max(range(len(runs)), key=lambda k: sum(f1s[k]) / Q)
+    for k, (run, rows) in enumerate(zip(runs, per_run, strict=True)):
+        exact = sum(int(r["exact"]) for r in rows)
+        kls = [r["kl"] for r in rows if r["kl"] is not None]
+        top1 = [r["top1"] for r in rows if r["top1"] is not None]
+        results.append({
+            "policy": run.policy,
+            "budget": rows[0]["budget"],
+            "questions": Q,
+            "exact_match": wilson(exact, Q).as_dict(),
+            "f1": bootstrap_mean(f1s[k], seed=seed).as_dict(),
+            "rouge_l": bootstrap_mean([r["rouge_l"] for r in rows], seed=seed).as_dict(),
+            "kl": bootstrap_mean(kls, seed=seed).as_dict(5) if kls else None,
+            "top1": bootstrap_mean(top1, seed=seed).as_dict() if top1 else None,
+            "best": k == best,
+            "significant": k != best and paired_difference(f1s[k], f1s[best], seed=seed).excludes(0.0),
+            "answers": [{"question": q, "dense": dense[i]["answer"], "answer": rows[i]["answer"],
+                         "f1": round(rows[i]["f1"], 4)} for i, q in enumerate(task.questions)],
+        })
+    return report("agreement", settings, results, timer.seconds(),
+                  reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])
+
+
+def _suffix(session: Any, question: str) -> str:
+    from kvtool.runtime import prompt
+
+    return prompt.question_suffix(session.tokenizer, question)
+
+
+def render_agreement(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    s = rep["settings"]
+    t = Table(title=f"agreement with the dense answer ({s['model']}, {s['questions']} question(s); 95% intervals; "
+                    f"KL/top-1 over the first {s['first_tokens']} dense answer tokens; * = F1 significantly "
+                    "below the best row)")
+    for col in ("policy", "budget", "exact match", "token F1", "ROUGE-L", "KL(dense‖policy)", "top-1"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+
+    def iv(x: dict[str, float] | None, digits: int = 2) -> str:
+        if x is None:
+            return "-"
+        return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
+
+    for r in rep["results"]:
+        mark = " *" if r["significant"] else ""
+        t.add_row(r["policy"], str(r["budget"]), iv(r["exact_match"]), iv(r["f1"]) + mark, iv(r["rouge_l"]),
+                  iv(r["kl"], 3), iv(r["top1"]))
+    console.print(t)
+    console.print(f"{rep['seconds']:.1f} s", style="dim")

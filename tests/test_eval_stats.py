@@ -1,0 +1,93 @@
+"""Interval arithmetic against known values, resumption, agreement metrics on hand-made answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtool.eval import CellLog
+from kvtool.eval.metrics import exact_match, rouge_l, token_f1
+from kvtool.eval.stats import bootstrap_mean, newcombe_difference, paired_difference, wilson
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "low", "high"),
+    [  # reference values: Newcombe (1998) Table I, and R's binom::binom.wilson / statsmodels proportion_confint
+        (81, 263, 0.2553, 0.3662),
+        (15, 148, 0.0624, 0.1605),
+        (0, 20, 0.0, 0.1611),
+        (20, 20, 0.8389, 1.0),
+        (5, 10, 0.2366, 0.7634),
+    ],
+)
+def test_wilson_matches_published_values(k: int, n: int, low: float, high: float) -> None:
+    iv = wilson(k, n)
+    assert iv.value == pytest.approx(k / n)
+    assert iv.low == pytest.approx(low, abs=1e-4) and iv.high == pytest.approx(high, abs=1e-4)
+
+
+def test_newcombe_difference_matches_published_example() -> None:
+    # Newcombe (1998), "Interval estimation for the difference between independent proportions", example (a):
+    # 56/70 − 48/80 = 0.2, method 10 interval 0.0524 to 0.3339
+    iv = newcombe_difference(56, 70, 48, 80)
+    assert iv.value == pytest.approx(0.2)
+    assert iv.low == pytest.approx(0.0524, abs=1e-3) and iv.high == pytest.approx(0.3339, abs=1e-3)
+    assert iv.excludes(0.0)
+    assert not newcombe_difference(5, 10, 6, 10).excludes(0.0)
+
+
+def test_bootstrap_mean_is_seeded_and_brackets_the_mean() -> None:
+    xs = [0.1, 0.4, 0.35, 0.8, 0.55, 0.2, 0.9, 0.05]
+    a, b = bootstrap_mean(xs, seed=1), bootstrap_mean(xs, seed=1)
+    assert a == b and a.low < a.value < a.high
+    assert a.value == pytest.approx(sum(xs) / len(xs))
+    # the percentile interval of a mean of 8 values lies inside the data's range
+    assert min(xs) <= a.low and a.high <= max(xs)
+    constant = bootstrap_mean([2.0] * 5)
+    assert (constant.low, constant.value, constant.high) == (2.0, 2.0, 2.0)
+
+
+def test_paired_difference_sees_a_consistent_shift_that_unpaired_noise_hides() -> None:
+    base = [1.0, 5.0, 2.0, 8.0, 3.0, 9.0, 4.0, 7.0]
+    shifted = [x + 0.5 for x in base]
+    iv = paired_difference(shifted, base)
+    assert iv.value == pytest.approx(0.5) and iv.low == pytest.approx(0.5) and iv.excludes(0.0)
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [1.0, 2.0])
+
+
+def test_agreement_metrics_on_hand_made_answers() -> None:
+    ref = "Sherlock Holmes lives at 221B Baker Street."
+    assert exact_match(ref, "sherlock holmes lives at 221b baker street")
+    assert not exact_match(ref, "Holmes lives at 221B Baker Street.")
+    # 6 of 7 reference words, all 6 candidate words: P = 1, R = 6/7
+    assert token_f1(ref, "Holmes lives at 221B Baker Street") == pytest.approx(2 * 1 * (6 / 7) / (1 + 6 / 7))
+    assert token_f1(ref, "Watson") == 0.0 and token_f1("", "") == 1.0 and token_f1("a", "") == 0.0
+    # LCS of "the cat sat on the mat" and "the cat lay on the mat" is 5 words of 6 each
+    assert rouge_l("the cat sat on the mat", "the cat lay on the mat") == pytest.approx(5 / 6)
+    assert rouge_l("a b c d", "d c b a") == pytest.approx(0.25)
+
+
+def test_cell_log_resumes_only_matching_settings(tmp_path: Path) -> None:
+    path = tmp_path / "runs" / "log.jsonl"
+    calls: list[str] = []
+
+    def work(key: str) -> dict[str, str]:
+        calls.append(key)
+        return {"v": key}
+
+    log = CellLog(path, "needle", {"seed": 0})
+    assert log.cached("a", lambda: work("a")) == {"v": "a"}
+    assert log.cached("b", lambda: work("b")) == {"v": "b"}
+    # a run killed mid-write leaves a torn line: it is skipped
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write('{"task": "needle", "fing')
+    again = CellLog(path, "needle", {"seed": 0})
+    assert again.cached("a", lambda: work("a2")) == {"v": "a"} and "b" in again
+    assert calls == ["a", "b"]  # nothing finished was recomputed
+    other = CellLog(path, "needle", {"seed": 1})  # other settings: nothing reused
+    assert "a" not in other and other.ignored == 2
+    lines = [json.loads(x) for x in path.read_text().splitlines()[:2]]
+    assert {ln["key"] for ln in lines} == {"a", "b"}

@@ -9,7 +9,7 @@ same embedded SmolLM2-135M-Instruct checkpoint from kvtool's model cache. Polici
 sink → StreamingLLMPress, snapkv → SnapKVPress, tova → TOVAPress, keydiff → KeyDiffPress, h2o →
 ObservedAttentionPress; kvpress's compression ratio is 1 − budget/context tokens so that both keep
 ``budget`` tokens of the document per head. Every (tool, policy) runs in a fresh process (its peak RSS
-is its own); finished runs are kept in bench/.results/peer/ and skipped next time (resumable).
+is its own); finished runs are kept in bench/results-runs/peer/ and skipped next time (resumable).
 
 Cases: the needle trials (``secret number`` wording at one length, several depths) and the agreement
 questions on one essay. Reported per row: needle found-rate (Wilson 95%), token F1 of each answer against
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-OUT = ROOT / "bench" / ".results" / "peer"
+OUT = ROOT / "bench" / "results-runs" / "peer"
 VENV = ROOT / "bench" / "peer" / ".venv"
 KVPRESS = "kvpress==0.5.5"
 

@@ -48,7 +48,10 @@ def wilson(k: int, n: int, z: float = Z95) -> Interval:
     z2 = z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half))
+    # the bounds are exactly 0 and 1 at k = 0 and k = n (rounding would leave 1e-16 off)
+    low = 0.0 if k == 0 else max(0.0, centre - half)
+    high = 1.0 if k == n else min(1.0, centre + half)
+    return Interval(p, low, high)
 
 
 def newcombe_difference(k1: int, n1: int, k2: int, n2: int, z: float = Z95) -> Interval:

@@ -15,10 +15,10 @@ from torch import Tensor
 
 from kvtool.core.contract import REGISTRY, Policy, PolicyEnv, ScoreContext, keep_top, normalise
 from kvtool.errors import UsageError
-from kvtool.policies.spec import _construct
 from kvtool.policies.modifiers.caote import CAOTE, greedy_evict, joint_eviction_error
 from kvtool.policies.modifiers.fastcaote import FastCAOTE
 from kvtool.policies.modifiers.vatp import VATP
+from kvtool.policies.spec import _construct
 
 F64 = torch.float64
 

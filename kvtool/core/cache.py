@@ -45,8 +45,8 @@ class CacheCounters:
     probs_seconds: float = 0.0
     score_seconds: float = 0.0
     evict_seconds: float = 0.0
-    max_cached: int = 0  # largest per-head length ever observed (after eviction)
-    max_stored: int = 0  # largest per-head length ever held, block included (before eviction)
+    max_cached: int = 0  # largest per-head length right after an eviction step (≤ capacity)
+    max_stored: int = 0  # largest per-head length ever held: the block or lazy decode tokens included
 
 
 class HeadGroup:
@@ -81,6 +81,10 @@ class HeadGroup:
         self.rotary = torch.zeros(h, slots, dtype=torch.long, device=device)  # RoPE position each key holds now
         self.state = torch.zeros(len(self.state_fields), h, slots, dtype=torch.float32, device=device)
         self.length = 0
+        # Lowest RoPE position any stored key holds, as a Python int (compact re-packing reads it on
+        # every step; reading it from ``rotary`` would be a host sync per layer). Exact while the
+        # first token is a sink; a lower bound otherwise (which only re-packs earlier).
+        self.rotary_floor = 0
         # compensation token (RazorAttention eq. 4): running sums of dropped keys/values in float32
         self.comp_key_sum = torch.zeros(h, head_dim, dtype=torch.float32, device=device) if self.off else None
         self.comp_value_sum = torch.zeros_like(self.comp_key_sum) if self.off else None
@@ -144,6 +148,17 @@ class HeadGroup:
         self.rotary[:, self.length : self.length + m] = positions if rotary is None else rotary
         self.state[:, :, self.length : self.length + m] = 0
         self.length += m
+
+    def evicts_now(self, lazy: bool) -> bool:
+        """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
+        block region is full (one gather per block of generated tokens instead of one per token)."""
+        if self.capacity is None or self.length <= self.capacity:
+            return False
+        return not lazy or self.length >= self.slots
+
+    def room(self) -> int:
+        """Tokens the group can still append without evicting (unbounded groups grow: no limit)."""
+        return 1 << 62 if self.capacity is None else self.slots - self.length
 
     # -- views ----------------------------------------------------------------------------------
     def kv(self) -> tuple[Tensor, Tensor]:
@@ -233,6 +248,7 @@ class HeadGroup:
         if st.shape[0] != self.state.shape[0]:
             raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
         self.state[:, :, :n] = st.to(dev)
+        self.rotary_floor = int(self.rotary[:, 0].min()) if n else 0
         if self.comp_key_sum is not None:
             self.comp_key_sum.copy_(tensors[f"{prefix}.comp_key_sum"])
             self.comp_value_sum.copy_(tensors[f"{prefix}.comp_value_sum"])
@@ -258,8 +274,11 @@ class BoundedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        step = self.owner.step
+        owner = self.owner
+        step = owner.step
         for g in self.groups:
+            if g.length == 0:
+                g.rotary_floor = owner.rotary_next if owner.compact else owner.seen
             g.append(key_states, value_states, step.original_positions, step.rotary_positions)
         return self.groups[0].kv()
 
@@ -287,7 +306,7 @@ class BoundedLayer(CacheLayerMixin):
     def after_attention(self, g: HeadGroup, probs: Tensor | None) -> None:
         """Let the group's policy observe the block, then evict down to capacity."""
         owner = self.owner
-        evicting = g.capacity is not None and g.length > g.capacity
+        evicting = g.evicts_now(owner.lazy)
         if not evicting and not g.policy.observe_every_step:
             owner.compact_group(g, evicted=False)
             return
@@ -304,6 +323,7 @@ class BoundedLayer(CacheLayerMixin):
         if keep is not None:
             owner.counters.evicted_tokens += (g.length - keep.shape[1]) * g.num_heads
             g.gather(keep)
+            owner.counters.max_cached = max(owner.counters.max_cached, g.length)
         owner.compact_group(g, evicted=keep is not None)
         owner.counters.evict_seconds += owner.clock() - t1
 
@@ -382,6 +402,10 @@ class BoundedCache(Cache):
         self.seen = 0
         self.rotary_next = 0  # compact mode: rotary position of the next token
         self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
+        self.pin_end: int | None = None  # end of the pinned span (None: everything from pin_start)
+        # Decoding evicts lazily (``Engine.generate`` sets this): tokens fill the spare block region
+        # and one eviction per block of tokens brings the group back to capacity.
+        self.lazy = False
         self.counters = CacheCounters()
         self.step = StepInfo()
         self.gqa_reduce = "mean"
@@ -431,8 +455,15 @@ class BoundedCache(Cache):
         end = self.seen + self.step.length  # tokens seen once this block is in
         mask = (pos < self.sinks) | (pos >= end - recent)
         if self.pin_start is not None:
-            mask |= pos >= self.pin_start
+            pinned = pos >= self.pin_start
+            if self.pin_end is not None:
+                pinned &= pos < self.pin_end
+            mask |= pinned
         return mask
+
+    def room(self) -> int:
+        """Tokens every group can still take before one must evict (lazy decoding leaves less)."""
+        return min(g.room() for g in self.groups())
 
     # -- positions -------------------------------------------------------------------------------
     def begin_step(self, m: int) -> Tensor:
@@ -455,7 +486,9 @@ class BoundedCache(Cache):
         if self.compact:
             self.rotary_next += self.step.length
         lengths = self.lengths()
-        self.counters.max_cached = max(self.counters.max_cached, max(lengths))
+        settled = [g.length for g in self.groups() if g.capacity is None or g.length <= g.capacity]
+        if settled:  # a group holding lazily decoded tokens counts as stored, not as settled
+            self.counters.max_cached = max(self.counters.max_cached, max(settled))
         self.counters.max_stored = max(self.counters.max_stored, max(lengths))
 
     @property
@@ -495,6 +528,7 @@ class BoundedCache(Cache):
             if n:
                 self._rotate(g, torch.full((g.num_heads, n), shift, device=self.device))
                 g.rotary[:, :n] += shift
+            g.rotary_floor += shift
             g.rotate_compensation(self.rotator, shift)
         self.rotary_next += shift
 
@@ -510,9 +544,8 @@ class BoundedCache(Cache):
         g.rotate_compensation(self.rotator, m)
         if not evicted or g.length == 0:
             return
-        next_q = int(self.step.rotary_positions[0]) + m
-        oldest = int(g.rotary[:, 0].min())
-        if next_q - oldest > g.length + self.block_size:
+        next_q = self.rotary_next + m  # the block's first rotary position is rotary_next (a Python int)
+        if next_q - g.rotary_floor > g.length + self.block_size:
             self._pack(g, next_q)
 
     def _pack(self, g: HeadGroup, next_q: int) -> None:
@@ -524,16 +557,18 @@ class BoundedCache(Cache):
         delta = target.unsqueeze(0) - g.rotary[:, :n]
         self._rotate(g, delta)
         g.rotary[:, :n] = target
+        g.rotary_floor = next_q - n
 
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
-        """Rotate stored keys by ``delta`` [h, n]; only the prefix up to the last moved token is touched."""
+        """Rotate stored keys by ``delta`` [h, n] (a zero delta leaves a key bit-identical).
+
+        Every stored key is rotated: finding the last moved one would read the delta on the host
+        (a sync per layer); a re-pack happens at most once per block of evicted tokens.
+        """
         assert self.rotator is not None
-        moved = (delta != 0).any(0).nonzero()
-        if moved.numel() == 0:
-            return
-        end = int(moved[-1]) + 1
-        keys = g.keys[0, :, g.off : g.off + end]
-        keys.copy_(self.rotator.rotate(keys, delta[:, :end]))
+        n = delta.shape[1]
+        keys = g.keys[0, :, g.off : g.off + n]
+        keys.copy_(self.rotator.rotate(keys, delta))
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
@@ -550,6 +585,7 @@ class BoundedCache(Cache):
             "compact": self.compact,
             "compact_since": self.compact_since,
             "pin_start": self.pin_start,
+            "pin_end": self.pin_end,
             "positions_mode": self.positions_mode,
         }
 
@@ -563,6 +599,7 @@ class BoundedCache(Cache):
         self.compact = bool(scalars["compact"])
         self.compact_since = scalars.get("compact_since")
         self.pin_start = scalars.get("pin_start")
+        self.pin_end = scalars.get("pin_end")
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """A copy of the stored tokens and counters (e.g. after the document, before a question)."""

@@ -5,6 +5,9 @@ inside a layer stalls the pipeline once per layer per step. The test patches eve
 method to count its calls while the engine's per-layer code runs (``BoundedLayer.update`` and the
 attention function's per-group body, which includes the policy's observe/score/select, the gather
 and the compact re-pack) and asserts zero, for a decode step that evicts and for a prefill block.
+The cache is told it runs on an accelerator (``host_reads = False``): on CPU a compact re-pack
+reads the position deltas to rotate only the moved prefix, which costs nothing there since CPU
+tensors are host memory.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def test_per_layer_path_makes_no_host_sync(monkeypatch, policy, positions):
     model = tiny_llama()
     engine = make_engine(model, policy, 40, block_size=8, positions=positions)
     cache = engine.new_cache()
+    cache.host_reads = False  # the accelerator path (on CPU, compact re-packing reads host memory, which is free)
     ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(1))
     logits = engine.feed(cache, [ids], progress=False)
     calls, layer_calls = _count_syncs(monkeypatch)
@@ -84,3 +88,36 @@ def test_caote_greedy_select_makes_no_host_sync(monkeypatch):
     engine.step(cache, ids[48:56], 1)
     assert layer_calls[0] == model.config.num_hidden_layers
     assert calls == {}
+
+
+@pytest.mark.parametrize("text", ["the cache is small and the pass key is 12345",
+                                  "héllo wörld — 日本語 🙂 the cache 🙂🙂 key",
+                                  " leading space, then\nnew lines\n\n and tabs\t."])
+def test_incremental_detokenizer_streams_the_full_text_with_short_windows(monkeypatch, text):
+    from kvtool.runtime.session import Detokenizer
+    from tests.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ids = ids * 3  # a longer answer than any window
+    assert len(ids) > 20
+    widths: list[int] = []
+    decode = type(tok).decode
+
+    def spy(self, token_ids, *args, **kwargs):
+        widths.append(len(token_ids))
+        return decode(self, token_ids, *args, **kwargs)
+
+    detok = Detokenizer(tok)
+    monkeypatch.setattr(type(tok), "decode", spy)
+    pieces = [detok.push(t) for t in ids]
+    # Every emoji is several byte tokens: the window waits for the whole character (no U+FFFD piece).
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == decode(tok, ids, skip_special_tokens=True)
+    assert max(widths) <= 8  # a window of a few tokens, never the whole answer
+
+
+def test_memory_sampler_wakes_at_most_every_50_ms():
+    from kvtool.core.meter import MemoryMeter
+
+    assert MemoryMeter(torch.device("cpu")).interval >= 0.05

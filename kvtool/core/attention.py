@@ -85,7 +85,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     k, v = g.kv()
     n = g.length
     policy = g.policy
-    evicting = g.evicts_now(cache.lazy)
+    evicting = g.evicts_now(cache.lazy, cache.lazy_limit)
     rows = min(policy.query_rows(m), m) if (evicting or policy.observe_every_step) else 0
     bias = g.comp_bias() if g.off else None
     mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)

@@ -149,12 +149,13 @@ class HeadGroup:
         self.state[:, :, self.length : self.length + m] = 0
         self.length += m
 
-    def evicts_now(self, lazy: bool) -> bool:
+    def evicts_now(self, lazy: bool, lazy_limit: int) -> bool:
         """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
-        block region is full (one gather per block of generated tokens instead of one per token)."""
+        block region is full (one gather per block of generated tokens instead of one per token) or
+        it holds ``lazy_limit`` tokens (compact positions must stay inside the model's range)."""
         if self.capacity is None or self.length <= self.capacity:
             return False
-        return not lazy or self.length >= self.slots
+        return not lazy or self.length >= min(self.slots, lazy_limit)
 
     def room(self) -> int:
         """Tokens the group can still append without evicting (unbounded groups grow: no limit)."""
@@ -306,7 +307,7 @@ class BoundedLayer(CacheLayerMixin):
     def after_attention(self, g: HeadGroup, probs: Tensor | None) -> None:
         """Let the group's policy observe the block, then evict down to capacity."""
         owner = self.owner
-        evicting = g.evicts_now(owner.lazy)
+        evicting = g.evicts_now(owner.lazy, owner.lazy_limit)
         if not evicting and not g.policy.observe_every_step:
             owner.compact_group(g, evicted=False)
             return
@@ -399,6 +400,9 @@ class BoundedCache(Cache):
         self.max_positions = max_positions
         self.rotator = rotator
         self.sync_timing = sync_timing and device.type == "cuda"
+        # Whether the per-layer path may read tensor data on the host: free on CPU (no device queue
+        # to wait for), a pipeline stall per layer on an accelerator (see ``_rotate``).
+        self.host_reads = device.type == "cpu"
         self.seen = 0
         self.rotary_next = 0  # compact mode: rotary position of the next token
         self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
@@ -460,6 +464,12 @@ class BoundedCache(Cache):
                 pinned &= pos < self.pin_end
             mask |= pinned
         return mask
+
+    @property
+    def lazy_limit(self) -> int:
+        """Most tokens a group may hold while decoding lazily: with compact positions the next query
+        must stay inside the model's range after a renormalisation (``renormalize``)."""
+        return self.position_limit - 1 if self.positions_mode != "absolute" else 1 << 62
 
     def room(self) -> int:
         """Tokens every group can still take before one must evict (lazy decoding leaves less)."""
@@ -562,13 +572,20 @@ class BoundedCache(Cache):
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
         """Rotate stored keys by ``delta`` [h, n] (a zero delta leaves a key bit-identical).
 
-        Every stored key is rotated: finding the last moved one would read the delta on the host
-        (a sync per layer); a re-pack happens at most once per block of evicted tokens.
+        With ``host_reads`` (CPU: the tensors are host memory, reading them stalls no device queue)
+        only the prefix up to the last moved key is rotated — for a sink + window policy just the
+        sinks. On an accelerator every stored key is rotated instead: finding the last moved one
+        would be a host sync in every layer, and a re-pack happens at most once per block.
         """
         assert self.rotator is not None
-        n = delta.shape[1]
-        keys = g.keys[0, :, g.off : g.off + n]
-        keys.copy_(self.rotator.rotate(keys, delta))
+        end = delta.shape[1]
+        if self.host_reads:
+            moved = (delta != 0).any(0).nonzero()
+            if moved.numel() == 0:
+                return
+            end = int(moved[-1]) + 1
+        keys = g.keys[0, :, g.off : g.off + end]
+        keys.copy_(self.rotator.rotate(keys, delta[:, :end]))
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

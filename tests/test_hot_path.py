@@ -121,3 +121,23 @@ def test_memory_sampler_wakes_at_most_every_50_ms():
     from kvtool.core.meter import MemoryMeter
 
     assert MemoryMeter(torch.device("cpu")).interval >= 0.05
+
+
+def test_threads_default_to_usable_cores_and_validate():
+    import os
+
+    from kvtool.errors import UsageError
+    from kvtool.runtime.model import set_threads, usable_cores
+    from kvtool.runtime.settings import Settings
+
+    before = torch.get_num_threads()
+    try:
+        assert usable_cores() == len(os.sched_getaffinity(0))
+        assert set_threads(None) == usable_cores() == torch.get_num_threads()
+        assert set_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert Settings(threads=3).validate().threads == 3
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(UsageError, match="threads"):
+            Settings(threads=bad).validate()

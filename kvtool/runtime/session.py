@@ -245,7 +245,7 @@ class Session:
         ids, seconds = self.engine.generate(
             cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
         )
-        cache.pin_start = None
+        cache.pin_start = cache.pin_end = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
                      prompt_tokens=suffix.numel())
         self.answers.append(ans)

@@ -18,8 +18,12 @@ Every row runs in a fresh child process so its peak memory is its own (peak RSS 
 
 Each row reports prefill tokens/s, peak memory, the per-block time split (model forward,
 attention-probability computation, policy scoring, eviction/gather), and decode tokens/s after
-the document. Ratios to dense and chunked come from the same run. Targets (issue 9) are checked
-at the end and every miss says by how much. ``--json PATH`` writes all rows.
+the document (``Engine.generate``: lazy eviction, one gather per block of generated tokens).
+Ratios to dense and chunked come from the same run. Issue 15 adds the decode floor (transformers
+decoding after a budget-sized document), the decode split (scoring + eviction share of decode
+time) and two concurrent processes against one (``--concurrency-length``, at kvtool's default
+thread count and at cores / 2 threads each). Targets (issues 9 and 15) are checked at the end and
+every miss says by how much. ``--json PATH`` writes all rows.
 """
 
 from __future__ import annotations
@@ -173,9 +177,10 @@ def sync(device) -> None:
 def run_one(spec: dict) -> dict:
     import torch
 
-    from kvtool.runtime.model import load_model
+    from kvtool.runtime.model import load_model, set_threads
 
     torch.set_grad_enabled(False)
+    out_threads = set_threads(spec.get("threads"))  # kvtool's own choice unless the spec says
     if spec.get("config"):
         loaded = None
         model, device = config_model(spec["config"], spec.get("device", "auto"), spec.get("dtype", "auto"))
@@ -186,7 +191,7 @@ def run_one(spec: dict) -> dict:
         ids = corpus_ids(loaded.tokenizer, spec["length"] + spec.get("continuation", 0))
     doc, cont = ids[: spec["length"]], ids[spec["length"] :]
     kind, block = spec["kind"], spec["block_size"]
-    out = {**spec, "params": sum(p.numel() for p in model.parameters())}
+    out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads}
     reset_peak(device)
     decode_n = spec.get("decode_tokens", 0)
     if kind in ("dense", "chunked"):
@@ -246,12 +251,13 @@ def run_one(spec: dict) -> dict:
         out["compact_since"] = cache.compact_since if cache.compact else None
         if spec.get("continuation"):
             out["continuation_logits"] = _continuation_nll(engine, cache, logits, cont)
+        before = (c.score_seconds, c.evict_seconds)
         t1 = time.perf_counter()
-        tok_logits = logits[-1]
-        for _ in range(decode_n):
-            tok_logits = engine.step(cache, tok_logits.argmax().view(1).cpu(), 1)[-1]
+        if decode_n:  # Engine.generate: greedy, lazy eviction (one gather per block of generated tokens)
+            engine.generate(cache, logits, decode_n + 1, eos_ids=set())
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
+        out["decode_split_seconds"] = {"score": c.score_seconds - before[0], "evict": c.evict_seconds - before[1]}
     out["peak_bytes"] = peak_bytes(device)
     out["device"] = str(device)
     return out
@@ -284,12 +290,38 @@ def dense_continuation_nll(spec: dict) -> float:
 
 # ---------------------------------------------------------------------------------------------- parent
 def child(spec: dict) -> dict:
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, __file__, "--run-one", json.dumps(spec)], capture_output=True, text=True,
-                          env=env)
-    if proc.returncode != 0:
-        return {**spec, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return children([spec])[0]
+
+
+def children(specs: list[dict]) -> list[dict]:
+    """Run the specs in concurrent child processes (one each); their rows in the same order."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--run-one", json.dumps(spec)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ)) for spec in specs]
+    rows = []
+    for spec, proc in zip(specs, procs, strict=True):
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            rows.append({**spec, "error": (stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            rows.append(json.loads(stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def concurrency(base: dict, policy: str, n: int, threads: int | None) -> float | None:
+    """Per-process prefill tok/s of two concurrent processes / that of one process alone (issue 15)."""
+    spec = {**base, "kind": "kvtool", "policy": policy, "length": n, "decode_tokens": 0, "threads": threads}
+    alone = child(spec)
+    pair = children([spec, spec])
+    if "error" in alone or any("error" in r for r in pair):
+        print(f"  concurrency ({policy}, {n} tokens): ERROR "
+              f"{alone.get('error') or next(r['error'] for r in pair if 'error' in r)}")
+        return None
+    one = n / alone["prefill_seconds"]
+    each = [n / r["prefill_seconds"] for r in pair]
+    ratio = min(each) / one
+    print(f"  concurrency ({policy}, {n} tokens, {alone['threads_used']} thread(s) each): alone {one:.1f} tok/s, "
+          f"two at once {each[0]:.1f} + {each[1]:.1f} tok/s: each keeps {ratio:.2f}x", flush=True)
+    return ratio
 
 
 def roofline_gflops(device_name: str) -> float:
@@ -331,7 +363,8 @@ def main() -> None:
     ap.add_argument("--chunked-max", default="8k", help="longest document for the chunked row (targets use 2K)")
     ap.add_argument("--long-policies", default=None,
                     help="policies run at lengths above 32k (default: all of --policies)")
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=256,
+                    help="greedy tokens decoded after each document (≥ block size, so lazy eviction runs)")
     ap.add_argument("--sweep", default="32,64,128,256,512", help="block sizes for the speed/fidelity sweep ('' = skip)")
     ap.add_argument("--sweep-length", default="4k")
     ap.add_argument("--sweep-policy", default="snapkv+caote")
@@ -344,6 +377,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the issue-2 table)")
     ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--concurrency-length", default="2k", help="document of the two-processes test ('' = skip)")
+    ap.add_argument("--concurrency-policy", default="keydiff")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per child (default: kvtool's choice)")
     args = ap.parse_args()
     if args.run_one:
         print(json.dumps(run_one(json.loads(args.run_one))))
@@ -369,7 +405,7 @@ def main() -> None:
     dense_max = parse_tokens(args.dense_max)
     chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
-            "block_size": block, "decode_tokens": args.decode_tokens}
+            "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads}
 
     import torch
 
@@ -379,6 +415,12 @@ def main() -> None:
           f"{torch.get_num_threads()}, device {device_name}; fp32 matmul roofline {roof:.0f} GFLOP/s", flush=True)
     rows: list[dict] = []
     mem_lengths = [parse_tokens(x) for x in args.memory_lengths.split(",") if x]
+    floor_policies = {"sink", "keydiff", "tova", "snapkv+caote"} & set(policies)
+    if floor_policies and budget not in lengths:
+        # the decode floor: transformers decoding after a budget-sized document (issue 15)
+        r = child({**base, "kind": "dense", "length": budget})
+        rows.append(r)
+        print_row(r, roof, rows)
     for n in sorted(set(lengths) | set(mem_lengths)):
         specs = []
         if n <= dense_max and n in lengths:
@@ -409,7 +451,15 @@ def main() -> None:
             gap = ppl / pow(2.718281828, ref) - 1
             print(f"  block {bs:4d}: {n / r['prefill_seconds']:7.1f} tok/s   continuation ppl {ppl:8.3f} "
                   f"(gap to dense {gap * 100:+.2f}%)", flush=True)
-    check_targets(rows, roof, budget, mem_lengths)
+    ratios = {}
+    if args.concurrency_length:
+        n = parse_tokens(args.concurrency_length)
+        print(f"\ntwo concurrent processes (issue 15), {os.cpu_count()} CPUs:", flush=True)
+        ratios["default"] = concurrency(base, args.concurrency_policy, n, args.threads)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if args.threads is None and cores > 1:
+            ratios["split"] = concurrency(base, args.concurrency_policy, n, max(1, cores // 2))
+    check_targets(rows, roof, budget, mem_lengths, ratios)
     print_markdown(rows, roof)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"roofline_gflops": roof, "rows": rows, "sweep": sweep_rows},
@@ -474,8 +524,13 @@ def print_markdown(rows: list[dict], roof: float) -> None:
               f"{flops / roof:.0%} |")
 
 
-def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[int]) -> None:
-    print("\ntargets (issue 9):")
+def decode_tps(r: dict | None) -> float:
+    return r["decode_tokens"] / r["decode_seconds"] if r and r.get("decode_seconds") else 0.0
+
+
+def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[int],
+                  ratios: dict[str, float | None] | None = None) -> None:
+    print("\ntargets (issues 9 and 15):")
 
     def report(name: str, value: float, target: float, higher_is_better: bool = True, unit: str = "") -> None:
         ok = value >= target if higher_is_better else value <= target
@@ -506,7 +561,27 @@ def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[
         r4, r128d = find(rows, "kvtool", 4096, p) or find(rows, "kvtool", 2048, p), find(rows, "kvtool", 131072, p)
         if r4 and r128d and r4.get("decode_seconds") and r128d.get("decode_seconds"):
             report(f"decode tok/s after 128K / after {r4['length'] // 1024}K, {p}",
-                   r4["decode_seconds"] / r128d["decode_seconds"], 0.9)
+                   r4["decode_seconds"] / r128d["decode_seconds"], 0.95)
+    floor, dense8 = find(rows, "dense", budget), find(rows, "dense", 8192)
+    for p in policies:
+        r8 = find(rows, "kvtool", 8192, p)
+        if not (r8 and r8.get("decode_seconds")):
+            continue
+        if p in ("sink", "keydiff", "tova", "snapkv+caote"):
+            if decode_tps(floor):
+                report(f"decode after 8K at budget {budget} / transformers after {budget} tokens, {p}",
+                       decode_tps(r8) / decode_tps(floor), 0.95)
+            if decode_tps(dense8):
+                report(f"decode after 8K / transformers after the same 8K, {p}", decode_tps(r8) / decode_tps(dense8),
+                       1.4)
+        if "decode_split_seconds" in r8:
+            sp = r8["decode_split_seconds"]
+            target = 0.05 if p in ("sink", "keydiff", "razor") else 0.15
+            report(f"scoring + eviction share of decode time (8K), {p}",
+                   (sp["score"] + sp["evict"]) / r8["decode_seconds"], target, higher_is_better=False)
+    for how, ratio in (ratios or {}).items():
+        if ratio is not None:
+            report(f"two concurrent processes, each / one alone ({how} threads)", ratio, 0.45)
     for p in policies:
         r = find(rows, "kvtool", 2048, p)
         if r:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from kvtool.core.cache import BoundedLayer
+from kvtool.core.cache import BoundedLayer, HeadGroup
 from kvtool.errors import UsageError
 from tests.helpers import (
     ALL_POLICIES,
@@ -55,7 +55,7 @@ def test_every_policy_reproduces_dense_logits_when_budget_covers_document(family
 
 @pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "full"])
 @pytest.mark.parametrize("factor", [1, 3, 10])
-def test_cache_never_exceeds_budget_prefill_and_decode(policy, factor):
+def test_cache_never_exceeds_budget_prefill_and_decode(monkeypatch, policy, factor):
     model = tiny_qwen2()
     budget = 48
     ids = torch.randint(0, VOCAB, (budget * factor,), generator=torch.Generator().manual_seed(3))
@@ -68,14 +68,32 @@ def test_cache_never_exceeds_budget_prefill_and_decode(policy, factor):
         seen_max.append(max(cache.lengths()))
 
     _, cache = stream_logits(engine, ids, check=check)
-    # decoding: blocks of one token keep evicting
+    # decoding evicts lazily: at most capacity + block at every step, exactly capacity after an eviction
+    settled: list[int] = []
+    gather = HeadGroup.gather
+
+    def spy(self, keep):
+        gather(self, keep)
+        settled.append(self.length)
+
+    monkeypatch.setattr(HeadGroup, "gather", spy)
     logits = engine.step(cache, torch.tensor([5]), 1)
-    ids_out, _ = engine.generate(cache, logits, 20, eos_ids=set())
+
+    def each_token(tok):
+        for g in cache.groups():
+            assert g.length <= g.capacity + 16
+
+    ids_out, _ = engine.generate(cache, logits, 40, eos_ids=set(), on_token=each_token)
+    assert settled and set(settled) == {budget}  # 40 decoded tokens pass the 16-token spare region
     for g in cache.groups():
-        assert g.length <= g.capacity
+        assert g.length <= g.capacity + 16
     assert cache.counters.max_cached <= budget
     assert cache.counters.max_stored <= budget + 16  # capacity + one block, never more
-    assert cache.seen == ids.numel() + 1 + 19
+    assert cache.seen == ids.numel() + 1 + 39
+    # a block after decoding first fills the spare region (and evicts), then fits
+    engine.step(cache, torch.randint(0, VOCAB, (16,)), 1)
+    for g in cache.groups():
+        assert g.length <= g.capacity
 
 
 def _record_visibility(monkeypatch):

@@ -128,6 +128,7 @@ def test_razor_with_compact_positions_and_decoding_stays_bounded():
     logits = engine.step(cache, torch.tensor([1]), 1)
     engine.generate(cache, logits, 10, eos_ids=set())
     assert cache.compact
-    for g in cache.groups():
-        assert g.length <= g.capacity
+    for g in cache.groups():  # decoding evicts lazily: at most one block over capacity
+        assert g.length <= g.capacity + engine.config.block_size
+    assert cache.counters.max_cached <= max(g.capacity for g in cache.groups())
     assert int(cache.begin_step(1)[0]) < 64

@@ -62,8 +62,8 @@ def test_every_policy_answers_a_2k_document_within_budget(loaded, policy):
     ans = s.ask(read, "What is the essay about?")
     print(policy, repr(ans.answer))
     assert ans.answer.strip()
-    for g in read.cache.groups():
-        assert g.length <= g.capacity
+    for g in read.cache.groups():  # the answer's tokens await their (lazy) eviction: at most one block more
+        assert g.length <= g.capacity + s.settings.block_size
     per_token_head = 2 * 64 * 4  # K and V, head_dim 64, float32
     promised = read.cache.promised_bytes()
     assert promised <= 512 * 30 * 3 * per_token_head  # the budget: 512 tokens × layers × KV heads

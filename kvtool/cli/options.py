@@ -39,6 +39,8 @@ TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
 RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalty on the answer's own "
                                                  "repeated tokens (1 = off; default 1.1).")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch (default: the cores "
+                                                 "this process may use; 1 when running several kvtool at once).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.")]
 ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile name in profiles/ or a YAML path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of text.")]
@@ -65,9 +67,10 @@ SETTING_OPTIONS: dict[str, Any] = {
     "top_p": TopPOpt,
     "repetition_penalty": RepPenOpt,
     "seed": SeedOpt,
+    "threads": ThreadsOpt,
 }
 #: the settings of a model run without generation (prefill, profile)
-MODEL_SETTINGS = ("model", "device", "dtype", "quantize")
+MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget
 READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
                  "recall")

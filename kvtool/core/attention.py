@@ -121,7 +121,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     k, v = g.kv()
     n = g.length
     policy = g.policy
-    evicting = g.capacity is not None and n > g.capacity
+    evicting = g.evicts_now(cache.lazy, cache.lazy_limit)
     rows = min(policy.query_rows(m), m) if (evicting or policy.observe_every_step) else 0
     bias = g.comp_bias() if g.off else None
     if g.window is not None:

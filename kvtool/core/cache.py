@@ -76,8 +76,8 @@ class CacheCounters:
     probs_seconds: float = 0.0
     score_seconds: float = 0.0
     evict_seconds: float = 0.0
-    max_cached: int = 0  # largest per-head length ever observed (after eviction)
-    max_stored: int = 0  # largest per-head length ever held, block included (before eviction)
+    max_cached: int = 0  # largest per-head length right after an eviction step (≤ capacity)
+    max_stored: int = 0  # largest per-head length ever held: the block or lazy decode tokens included
 
 
 class HeadGroup:
@@ -123,6 +123,10 @@ class HeadGroup:
         self.rotary = torch.zeros(h, slots, dtype=torch.long, device=device)  # RoPE position each key holds now
         self.state = torch.zeros(len(self.state_fields), h, slots, dtype=torch.float32, device=device)
         self.length = 0
+        # Lowest RoPE position any stored key holds, as a Python int (compact re-packing reads it on
+        # every step; reading it from ``rotary`` would be a host sync per layer). Exact while the
+        # first token is a sink; a lower bound otherwise (which only re-packs earlier).
+        self.rotary_floor = 0
         # compensation token (RazorAttention eq. 4): running sums of dropped keys/values in float32
         self.comp_key_sum = torch.zeros(h, head_dim, dtype=torch.float32, device=device) if self.off else None
         self.comp_value_sum = torch.zeros_like(self.comp_key_sum) if self.off else None
@@ -201,6 +205,18 @@ class HeadGroup:
         if self.mass is not None:
             self.mass[:, self.length : self.length + m] = 0
         self.length += m
+
+    def evicts_now(self, lazy: bool, lazy_limit: int) -> bool:
+        """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
+        block region is full (one gather per block of generated tokens instead of one per token) or
+        it holds ``lazy_limit`` tokens (compact positions must stay inside the model's range)."""
+        if self.capacity is None or self.length <= self.capacity:
+            return False
+        return not lazy or self.length >= min(self.slots, lazy_limit)
+
+    def room(self) -> int:
+        """Tokens the group can still append without evicting (unbounded groups grow: no limit)."""
+        return 1 << 62 if self.capacity is None else self.slots - self.length
 
     # -- views ----------------------------------------------------------------------------------
     def kv(self) -> tuple[Tensor, Tensor]:
@@ -296,6 +312,7 @@ class HeadGroup:
         if st.shape[0] != self.state.shape[0]:
             raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
         self.state[:, :, :n] = st.to(dev)
+        self.rotary_floor = int(self.rotary[:, 0].min()) if n else 0
         if self.comp_key_sum is not None:
             self.comp_key_sum.copy_(tensors[f"{prefix}.comp_key_sum"])
             self.comp_value_sum.copy_(tensors[f"{prefix}.comp_value_sum"])
@@ -321,8 +338,11 @@ class BoundedLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        step = self.owner.step
+        owner = self.owner
+        step = owner.step
         for g in self.groups:
+            if g.length == 0:
+                g.rotary_floor = owner.rotary_next if owner.compact else owner.seen
             g.append(key_states, value_states, step.original_positions, step.rotary_positions)
         return self.groups[0].kv()
 
@@ -350,7 +370,7 @@ class BoundedLayer(CacheLayerMixin):
     def after_attention(self, g: HeadGroup, probs: Tensor | None) -> None:
         """Let the group's policy observe the block, then evict down to capacity."""
         owner = self.owner
-        evicting = g.capacity is not None and g.length > g.capacity
+        evicting = g.evicts_now(owner.lazy, owner.lazy_limit)
         if not evicting and not g.policy.observe_every_step:
             owner.compact_group(g, evicted=False)
             return
@@ -369,6 +389,7 @@ class BoundedLayer(CacheLayerMixin):
             if g.archive is not None and owner.pin_start is None:
                 owner.archive_dropped(g, keep)
             g.gather(keep)
+            owner.counters.max_cached = max(owner.counters.max_cached, g.length)
         owner.compact_group(g, evicted=keep is not None)
         owner.counters.evict_seconds += owner.clock() - t1
 
@@ -446,10 +467,16 @@ class BoundedCache(Cache):
         self.max_positions = max_positions
         self.rotator = rotator
         self.sync_timing = sync_timing and device.type == "cuda"
+        # Whether the per-layer path may read tensor data on the host: free on CPU (no device queue
+        # to wait for), a pipeline stall per layer on an accelerator (see ``_rotate``).
+        self.host_reads = device.type == "cpu"
         self.seen = 0
         self.rotary_next = 0  # compact mode: rotary position of the next token
         self.pin_start: int | None = None  # stream position from which tokens are pinned (the question)
         self.pin_end: int | None = None  # first position after the pinned question (the answer is not pinned)
+        # Decoding evicts lazily (``Engine.generate`` sets this): tokens fill the spare block region
+        # and one eviction per block of tokens brings the group back to capacity.
+        self.lazy = False
         self.counters = CacheCounters()
         self.step = StepInfo()
         self.query_log: list[tuple[int, Tensor, int]] | None = None  # recall: (layer, queries, original − rotary)
@@ -503,6 +530,16 @@ class BoundedCache(Cache):
             mask |= pinned if self.pin_end is None else pinned & (pos < self.pin_end)
         return mask
 
+    @property
+    def lazy_limit(self) -> int:
+        """Most tokens a group may hold while decoding lazily: with compact positions the next query
+        must stay inside the model's range after a renormalisation (``renormalize``)."""
+        return self.position_limit - 1 if self.positions_mode != "absolute" else 1 << 62
+
+    def room(self) -> int:
+        """Tokens every group can still take before one must evict (lazy decoding leaves less)."""
+        return min(g.room() for g in self.groups())
+
     # -- positions -------------------------------------------------------------------------------
     def begin_step(self, m: int) -> Tensor:
         """Prepare a block of ``m`` tokens; returns the rotary position ids to give the model."""
@@ -524,7 +561,9 @@ class BoundedCache(Cache):
         if self.compact:
             self.rotary_next += self.step.length
         lengths = self.lengths()
-        self.counters.max_cached = max(self.counters.max_cached, max(lengths))
+        settled = [g.length for g in self.groups() if g.capacity is None or g.length <= g.capacity]
+        if settled:  # a group holding lazily decoded tokens counts as stored, not as settled
+            self.counters.max_cached = max(self.counters.max_cached, max(settled))
         self.counters.max_stored = max(self.counters.max_stored, max(lengths))
 
     @property
@@ -564,6 +603,7 @@ class BoundedCache(Cache):
             if n:
                 self._rotate(g, torch.full((g.num_heads, n), shift, device=self.device))
                 g.rotary[:, :n] += shift
+            g.rotary_floor += shift
             g.rotate_compensation(g.rotator, shift)
         self.rotary_next += shift
 
@@ -579,9 +619,8 @@ class BoundedCache(Cache):
         g.rotate_compensation(g.rotator, m)
         if not evicted or g.length == 0:
             return
-        next_q = int(self.step.rotary_positions[0]) + m
-        oldest = int(g.rotary[:, 0].min())
-        if next_q - oldest > g.length + self.block_size:
+        next_q = self.rotary_next + m  # the block's first rotary position is rotary_next (a Python int)
+        if next_q - g.rotary_floor > g.length + self.block_size:
             self._pack(g, next_q)
 
     def _pack(self, g: HeadGroup, next_q: int) -> None:
@@ -593,14 +632,23 @@ class BoundedCache(Cache):
         delta = target.unsqueeze(0) - g.rotary[:, :n]
         self._rotate(g, delta)
         g.rotary[:, :n] = target
+        g.rotary_floor = next_q - n
 
     def _rotate(self, g: HeadGroup, delta: Tensor) -> None:
-        """Rotate stored keys by ``delta`` [h, n]; only the prefix up to the last moved token is touched."""
+        """Rotate stored keys by ``delta`` [h, n] (a zero delta leaves a key bit-identical).
+
+        With ``host_reads`` (CPU: the tensors are host memory, reading them stalls no device queue)
+        only the prefix up to the last moved key is rotated — for a sink + window policy just the
+        sinks. On an accelerator every stored key is rotated instead: finding the last moved one
+        would be a host sync in every layer, and a re-pack happens at most once per block.
+        """
         assert g.rotator is not None
-        moved = (delta != 0).any(0).nonzero()
-        if moved.numel() == 0:
-            return
-        end = int(moved[-1]) + 1
+        end = delta.shape[1]
+        if self.host_reads:
+            moved = (delta != 0).any(0).nonzero()
+            if moved.numel() == 0:
+                return
+            end = int(moved[-1]) + 1
         keys = g.keys[0, :, g.off : g.off + end]
         keys.copy_(g.rotator.rotate(keys, delta[:, :end]))
 
@@ -642,8 +690,8 @@ class BoundedCache(Cache):
         values = g.values[0, :, o : o + n].gather(1, idx)
         pos = g.positions[:, :n].gather(1, drop)
         if self.compact:
-            assert self.rotator is not None
-            keys = self.rotator.rotate(keys, pos - g.rotary[:, :n].gather(1, drop))
+            assert g.rotator is not None
+            keys = g.rotator.rotate(keys, pos - g.rotary[:, :n].gather(1, drop))
         g.archive.append(keys, values, pos)
 
     # -- snapshots and persistence ------------------------------------------------------------------
@@ -661,6 +709,7 @@ class BoundedCache(Cache):
             "compact": self.compact,
             "compact_since": self.compact_since,
             "pin_start": self.pin_start,
+            "pin_end": self.pin_end,
             "positions_mode": self.positions_mode,
         }
 
@@ -674,6 +723,7 @@ class BoundedCache(Cache):
         self.compact = bool(scalars["compact"])
         self.compact_since = scalars.get("compact_since")
         self.pin_start = scalars.get("pin_start")
+        self.pin_end = scalars.get("pin_end")
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """A copy of the stored tokens and counters (e.g. after the document, before a question)."""

@@ -197,6 +197,17 @@ class Engine:
     def step(self, cache: BoundedCache, ids: Tensor, logits_rows: int = 1) -> Tensor:
         """Feed one block (≤ block size) and return logits of its last ``logits_rows`` tokens."""
         m = ids.shape[-1]
+        room = cache.room()
+        if m > room:
+            # Lazily decoded tokens still occupy the spare region: the block's head fills it (and
+            # evicts), the rest then fits. Only after ``generate`` without a restore.
+            head = self._forward(cache, ids.reshape(-1)[:room], min(logits_rows, room))
+            tail = self._forward(cache, ids.reshape(-1)[room:], min(logits_rows, m - room))
+            return tail if logits_rows <= m - room else torch.cat([head, tail])
+        return self._forward(cache, ids, logits_rows)
+
+    def _forward(self, cache: BoundedCache, ids: Tensor, logits_rows: int) -> Tensor:
+        m = ids.shape[-1]
         was_compact = cache.compact
         rotary = cache.begin_step(m)
         if cache.compact and not was_compact:
@@ -237,7 +248,7 @@ class Engine:
                     f"window and the question while answering; raise --budget to at least {need} or shorten it"
                 )
         cache.pin_start = cache.seen
-        cache.pin_end = cache.seen + length
+        cache.pin_end = cache.seen + length  # the answer is not pinned: it may outgrow the budget
 
     def feed_question(self, cache: BoundedCache, ids: Tensor, restore: Callable[[], None],
                       answer_tokens: int | None = None) -> tuple[Tensor, recall.RecallResult | None]:
@@ -342,9 +353,23 @@ class Engine:
         sampler: Sampler = greedy,
         on_token: Callable[[int], None] | None = None,
     ) -> tuple[list[int], float]:
-        """Decode from ``logits`` with blocks of one token, evicting after each; returns (ids, seconds)."""
+        """Decode from ``logits`` with blocks of one token; returns (ids, seconds).
+
+        Eviction is lazy: generated tokens fill each group's spare block region and one eviction
+        per block of tokens brings it back to capacity (at most capacity + block per head at every
+        step, at most capacity after every eviction).
+        """
         out: list[int] = []
         t0 = time.perf_counter()
+        lazy, cache.lazy = cache.lazy, True
+        try:
+            self._decode(cache, logits, max_new_tokens, eos_ids, sampler, on_token, out, t0)
+        finally:
+            cache.lazy = lazy
+        return out, time.perf_counter() - t0
+
+    def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int],
+                sampler: Sampler, on_token: Callable[[int], None] | None, out: list[int], t0: float) -> None:
         for _ in range(max_new_tokens):
             tok = sampler(logits[-1], out)
             if tok in eos_ids:
@@ -357,7 +382,6 @@ class Engine:
             logits = self.step(cache, torch.tensor([tok]), 1)
             if self.listener is not None:
                 self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
-        return out, time.perf_counter() - t0
 
 
 def _kv_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -124,7 +124,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, int]], tokens: int)
             if a is None or a.length == 0 or not entries:
                 continue
             room = g.slots - g.length - cache.block_size
-            idx, pages = a.select(_group_queries(g, entries, cache.rotator), min(tokens, room))
+            idx, pages = a.select(_group_queries(g, entries, g.rotator), min(tokens, room))
             keys, values, pos = a.read(idx)
             insert(g, keys, values, pos)
             if cache.compact:

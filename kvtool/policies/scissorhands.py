@@ -74,7 +74,9 @@ class Scissorhands(Policy):
         if r == 0:
             return
         g, n_buckets = self.bucket_size, self.buckets
-        qpos = ctx.query_positions[-r:].tolist()  # the rows are the block's last r queries
+        # The rows are the block's last r queries, at stream positions seen + m − r .. seen + m − 1
+        # (Python ints the cache already knows: reading query_positions would sync the host).
+        qpos = range(ctx.seen + ctx.block_len - r, ctx.seen + ctx.block_len)
         last_id = qpos[-1] // g
         start = 0
         while start < r:

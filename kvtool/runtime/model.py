@@ -209,6 +209,28 @@ def _quantization_config(quantize: str, device: torch.device, dtype: torch.dtype
 # Loading
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(requested: int | None) -> int:
+    """Set torch's intra-op thread count once, deliberately; returns it.
+
+    Default: the cores this process may use (torch's own default counts every core of the machine,
+    also those another cgroup or ``taskset`` gives away). ``--threads N`` overrides it: several
+    kvtool processes sharing the cores (``xargs -P``) should each take ``cores / processes``, since
+    oversubscribed intra-op threads wait on each other in every small per-layer operation.
+    """
+    n = requested if requested is not None else usable_cores()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
 def load_model(
     spec: str | None = None,
     device: str = "auto",

@@ -28,7 +28,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
-from kvtool.runtime.model import LoadedModel, kvtool_home, load_model
+from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
@@ -67,20 +67,29 @@ class ReadResult:
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into newly printable text (multi-byte safe)."""
+    """Turns a growing list of token ids into newly printable text (multi-byte safe), incrementally.
+
+    Each token decodes only a short window: the ids from ``prefix`` (the last printed piece, kept as
+    context so a tokenizer that drops a leading space at the start of a decode sees the same start)
+    to the end, minus the text of ``prefix:read``. Re-decoding the whole answer on every token
+    would be quadratic in its length. A window that ends in an incomplete UTF-8 sequence (U+FFFD)
+    waits for the next token.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.printed = 0
+        self.prefix = 0  # start of the context window
+        self.read = 0  # ids before this are printed
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        piece, self.printed = text[self.printed :], len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
     def text(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
@@ -123,8 +132,12 @@ class Session:
             if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
                 EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size,
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
+        self.threads = set_threads(settings.threads)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say)
+        if self.loaded.device.type == "cpu":
+            self.say(f"threads: {self.threads} (of {usable_cores()} usable cores"
+                     f"{', --threads' if settings.threads is not None else ''})")
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
@@ -287,7 +300,7 @@ class Session:
             )
         finally:
             positions, mass = cache.stop_mass() if cite_spans else (None, None)
-        cache.pin_start = None
+        cache.pin_start = cache.pin_end = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
                      prompt_tokens=suffix_tokens, ids=list(ids))
         if cite_spans and read.source is not None and positions is not None:
@@ -366,6 +379,7 @@ class Session:
             "document_tokens": read.document_tokens if read else 0,
             "prefix_tokens": read.prefix_tokens if read else 0,
             "cached_tokens_max": c.max_cached if c else 0,
+            "stored_tokens_max": c.max_stored if c else 0,
             "evicted_tokens": c.evicted_tokens if c else 0,
             "prefill_seconds": round(read.seconds, 4) if read else 0.0,
             "prefill_tokens_per_second": round((read.document_tokens + read.prefix_tokens) / read.seconds, 2)
@@ -379,6 +393,7 @@ class Session:
             "kv_budget_bytes": cache.promised_bytes() if cache else None,
             "peak_memory_bytes": peak_bytes if peak_bytes is not None else self.engine.meter.peak_bytes(),
             "positions": self.settings.positions,
+            "threads": self.threads,
             "compact_since_token": cache.compact_since if cache and cache.compact else None,
             "time_split_seconds": {
                 "probs": round(c.probs_seconds, 4),

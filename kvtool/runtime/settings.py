@@ -51,6 +51,7 @@ class Settings:
     top_p: float = 1.0
     repetition_penalty: float = 1.1
     seed: int = 0
+    threads: int | None = None  # intra-op CPU threads (None: the cores this process may run on)
 
     def validate(self) -> Settings:
         """Check every field's type and range; raise a one-line ``UsageError`` naming the field.
@@ -227,6 +228,10 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return check
 
 
+def _threads(name: str, value: Any) -> int | None:
+    return None if value is None else _int(1)(name, value)
+
+
 def _model(name: str, value: Any) -> str | None:
     if value is None:
         return None
@@ -329,6 +334,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "top_p": _top_p,
     "repetition_penalty": _repetition_penalty,
     "seed": _seed,
+    "threads": _threads,
 }
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))

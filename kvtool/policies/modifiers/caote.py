@@ -229,8 +229,10 @@ class CAOTE(OutputErrorModifier):
                                                                      self.objective)
         keep = torch.ones(h, n, dtype=torch.bool, device=alpha.device)
         keep.scatter_(1, evicted, False)
-        # Exactly ``capacity`` kept per row; ``nonzero`` lists them row by row in ascending order.
-        return keep.nonzero()[:, 1].view(h, n - m)
+        # Exactly ``capacity`` kept per row: evicted slots sort to the end (no ``nonzero``, whose
+        # size the host would have to read).
+        idx = torch.arange(n, device=alpha.device).expand(h, n).masked_fill(~keep, n)
+        return torch.sort(idx, dim=-1).values[:, : n - m]
 
 
 __all__ = [

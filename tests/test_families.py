@@ -128,7 +128,11 @@ def test_sliding_layers_hold_the_window_and_global_layers_the_budget(family):
     _, cache = stream_logits(engine, _ids(150, 6), check=check)
     logits = engine.step(cache, torch.tensor([3]), 1)
     engine.generate(cache, logits, 10, eos_ids=set())
-    check(cache)
+    # decoding evicts lazily (one eviction per block of generated tokens): until the spare block region is
+    # full a group holds up to capacity + block; the window mask keeps attention exact meanwhile
+    for layer in cache.layers:
+        for g in layer.groups:
+            assert g.length <= g.capacity + block
     assert max(stored) <= budget + block
 
 

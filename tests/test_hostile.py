@@ -307,7 +307,7 @@ def test_question_is_never_evicted_while_a_long_answer_is_generated(policy):
     logits = engine.feed(cache, [question], progress=False)
     engine.generate(cache, logits, 40, eos_ids=set())  # the answer outgrows every window: older answer is evictable
     for g in cache.groups():
-        assert g.length <= g.capacity
+        assert g.length <= g.capacity + 8  # decoding evicts lazily: at most one block of answer above capacity
         for h in range(g.num_heads):
             assert set(range(start, start + 12)) <= set(g.positions[h, : g.length].tolist())
 

@@ -126,3 +126,26 @@ def test_recall_finds_a_needle_eviction_dropped(loaded):
     print(answers)
     assert PASSKEY not in answers["off"]
     assert PASSKEY in answers["256"]
+
+
+def test_needle_outside_the_recent_window_is_kept_by_the_policy(loaded):
+    """A secret number near the start of a 1K-token haystack (far outside any recent window) survives
+    KeyDiff at budget 256 and is answered: the policy's choice kept it, not recency. The same case as
+    ``kvtool eval needle`` at seed 0, length 1k, depth 0.1, trial 0 (docs/results.md)."""
+    import bisect
+
+    from kvtool.eval import load_text
+    from kvtool.eval.needle import Haystack, build_document, passkey_needle
+
+    tok = loaded.tokenizer
+    needle = passkey_needle(0, 0)
+    hay = Haystack(load_text(CORPUS / "paul_graham_essays", "--haystack"), tok, 1024)
+    ntok = len(tok(" " + needle.text + " ", add_special_tokens=False)["input_ids"])
+    text, at, starts = build_document(hay, [needle], 1024, 0.1, 0, 0, ntok)
+    s = session(loaded, policy="keydiff", budget="256", max_new_tokens=16)
+    read = s.read(text_document(text))
+    needle_token = bisect.bisect_left(starts, at - 1)
+    assert read.document_tokens - needle_token > 3 * 256  # three budgets back from the question
+    assert read.cache.counters.evicted_tokens > 0
+    ans = s.ask(read, needle.question)
+    assert needle.answer in ans.answer, ans.answer

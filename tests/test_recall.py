@@ -209,7 +209,7 @@ def test_recall_stays_within_budget_plus_recall_plus_block_and_restores():
             assert g.length <= budget + rec + block
         out, _ = engine.generate(cache, logits, 30, eos_ids=set())
         for g in cache.groups():
-            assert g.length <= budget + rec
+            assert g.length <= budget + rec + block  # decoding evicts lazily, once per block of tokens
             assert g.slots == budget + rec + block
         assert cache.counters.max_stored <= budget + rec + block
         cache.pin_start = None

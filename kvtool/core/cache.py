@@ -212,11 +212,16 @@ class HeadGroup:
         it holds ``lazy_limit`` tokens (compact positions must stay inside the model's range)."""
         if self.capacity is None or self.length <= self.capacity:
             return False
-        return not lazy or self.length >= min(self.slots, lazy_limit)
+        return not lazy or self.length >= min(self.usable_slots, lazy_limit)
+
+    @property
+    def usable_slots(self) -> int:
+        """Slots the group may fill: capacity + one block (its buffers may still be smaller and grow)."""
+        return self.slots if self.max_slots is None else self.max_slots
 
     def room(self) -> int:
         """Tokens the group can still append without evicting (unbounded groups grow: no limit)."""
-        return 1 << 62 if self.capacity is None else self.slots - self.length
+        return 1 << 62 if self.capacity is None else self.usable_slots - self.length
 
     # -- views ----------------------------------------------------------------------------------
     def kv(self) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,8 @@ def attach(cache: BoundedCache, recall: int, page_size: int, store: StoreFactory
             continue
         rb = GroupArchive.row_bytes(g.num_heads, g.keys.shape[-1], g.keys.dtype)
         g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], g.keys.dtype, page_size, store(rb))
+        if g.max_slots is not None:
+            g.max_slots += recall
         _reserve(g, g.slots + recall)
 
 
@@ -123,7 +125,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, int]], tokens: int)
             a = g.archive
             if a is None or a.length == 0 or not entries:
                 continue
-            room = g.slots - g.length - cache.block_size
+            room = g.usable_slots - g.length - cache.block_size
             idx, pages = a.select(_group_queries(g, entries, g.rotator), min(tokens, room))
             keys, values, pos = a.read(idx)
             insert(g, keys, values, pos)

@@ -91,23 +91,24 @@ def _label(policy: str, budget) -> str:
 
 
 def table_needle(task: dict) -> str:
-    res = task["result"]
-    s = res["settings"]
-    lengths = s["lengths"]
-    lines = ["| policy | " + " | ".join(f"{L} tokens" for L in lengths) + " | all |",
-             "|---|" + "---|" * (len(lengths) + 1)]
     from kvtool.eval.stats import wilson
 
-    summary = {(r["policy"], r["budget"]): r for r in res["summary"]}
-    for key, row in summary.items():
+    res = task["result"]
+    lengths = res["settings"]["lengths"]
+    lines = ["| policy | " + " | ".join(f"{L} tokens" for L in lengths) + " | all |",
+             "|---|" + "---|" * (len(lengths) + 1)]
+    for row in res["summary"]:
+        key = (row["policy"], row["budget"], row.get("recall", 0))
         cells = []
         for L in lengths:
-            cs = [c for c in res["results"] if (c["policy"], c["budget"]) == key and c["length"] == L]
+            cs = [c for c in res["results"] if (c["policy"], c["budget"], c.get("recall", 0)) == key
+                  and c["length"] == L]
             k, n = sum(c["correct"] for c in cs), sum(c["trials"] for c in cs)
             cells.append(_iv(wilson(k, n).as_dict(), pct=True) + f" ({k}/{n})")
         mark = " ✱" if row.get("significant") else (" (best)" if row.get("best") else "")
         lo, hi = row["interval"]
-        lines.append(f"| {_label(*key)} | " + " | ".join(cells) +
+        label = _label(row["policy"], row["budget"]) + (f" + recall {key[2]}" if key[2] else "")
+        lines.append(f"| {label} | " + " | ".join(cells) +
                      f" | {100 * row['accuracy']:.0f}% [{100 * lo:.0f}, {100 * hi:.0f}]{mark} |")
     return "\n".join(lines)
 

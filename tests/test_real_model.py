@@ -122,7 +122,8 @@ def test_recall_finds_a_needle_eviction_dropped(loaded):
         if rec != "off":
             stats = s.stats(read)
             assert stats["recalled_pages"] > 0 and stats["archive_bytes"] > 0
-            assert max(read.cache.lengths()) <= 256 + 256  # budget + recall after the answer
+            # budget + recall, plus at most one block of answer tokens awaiting their (lazy) eviction
+            assert max(read.cache.lengths()) <= 256 + 256 + 128
     print(answers)
     assert PASSKEY not in answers["off"]
     assert PASSKEY in answers["256"]

@@ -202,7 +202,8 @@ def render(data: dict, total_seconds: float) -> str:
             continue
         task = data[key]
         parts += [f"## {title}", "", intro, "", table(task), "",
-                  f"`{task['command']}` — {task['seconds']:.0f} s", ""]
+                  f"`{task['command']}` — {task['seconds']:.0f} s" + (f" ({task['note']})" if task.get("note") else ""),
+                  ""]
     parts += ["## Choosing the default policy", "", *[f"- {x}" for x in choose_default(data.get("agreement"),
                                                                                           data.get("needle"))], ""]
     if data.get("peer"):

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface
 
-from kvtool.core.cache import BoundedLayer, HeadGroup
+from kvtool.core.cache import HeadGroup
 from kvtool.errors import UsageError
 from tests.helpers import (
     ALL_POLICIES,
     VOCAB,
     dense_logits,
     make_engine,
+    masking_reference_logits,
+    record_visibility,
     stream_logits,
     tiny_llama,
     tiny_qwen2,
@@ -96,68 +97,16 @@ def test_cache_never_exceeds_budget_prefill_and_decode(monkeypatch, policy, fact
         assert g.length <= g.capacity
 
 
-def _record_visibility(monkeypatch):
-    """Record, per layer and step, the stream positions each KV head could see (before eviction)."""
-    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    original = BoundedLayer.after_attention
-
-    def spy(self, g, probs):
-        n = g.length
-        q = self.owner.step_original_positions.clone()
-        full = torch.full((self.owner.num_kv_heads, n), -1, dtype=torch.long)
-        full[g.kv_index] = g.positions[:, :n].cpu()
-        seen.setdefault(self.layer_idx, []).append((q.cpu(), full))
-        return original(self, g, probs)
-
-    monkeypatch.setattr(BoundedLayer, "after_attention", spy)
-    return seen
-
-
-def _reference_logits(model, ids, visibility, num_kv_heads, q_per_kv):
-    """Dense forward of the whole sequence; layer l / head h / query t sees only what the cache held."""
-    T = ids.numel()
-    masks = {}
-    for layer, steps in visibility.items():
-        allowed = torch.zeros(num_kv_heads, T, T, dtype=torch.bool)
-        for q_pos, kv in steps:
-            for h in range(num_kv_heads):
-                pos = kv[h][kv[h] >= 0]
-                for t in q_pos.tolist():
-                    cols = pos[pos <= t]
-                    allowed[h, t, cols] = True
-        masks[layer] = allowed.repeat_interleave(q_per_kv, dim=0)  # [Hq, T, T]
-
-    def ref_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        allowed = masks[module.layer_idx]
-        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-        v = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
-        s = (query.double() @ k.double().transpose(-1, -2)) * scaling
-        s = s.masked_fill(~allowed[None], float("-inf"))
-        out = torch.softmax(s, -1) @ v.double()
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("kvtool_ref", ref_attention)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("kvtool_ref")
-    try:
-        with torch.no_grad():
-            return model(ids[None]).logits[0]
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @pytest.mark.parametrize("family", list(MODELS))
 @pytest.mark.parametrize("policy", ["sink", "keydiff", "h2o", "tova", "snapkv+caote", "scissorhands+vatp"])
 def test_outputs_after_eviction_equal_masking_reference(monkeypatch, family, policy):
     model = MODELS[family]()
     ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(4))
-    visibility = _record_visibility(monkeypatch)
+    visibility = record_visibility(monkeypatch)
     engine = make_engine(model, policy, 40, block_size=8, options={"window": "8"} if "snapkv" in policy else None)
     got, cache = stream_logits(engine, ids)
     assert cache.counters.evicted_tokens > 0
-    c = model.config
-    q_per_kv = c.num_attention_heads // c.num_key_value_heads
-    ref = _reference_logits(model, ids, visibility, c.num_key_value_heads, q_per_kv)
+    ref = masking_reference_logits(model, ids, visibility)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 

@@ -24,8 +24,7 @@ from kvtool.cli.app import main
 from kvtool.core import cache as cache_mod
 from kvtool.errors import UsageError, printable
 from kvtool.runtime import store
-from tests.helpers import VOCAB, make_engine, tiny_checkpoint, tiny_llama
-from tests.test_engine import _record_visibility, _reference_logits
+from tests.helpers import VOCAB, make_engine, masking_reference_logits, record_visibility, tiny_checkpoint, tiny_llama
 
 DOC = " ".join(["the river ran past the old castle and the king slept"] * 30) + "\n"
 READ = ["--budget", "64", "--block-size", "16", "--device", "cpu", "-q"]
@@ -343,7 +342,7 @@ def test_each_policy_keeps_its_own_window(policy, options, window):
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "keydiff", "tova+caote"])
 def test_decode_after_eviction_equals_masking_reference(monkeypatch, policy):
     model = tiny_llama()
-    visibility = _record_visibility(monkeypatch)
+    visibility = record_visibility(monkeypatch)
     engine = make_engine(model, policy, 32, block_size=8, options={"window": "8"} if "snapkv" in policy else None)
     cache = engine.new_cache()
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(6))
@@ -356,9 +355,7 @@ def test_decode_after_eviction_equals_masking_reference(monkeypatch, policy):
         got.append(step[-1])
         tok = int(step[-1].argmax())
     assert cache.counters.evicted_tokens > 0
-    c = model.config
-    ref = _reference_logits(model, torch.tensor(seq), visibility, c.num_key_value_heads,
-                            c.num_attention_heads // c.num_key_value_heads)
+    ref = masking_reference_logits(model, torch.tensor(seq), visibility)
     torch.testing.assert_close(torch.stack(got), ref[len(ids):], atol=2e-5, rtol=1e-4)
 
 

@@ -61,9 +61,14 @@ def main() -> None:
     out = {"impl": "kvpress", "policy": args.press, "budget": args.budget, "groups": []}
     t_all = time.perf_counter()
     for group in cases["groups"]:
-        n_ctx = len(tok.apply_chat_template([{"role": "user", "content": group["document"]}], tokenize=True,
-                                            add_generation_prompt=False))
-        ratio = max(0.0, 1.0 - args.budget / n_ctx)
+        # count the context's tokens from the rendered text (apply_chat_template(tokenize=True) returns a
+        # dict in recent transformers, whose len() is its number of keys)
+        rendered = tok.apply_chat_template([{"role": "user", "content": group["document"]}], tokenize=False,
+                                           add_generation_prompt=False)
+        n_ctx = len(tok(rendered, add_special_tokens=False)["input_ids"])
+        if n_ctx <= args.budget:
+            raise SystemExit(f"{group['id']}: {n_ctx} context tokens do not exceed the budget {args.budget}")
+        ratio = 1.0 - args.budget / n_ctx
         press = make_press(args.press, ratio)
         t0 = time.perf_counter()
         res = pipe(group["document"], questions=group["prompts"], press=press, max_new_tokens=group["max_new_tokens"])

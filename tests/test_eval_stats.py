@@ -9,7 +9,14 @@ import pytest
 
 from kvtool.eval import CellLog
 from kvtool.eval.metrics import exact_match, rouge_l, token_f1
-from kvtool.eval.stats import bootstrap_mean, newcombe_difference, paired_difference, wilson
+from kvtool.eval.stats import (
+    best_in_group,
+    bootstrap_mean,
+    group_sizes,
+    newcombe_difference,
+    paired_difference,
+    wilson,
+)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +63,31 @@ def test_paired_difference_sees_a_consistent_shift_that_unpaired_noise_hides() -
     assert iv.value == pytest.approx(0.5) and iv.low == pytest.approx(0.5) and iv.excludes(0.0)
     with pytest.raises(ValueError):
         paired_difference([1.0], [1.0, 2.0])
+
+
+def test_best_in_group_compares_rows_within_their_budget() -> None:
+    budgets = [None, 256, 256, 1024, 1024, 256]
+    f1 = [1.0, 0.5, 0.6, 0.7, 0.9, 0.6]
+    # full (None) is alone; at 256 the first 0.6 wins the tie; at 1024 0.9 wins
+    assert best_in_group(budgets, f1) == [0, 2, 2, 4, 4, 2]
+    assert best_in_group(budgets, f1, higher_is_better=False) == [0, 1, 1, 3, 3, 1]
+    assert group_sizes(budgets) == [1, 3, 3, 2, 2, 3]
+    with pytest.raises(ValueError):
+        best_in_group([1, 2], [0.5])
+
+
+def test_needle_summary_marks_significance_per_budget_and_against_full() -> None:
+    from kvtool.eval.needle import summarize
+
+    cells = [{"policy": "full", "budget": None, "correct": 30, "trials": 30},
+             {"policy": "sink", "budget": 256, "correct": 10, "trials": 30},
+             {"policy": "h2o", "budget": 256, "correct": 5, "trials": 30},
+             {"policy": "tova", "budget": 256, "correct": 0, "trials": 30}]
+    rows = {r["policy"]: r for r in summarize(cells)}
+    assert rows["sink"]["best"] and not rows["full"]["best"]  # full is the reference, alone in its group
+    # 10/30 vs 5/30: Newcombe's interval for the difference contains 0; 10/30 vs 0/30 does not
+    assert not rows["h2o"]["significant"] and rows["tova"]["significant"]
+    assert all(rows[p]["below_full"] for p in ("sink", "h2o", "tova")) and not rows["full"]["below_full"]
 
 
 def test_agreement_metrics_on_hand_made_answers() -> None:

@@ -159,7 +159,7 @@ def _tiny_doc(tmp_path: Path, words: int) -> Path:
 
 def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
-                          "cpu", "--memory", "1GiB", "--doc-tokens", "5000", "--json", "--quiet")
+                          "cpu", "--memory", "64GiB", "--doc-tokens", "5000", "--json", "--quiet")
     assert code == 0, err
     assert err == ""
     p = json.loads(out)
@@ -180,7 +180,9 @@ def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert p["runtime_baseline_bytes"] > 0  # CPU: measured RSS before the weights
     assert p["attention_scratch_bytes"] == 0 and p["policy_state_bytes"] == 0  # keydiff reads no attention
     assert p["dense"]["doc_tokens"] == 5000 and p["dense"]["kv_bytes"] == 5000 * 512
-    assert p["memory"]["limit_bytes"] == 1024**3 and p["memory"]["largest_budget_tokens"] > 64
+    # The limit sits far above the measured baseline: a test process that has loaded the real model
+    # (the full suite in CI) has an RSS above 1 GiB before this plan's weights.
+    assert p["memory"]["limit_bytes"] == 64 * 1024**3 and p["memory"]["largest_budget_tokens"] > 64
     assert p["memory"]["dense_max_tokens"] > 0 and p["memory"]["fits"] is True
     assert "measured" not in p and "budget_split" not in p
 

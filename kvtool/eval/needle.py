@@ -37,7 +37,7 @@ from kvtool.eval import (
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
-from kvtool.eval.stats import newcombe_difference, wilson
+from kvtool.eval.stats import best_in_group, group_sizes, newcombe_difference, wilson
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import parse_recall
 
@@ -354,7 +354,8 @@ def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int],
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Found-rate per (policy, budget, recall) over every length, depth and trial, with a Wilson interval.
 
-    ``significant`` marks a row whose difference from the best row excludes 0 (Newcombe interval).
+    ``significant`` marks a row whose difference from the best row at the same budget excludes 0
+    (Newcombe interval); ``below_full`` one whose difference from the ``full`` row does.
     """
     out: dict[tuple[str, Any, int], dict[str, Any]] = {}
     for c in cells:
@@ -364,14 +365,23 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
     rows = list(out.values())
-    best = max(rows, key=lambda r: r["correct"] / r["total"] if r["total"] else 0.0) if rows else None
-    for row in rows:
+    budgets = [r["budget"] for r in rows]
+    best = best_in_group(budgets, [r["correct"] / r["total"] if r["total"] else 0.0 for r in rows])
+    sizes = group_sizes(budgets)
+    full = next((r for r in rows if r["budget"] is None), None)
+
+    def differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return newcombe_difference(a["correct"], a["total"], b["correct"], b["total"]).excludes(0.0)
+
+    for k, row in enumerate(rows):
         iv = wilson(row["correct"], row["total"])
         row["accuracy"] = round(iv.value, 4)
         row["interval"] = [round(iv.low, 4), round(iv.high, 4)]
-        diff = newcombe_difference(row["correct"], row["total"], best["correct"], best["total"])  # type: ignore[index]
-        row["best"] = row is best
-        row["significant"] = row is not best and diff.excludes(0.0)
+        b = rows[best[k]]
+        row["best"] = row is b and sizes[k] > 1
+        row["significant"] = row is not b and differs(row, b)
+        row["below_full"] = full is not None and row is not full and differs(row, full) and (
+            row["correct"] / max(row["total"], 1) < full["correct"] / max(full["total"], 1))
     return rows
 
 

@@ -12,7 +12,8 @@ For each of K windows of N + M tokens taken at seeded offsets from one or more t
 Reported per run (pooled over the K·M predicted tokens): perplexity, gap to dense (absolute and %),
 mean KL(dense ‖ policy) of the next-token distributions and top-1 agreement with dense; and the mean
 per-window gap % with a 95% bootstrap interval over windows, KL and top-1 likewise, and whether the
-run's gap differs significantly from the best run's (paired bootstrap over the same windows).
+run's gap differs significantly from the best run's at the same budget (paired bootstrap over the
+same windows).
 
 If the tokenizer adds a BOS token by default, each window starts with it (it counts as one of the N context
 tokens), so the model sees what it was trained to see at the start of a sequence.
@@ -31,7 +32,7 @@ from torch import Tensor
 from kvtool.errors import UsageError
 from kvtool.eval import CellLog, Grid, Reporter, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import kl_divergence, mean_nll, top1_agreement
-from kvtool.eval.stats import bootstrap_mean, paired_difference
+from kvtool.eval.stats import best_in_group, bootstrap_mean, group_sizes, paired_difference
 
 #: Only this much of the text is tokenized to draw windows from.
 MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
@@ -191,12 +192,13 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
     seed = task.grid.settings.seed
     gaps = [[100.0 * (math.exp(x["nll"] - x["dense_nll"]) - 1.0) for x in rows] for rows in per_run]
-    best = min(range(len(runs)), key=lambda r: sum(gaps[r]) / len(gaps[r])) if runs else 0
+    best = best_in_group(budgets, [sum(g) / len(g) for g in gaps], higher_is_better=False)
+    sizes = group_sizes(budgets)
     results = []
     for r, (run, rows) in enumerate(zip(runs, per_run, strict=True)):
         ppl = math.exp(sum(x["nll"] for x in rows) / len(rows))  # every sample has M tokens: pooled mean
         gap = ppl - dense_ppl
-        diff = paired_difference(gaps[r], gaps[best], seed=seed)
+        diff = paired_difference(gaps[r], gaps[best[r]], seed=seed)
         results.append({
             "policy": run.policy,
             "budget": budgets[r],
@@ -209,8 +211,8 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
             "kl_interval": bootstrap_mean([x["kl"] for x in rows], seed=seed).as_dict(6),
             "top1": bootstrap_mean([x["top1"] for x in rows], seed=seed).value,
             "top1_interval": bootstrap_mean([x["top1"] for x in rows], seed=seed).as_dict(),
-            "best": r == best,
-            "significant": r != best and diff.excludes(0.0),
+            "best": r == best[r] and sizes[r] > 1,
+            "significant": r != best[r] and diff.excludes(0.0),
             "tokens": len(rows) * m,
             "seconds": round(sum(x["seconds"] for x in rows), 3),
             "samples": [

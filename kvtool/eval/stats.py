@@ -10,6 +10,10 @@ significantly from its best cell. Two kinds of comparison:
   bootstrap over units for one cell; a *paired* bootstrap of the per-unit differences between two cells
   (the same windows/questions were used by both), significant when its interval excludes 0.
 
+Rows are compared within their budget (``best_in_group``): a user picks a policy for the budget they
+can afford, so a policy at 256 is judged against the best policy at 256, not against the best policy at
+1024 (nor against ``full``, which has no budget and is the reference row).
+
 Pure functions (no torch): the bootstrap uses ``random.Random(seed)``, so tables are reproducible.
 """
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 Z95 = 1.959963984540054
@@ -102,3 +106,24 @@ def fmt_interval(iv: Interval, digits: int = 2, pct: bool = False) -> str:
     if pct:
         return f"{100 * iv.value:.0f}% [{100 * iv.low:.0f}, {100 * iv.high:.0f}]"
     return f"{iv.value:.{digits}f} [{iv.low:.{digits}f}, {iv.high:.{digits}f}]"
+
+
+def best_in_group(groups: Sequence[Hashable], scores: Sequence[float], higher_is_better: bool = True) -> list[int]:
+    """For each row, the index of the best-scoring row of its group (ties: the first such row).
+
+    Used to mark significance per budget: row k is compared with ``best_in_group(...)[k]``.
+    """
+    if len(groups) != len(scores):
+        raise ValueError(f"{len(groups)} groups for {len(scores)} scores")
+    best: dict[Hashable, int] = {}
+    for k, (g, s) in enumerate(zip(groups, scores, strict=True)):
+        j = best.get(g)
+        if j is None or (s > scores[j] if higher_is_better else s < scores[j]):
+            best[g] = k
+    return [best[g] for g in groups]
+
+
+def group_sizes(groups: Sequence[Hashable]) -> list[int]:
+    """How many rows share each row's group (a group of one has nothing to be compared with)."""
+    return [sum(1 for h in groups if h == g) for g in groups]
+

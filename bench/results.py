@@ -28,7 +28,9 @@ RESUME = ROOT / "bench" / "results-runs"  # tracked: a later session resumes wha
 START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
-ORDER = ("needle", "agreement", "peer", "ppl", "needle-multi")
+ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi")
+# needle-recall shares needle's log: its full and eviction-only trials are needle's, resumed
+LOGS = {"needle-recall": "needle"}
 
 
 def tasks(quick: bool) -> dict[str, list[str]]:
@@ -37,7 +39,11 @@ def tasks(quick: bool) -> dict[str, list[str]]:
     return {
         "needle": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                    "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", "full," + POLICIES,
-                   "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
+                   "--budgets", "256", "--max-new-tokens", "16"],
+        # recall for the best eviction-only policy at 256 (sink) and the default (h2o): issue 13's rows
+        "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
+                          "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", "full,sink,h2o",
+                          "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
         "needle-multi": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                          "--depths", "0.1,0.5,0.9", "--trials", multi_trials, "--needles", "3",
                          "--policies", "full," + POLICIES, "--budgets", "256", "--max-new-tokens", "24"],
@@ -51,7 +57,8 @@ def tasks(quick: bool) -> dict[str, list[str]]:
 
 
 def run_eval(name: str, argv: list[str]) -> dict:
-    resume = RESUME / f"{name}.jsonl"
+    log = LOGS.get(name, name)
+    resume = RESUME / f"{log}.jsonl"
     full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", str(resume.relative_to(ROOT)), "--json"]
     t0 = time.perf_counter()
     print(f"[{name}] kvtool {shlex.join(argv)}", flush=True)
@@ -60,7 +67,7 @@ def run_eval(name: str, argv: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); rerun to resume")
     print(f"[{name}] {seconds:.0f} s", flush=True)
-    return {"command": f"kvtool {shlex.join(argv)} --resume bench/results-runs/{name}.jsonl --json",
+    return {"command": f"kvtool {shlex.join(argv)} --resume bench/results-runs/{log}.jsonl --json",
             "seconds": round(seconds, 1), "result": json.loads(proc.stdout)}
 
 
@@ -197,6 +204,11 @@ def render(data: dict, total_seconds: float) -> str:
          "a new number per trial, asked as `What is the secret number?`. The earlier *pass key* wording made the "
          "135M model define the phrase instead of reading the text (dense found 0 of 12 at 1K tokens, depths "
          "0.1–0.5); with the secret-number wording the dense model finds it where the table shows.", table_needle),
+        ("needle-recall", "Needle with recall (issue 13)",
+         "The same trials, for the best eviction-only policy at budget 256 (`sink`) and the default (`h2o`), "
+         "each also answering with `--recall 256`: evicted tokens archived in 32-token pages, and the pages "
+         "the question's queries point at (Quest's bound) brought back for the answer. The eviction-only "
+         "and recall rows of a policy answer from the same read.", table_needle),
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),
@@ -246,7 +258,7 @@ def write_doc(block: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="", help="comma list of: needle, needle-multi, agreement, ppl, peer")
+    ap.add_argument("--only", default="", help="comma list of: " + ", ".join(ORDER))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--render-only", action="store_true", help="rewrite docs/results.md from docs/results-data.json")
     args = ap.parse_args()

@@ -82,8 +82,14 @@ def test_needle_summary_marks_significance_per_budget_and_against_full() -> None
     cells = [{"policy": "full", "budget": None, "correct": 30, "trials": 30},
              {"policy": "sink", "budget": 256, "correct": 10, "trials": 30},
              {"policy": "h2o", "budget": 256, "correct": 5, "trials": 30},
-             {"policy": "tova", "budget": 256, "correct": 0, "trials": 30}]
-    rows = {r["policy"]: r for r in summarize(cells)}
+             {"policy": "tova", "budget": 256, "correct": 0, "trials": 30},
+             {"policy": "tova", "budget": 256, "recall": 256, "correct": 28, "trials": 30},
+             {"policy": "sink", "budget": 256, "recall": 256, "correct": 12, "trials": 30}]
+    summary = summarize(cells)
+    recalled = {r["policy"]: r for r in summary if r["recall"]}
+    rows = {r["policy"]: r for r in summary if not r["recall"]}
+    # recall rows are compared with recall rows: they do not make the eviction-only rows "significant"
+    assert recalled["tova"]["best"] and recalled["sink"]["significant"]
     assert rows["sink"]["best"] and not rows["full"]["best"]  # full is the reference, alone in its group
     # 10/30 vs 5/30: Newcombe's interval for the difference contains 0; 10/30 vs 0/30 does not
     assert not rows["h2o"]["significant"] and rows["tova"]["significant"]

@@ -208,10 +208,12 @@ def test_format_bytes() -> None:
 def test_profile_expected_memory_matches_formulas(
     profile: str, dims: dict[str, int], tied: bool, elem: torch.dtype, quantize: str, budget: int
 ) -> None:
-    """The numbers written in the shipped profiles are what memory.py computes (no drift)."""
+    """The numbers written in the shipped profiles are what memory.py computes (no drift), for their policy."""
+    from kvtool.policies import REGISTRY
     from kvtool.runtime.settings import load_profile, parse_budget
 
     data = load_profile(PROFILES / f"{profile}.yaml")
+    policy = REGISTRY.bases[data["policy"]]()  # a plain base (no modifiers) in every shipped profile
     assert data["quantize"] == quantize
     assert data["dtype"] in ("auto", str(elem).removeprefix("torch."))
     expected = data["expected_memory"]
@@ -227,6 +229,8 @@ def test_profile_expected_memory_matches_formulas(
         block_size=data["block_size"],
         quantize=quantize,
         unquantized_params=unquantized,
+        rows=policy.query_rows(data["block_size"]),
+        n_fields=len(policy.state_fields),
     )
     assert expected["num_params"] == num_params
     assert expected["unquantized_params"] == unquantized

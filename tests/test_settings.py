@@ -106,7 +106,7 @@ def test_budget_tokens_from_bytes_by_hand() -> None:
 
 def test_defaults_validate() -> None:
     s = Settings().validate()
-    assert s.model is None and s.policy == "keydiff" and s.budget == "1k"
+    assert s.model is None and s.policy == "h2o" and s.budget == "1k"
     assert s.parsed_budget.tokens == 1024
     assert s.policy_options == {} and Settings().policy_options is not s.policy_options
 

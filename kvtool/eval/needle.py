@@ -354,8 +354,8 @@ def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int],
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Found-rate per (policy, budget, recall) over every length, depth and trial, with a Wilson interval.
 
-    ``significant`` marks a row whose difference from the best row at the same budget excludes 0
-    (Newcombe interval); ``below_full`` one whose difference from the ``full`` row does.
+    ``significant`` marks a row whose difference from the best row at the same budget and recall budget
+    excludes 0 (Newcombe interval); ``below_full`` one whose difference from the ``full`` row does.
     """
     out: dict[tuple[str, Any, int], dict[str, Any]] = {}
     for c in cells:
@@ -365,7 +365,7 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
     rows = list(out.values())
-    budgets = [r["budget"] for r in rows]
+    budgets = [(r["budget"], r["recall"]) for r in rows]
     best = best_in_group(budgets, [r["correct"] / r["total"] if r["total"] else 0.0 for r in rows])
     sizes = group_sizes(budgets)
     full = next((r for r in rows if r["budget"] is None), None)

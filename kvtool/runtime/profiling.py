@@ -51,7 +51,7 @@ class ModelInfo:
     device: str = "cpu"
     quantize: str = "none"
     unquantized_params: int = 0
-    policy: str = "keydiff"
+    policy: str = "h2o"
     rows: int = 0
     n_fields: int = 0
     budget_tokens: int | None = None

@@ -38,7 +38,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     quantize: str = "none"
-    policy: str = "keydiff"
+    policy: str = "h2o"
     policy_options: dict[str, str] = field(default_factory=dict)
     budget: str = "1k"
     block_size: int = 128

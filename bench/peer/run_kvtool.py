@@ -43,6 +43,8 @@ def main() -> None:
             overrides["budget"] = str(args.budget)
         if session is None:
             session = Session(resolve_settings(None, overrides))
+        # one session (one model load) for every group, but each group's own answer length, as kvpress gets
+        session.settings.max_new_tokens = group["max_new_tokens"]
         t0 = time.perf_counter()
         read = session.read(text_document(group["document"], group["id"]))
         answers = [session.ask(read, q).answer for q in group["questions"]]

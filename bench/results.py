@@ -28,7 +28,8 @@ RESUME = ROOT / "bench" / "results-runs"  # tracked: a later session resumes wha
 START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
-ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi")
+ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256")
+BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 # needle-recall shares needle's log: its full and eviction-only trials are needle's, resumed
 LOGS = {"needle-recall": "needle"}
 
@@ -50,6 +51,10 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "agreement": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
                       "bench/data/aord_questions.txt", "--policies", POLICIES, "--budgets",
                       "256" if quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8"],
+        **{f"block-{b}": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
+                          "bench/data/aord_questions.txt", "--policies", "h2o", "--budgets",
+                          "256" if quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8",
+                          "--block-size", str(b)] for b in BLOCKS},
         "ppl": ["eval", "ppl", "--text", f"{CORPUS}/sherlock_holmes.txt,{CORPUS}/pride_and_prejudice.txt,"
                 f"{CORPUS}/paul_graham_essays", "--context", "1k", "--continuation", "32",
                 "--samples", "4" if quick else "16", "--policies", "full," + POLICIES, "--budgets", "256"],
@@ -188,6 +193,35 @@ def peer_differences(peer: dict) -> list[str]:
     return out
 
 
+def table_blocks(data: dict) -> str:
+    """Token F1 of the default policy at block 64/128/256; each against block 128 by a paired bootstrap."""
+    from kvtool.eval.stats import paired_difference
+
+    def per_question(task: dict) -> dict:
+        return {r["budget"]: [a["f1"] for a in r["answers"]] for r in task["result"]["results"] if r["policy"] == "h2o"}
+
+    base = per_question(data["agreement"])
+    lines = ["| block | " + " | ".join(f"token F1 @ {b} (vs 128)" for b in sorted(base)) + " |",
+             "|---|" + "---|" * len(base)]
+    for block, task in [(128, data["agreement"])] + [(b, data.get(f"block-{b}")) for b in BLOCKS]:
+        if task is None:
+            continue
+        f1 = per_question(task)
+        cells = []
+        for budget in sorted(base):
+            mean = sum(f1[budget]) / len(f1[budget])
+            if block == 128:
+                cells.append(f"{mean:.2f}")
+                continue
+            d = paired_difference(f1[budget], base[budget])
+            cells.append(f"{mean:.2f} ({d.value:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
+                         f"{', significant' if d.excludes(0.0) else ''})")
+        lines.append(f"| {block} | " + " | ".join(cells) + " |")
+    cmds = [f"`{data[f'block-{b}']['command']}` — {data[f'block-{b}']['seconds']:.0f} s" for b in BLOCKS
+            if f"block-{b}" in data]
+    return "\n".join(lines + [""] + cmds)
+
+
 def choose_default(agreement: dict | None, needle: dict | None) -> list[str]:
     """Which policy the data supports as the default.
 
@@ -259,6 +293,11 @@ def render(data: dict, total_seconds: float) -> str:
         parts += [f"## {title}", "", intro, "", table(task), "",
                   f"`{task['command']}` — {task['seconds']:.0f} s" + (f" ({task['note']})" if task.get("note") else ""),
                   ""]
+    if "agreement" in data and any(f"block-{b}" in data for b in BLOCKS):
+        parts += ["## Block size for the default policy", "",
+                  "`h2o` on the agreement questions at prefill blocks of 64, 128 (the default) and 256 tokens; "
+                  "each block size's token F1 against block 128's on the same questions (paired bootstrap).", "",
+                  table_blocks(data), ""]
     parts += ["## Choosing the default policy", "", *[f"- {x}" for x in choose_default(data.get("agreement"),
                                                                                           data.get("needle"))], ""]
     if data.get("peer"):

@@ -159,7 +159,8 @@ def _tiny_doc(tmp_path: Path, words: int) -> Path:
 
 def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
-                          "cpu", "--memory", "64GiB", "--doc-tokens", "5000", "--policy", "keydiff", "--json", "--quiet")
+                          "cpu", "--memory", "64GiB", "--doc-tokens", "5000", "--policy", "keydiff", "--json",
+                          "--quiet")
     assert code == 0, err
     assert err == ""
     p = json.loads(out)

@@ -12,7 +12,8 @@ the reference) and by each (policy, budget) run of the grid, through the same pa
 
 Per run: exact-match rate with a Wilson interval; F1, ROUGE-L, KL and top-1 means with bootstrap
 intervals over questions; ``significant`` marks a run whose F1 differs from the best run's at the
-same budget (paired bootstrap over the same questions). Resumable with ``--resume`` (one line per finished question).
+same budget (paired bootstrap over the same questions). Resumable with ``--resume`` (one line per
+finished question).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from kvtool.errors import UsageError
 from kvtool.eval import CellLog, Grid, Reporter, Run, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import exact_match, kl_divergence, rouge_l, token_f1, top1_agreement
-from kvtool.eval.stats import best_in_group, bootstrap_mean, group_sizes, paired_difference, wilson
+from kvtool.eval.stats import best_in_group, bootstrap_mean, paired_difference, wilson
 
 MAX_QUESTIONS = 10_000
 
@@ -129,7 +130,6 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
     f1s = [[r["f1"] for r in rows] for rows in per_run]
     budgets = [rows[0]["budget"] for rows in per_run]
     best = best_in_group(budgets, [sum(f) / Q for f in f1s])
-    sizes = group_sizes(budgets)
     for k, (run, rows) in enumerate(zip(runs, per_run, strict=True)):
         b = best[k]
         exact = sum(int(r["exact"]) for r in rows)
@@ -144,8 +144,8 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             "rouge_l": bootstrap_mean([r["rouge_l"] for r in rows], seed=seed).as_dict(),
             "kl": bootstrap_mean(kls, seed=seed).as_dict(5) if kls else None,
             "top1": bootstrap_mean(top1, seed=seed).as_dict() if top1 else None,
-            "best": k == b and sizes[k] > 1,
-            "significant": k != b and paired_difference(f1s[k], f1s[b], seed=seed).excludes(0.0),
+            "best": k == b,
+            "significant": b is not None and k != b and paired_difference(f1s[k], f1s[b], seed=seed).excludes(0.0),
             "answers": [{"question": q, "dense": dense[i]["answer"], "answer": rows[i]["answer"],
                          "f1": round(rows[i]["f1"], 4)} for i, q in enumerate(task.questions)],
         })

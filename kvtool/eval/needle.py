@@ -37,7 +37,7 @@ from kvtool.eval import (
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
-from kvtool.eval.stats import best_in_group, group_sizes, newcombe_difference, wilson
+from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import parse_recall
 
@@ -366,9 +366,9 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["total"] += c["trials"]
     rows = list(out.values())
     budgets = [(r["budget"], r["recall"]) for r in rows]
-    best = best_in_group(budgets, [r["correct"] / r["total"] if r["total"] else 0.0 for r in rows])
-    sizes = group_sizes(budgets)
-    full = next((r for r in rows if r["budget"] is None), None)
+    rates = [r["correct"] / r["total"] if r["total"] else 0.0 for r in rows]
+    best = best_in_group(budgets, rates)
+    full = next((k for k, r in enumerate(rows) if r["budget"] is None), None)
 
     def differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return newcombe_difference(a["correct"], a["total"], b["correct"], b["total"]).excludes(0.0)
@@ -377,11 +377,10 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         iv = wilson(row["correct"], row["total"])
         row["accuracy"] = round(iv.value, 4)
         row["interval"] = [round(iv.low, 4), round(iv.high, 4)]
-        b = rows[best[k]]
-        row["best"] = row is b and sizes[k] > 1
-        row["significant"] = row is not b and differs(row, b)
-        row["below_full"] = full is not None and row is not full and differs(row, full) and (
-            row["correct"] / max(row["total"], 1) < full["correct"] / max(full["total"], 1))
+        b = best[k]
+        row["best"] = k == b
+        row["significant"] = b is not None and k != b and differs(row, rows[b])
+        row["below_full"] = full is not None and rates[k] < rates[full] and differs(row, rows[full])
     return rows
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from kvtool.errors import UsageError
 from kvtool.eval import CellLog, Grid, Reporter, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import kl_divergence, mean_nll, top1_agreement
-from kvtool.eval.stats import best_in_group, bootstrap_mean, group_sizes, paired_difference
+from kvtool.eval.stats import best_in_group, bootstrap_mean, paired_difference
 
 #: Only this much of the text is tokenized to draw windows from.
 MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
@@ -193,12 +193,11 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     seed = task.grid.settings.seed
     gaps = [[100.0 * (math.exp(x["nll"] - x["dense_nll"]) - 1.0) for x in rows] for rows in per_run]
     best = best_in_group(budgets, [sum(g) / len(g) for g in gaps], higher_is_better=False)
-    sizes = group_sizes(budgets)
     results = []
     for r, (run, rows) in enumerate(zip(runs, per_run, strict=True)):
         ppl = math.exp(sum(x["nll"] for x in rows) / len(rows))  # every sample has M tokens: pooled mean
         gap = ppl - dense_ppl
-        diff = paired_difference(gaps[r], gaps[best[r]], seed=seed)
+        b = best[r]
         results.append({
             "policy": run.policy,
             "budget": budgets[r],
@@ -211,8 +210,8 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
             "kl_interval": bootstrap_mean([x["kl"] for x in rows], seed=seed).as_dict(6),
             "top1": bootstrap_mean([x["top1"] for x in rows], seed=seed).value,
             "top1_interval": bootstrap_mean([x["top1"] for x in rows], seed=seed).as_dict(),
-            "best": r == best[r] and sizes[r] > 1,
-            "significant": r != best[r] and diff.excludes(0.0),
+            "best": r == b,
+            "significant": b is not None and r != b and paired_difference(gaps[r], gaps[b], seed=seed).excludes(0.0),
             "tokens": len(rows) * m,
             "seconds": round(sum(x["seconds"] for x in rows), 3),
             "samples": [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -108,10 +109,13 @@ def fmt_interval(iv: Interval, digits: int = 2, pct: bool = False) -> str:
     return f"{iv.value:.{digits}f} [{iv.low:.{digits}f}, {iv.high:.{digits}f}]"
 
 
-def best_in_group(groups: Sequence[Hashable], scores: Sequence[float], higher_is_better: bool = True) -> list[int]:
+def best_in_group(
+    groups: Sequence[Hashable], scores: Sequence[float], higher_is_better: bool = True
+) -> list[int | None]:
     """For each row, the index of the best-scoring row of its group (ties: the first such row).
 
-    Used to mark significance per budget: row k is compared with ``best_in_group(...)[k]``.
+    Used to mark significance per budget: row k is compared with ``best_in_group(...)[k]``. A row alone
+    in its group (``full``, which has no budget) has nothing to be compared with: None.
     """
     if len(groups) != len(scores):
         raise ValueError(f"{len(groups)} groups for {len(scores)} scores")
@@ -120,10 +124,5 @@ def best_in_group(groups: Sequence[Hashable], scores: Sequence[float], higher_is
         j = best.get(g)
         if j is None or (s > scores[j] if higher_is_better else s < scores[j]):
             best[g] = k
-    return [best[g] for g in groups]
-
-
-def group_sizes(groups: Sequence[Hashable]) -> list[int]:
-    """How many rows share each row's group (a group of one has nothing to be compared with)."""
-    return [sum(1 for h in groups if h == g) for g in groups]
-
+    sizes = Counter(groups)
+    return [best[g] if sizes[g] > 1 else None for g in groups]

@@ -234,3 +234,10 @@ def tiny_family_checkpoint(directory, family: str, seed: int = 0):
     model.save_pretrained(str(directory))
     tok.save_pretrained(str(directory))
     return Path(directory)
+
+
+def token_state(policy, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Policy state of freshly stored tokens ([h, m, d] keys/values → {field: [h, m]}), as the cache
+    sets it (``HeadGroup.new_state``): 0 for running fields, the policy's per-token constants."""
+    consts = policy.constants(keys, values)
+    return {f: consts[f] if f in consts else torch.zeros(keys.shape[:2]) for f in policy.state_fields}

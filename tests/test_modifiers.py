@@ -19,6 +19,7 @@ from kvtool.policies.modifiers.caote import CAOTE, greedy_evict, joint_eviction_
 from kvtool.policies.modifiers.fastcaote import FastCAOTE
 from kvtool.policies.modifiers.vatp import VATP
 from kvtool.policies.spec import _construct
+from tests.helpers import token_state
 
 F64 = torch.float64
 
@@ -38,18 +39,21 @@ class StubBase(Policy):
         return self.scores
 
 
-def make_ctx(values: Tensor, capacity: int | None = None, protected: Tensor | None = None, first_pos: int = 0):
+def make_ctx(values: Tensor, capacity: int | None = None, protected: Tensor | None = None, first_pos: int = 0,
+             policy: Policy | None = None):
+    """A context over ``values``; with ``policy``, its per-token constants in the state, as the cache has them."""
     h, n, d = values.shape
     positions = (torch.arange(n) + first_pos).expand(h, n).clone()
+    keys = torch.zeros(h, n, d, dtype=values.dtype)
     return ScoreContext(
         layer_idx=0,
         heads=list(range(h)),
-        keys=torch.zeros(h, n, d, dtype=values.dtype),
+        keys=keys,
         values=values,
         positions=positions,
         query_positions=positions[0, -1:].clone(),
         probs=None,
-        state={},
+        state={} if policy is None else token_state(policy, keys, values),
         protected=torch.zeros(h, n, dtype=torch.bool) if protected is None else protected,
         capacity=n if capacity is None else capacity,
         block_len=1,
@@ -160,11 +164,10 @@ def test_vatp_is_score_times_l1_norm_and_keeps_the_first_tokens():
     scores = torch.rand(h, n, generator=gen, dtype=F64)
     values = torch.randn(h, n, d, generator=gen, dtype=F64)
     values[:, :3] *= 1e-6  # sink tokens: tiny value norms
-    ctx = make_ctx(values, capacity=5)
-
     vatp = VATP(base=StubBase(scores), first=3)
+    ctx = make_ctx(values, capacity=5, policy=vatp)
     out = vatp.modify(ctx, scores)
-    torch.testing.assert_close(out, scores * values.abs().sum(-1))
+    torch.testing.assert_close(out, scores * values.abs().sum(-1), rtol=1e-6, atol=0)  # ‖v‖₁ kept in float32
     first = vatp.extra_protected(ctx)
     assert first[:, :3].all() and not first[:, 3:].any()
     ctx.protected = ctx.protected | first  # what the engine does before select
@@ -177,7 +180,7 @@ def test_vatp_is_score_times_l1_norm_and_keeps_the_first_tokens():
     with_env.env = env
     assert with_env.extra_protected(ctx).sum(-1).tolist() == [2, 2]
     assert VATP(base=StubBase(scores)).extra_protected(ctx).sum(-1).tolist() == [4, 4]
-    later = make_ctx(values, first_pos=100)
+    later = make_ctx(values, first_pos=100, policy=vatp)
     assert not VATP(base=StubBase(scores)).extra_protected(later).any()
 
 
@@ -185,7 +188,7 @@ def test_vatp_below_caote_keeps_its_first_tokens_and_gives_no_nan():
     gen = torch.Generator().manual_seed(6)
     alpha, values = random_case(gen, 2, 10, 4)
     stacked = CAOTE(base=VATP(base=StubBase(alpha.float()), first=2))
-    ctx = make_ctx(values.float(), capacity=5)
+    ctx = make_ctx(values.float(), capacity=5, policy=stacked)
     c = stacked.score(ctx)
     assert torch.isfinite(c).all()  # VATP protects through extra_protected, not +inf scores
     ctx.protected = ctx.protected | stacked.extra_protected(ctx)
@@ -272,6 +275,38 @@ def test_greedy_beats_independent_selection_on_average():
     )
     assert step.mean() <= independent.mean()
     assert joint.mean() <= independent.mean()
+
+
+def brute_greedy(alpha: Tensor, values: Tensor, m: int, objective: str) -> list[int]:
+    """App. B literally, for one head: at each step evict the token whose removal (row renormalised,
+    output recomputed from the tokens left) changes the current output least ("step") or moves the
+    output furthest from the original least ("joint")."""
+    evicted: list[int] = []
+    x = alpha @ values
+    for _ in range(m):
+        current = output_after_evicting(alpha, values, evicted)
+        best, best_err = -1, float("inf")
+        for j in range(alpha.shape[-1]):
+            if j in evicted:
+                continue
+            after = output_after_evicting(alpha, values, [*evicted, j])
+            err = float(torch.linalg.vector_norm((current if objective == "step" else x) - after))
+            if err < best_err:
+                best, best_err = j, err
+        evicted.append(best)
+    return evicted
+
+
+@pytest.mark.parametrize("objective", ["step", "joint"])
+def test_greedy_equals_the_literal_step_by_step_eviction(objective):
+    """The closed forms (eq. 27, and the expanded "joint" of issue 15) pick the same tokens, in the
+    same order, as evicting and recomputing the output at every step."""
+    gen = torch.Generator().manual_seed(21)
+    h, n, d, m = 5, 14, 6, 9
+    alpha, values = random_case(gen, h, n, d)
+    evicted, _ = greedy_evict(alpha, values, m, objective=objective)
+    for k in range(h):
+        assert evicted[k].tolist() == brute_greedy(alpha[k], values[k], m, objective)
 
 
 def test_greedy_never_evicts_protected_tokens():

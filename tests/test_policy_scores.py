@@ -17,6 +17,7 @@ from kvtool.policies.keydiff import KeyDiff
 from kvtool.policies.scissorhands import Scissorhands
 from kvtool.policies.snapkv import SnapKV
 from kvtool.policies.tova import TOVA
+from tests.helpers import token_state
 
 H, D = 2, 8
 SINKS = 2
@@ -50,7 +51,9 @@ def stream(policy, q, k, block, capacity, on_step=None):
         qp = torch.arange(s, min(s + block, t))
         m = len(qp)
         pos = torch.cat([pos, qp.expand(h, m)], 1)
-        state = {f: torch.cat([v, torch.zeros(h, m)], 1) for f, v in state.items()}
+        block_keys = k[:, qp]
+        fresh = token_state(policy, block_keys, block_keys)  # values = keys in this mini engine
+        state = {f: torch.cat([v, fresh[f]], 1) for f, v in state.items()}
         n = pos.shape[1]
         keys = torch.gather(k, 1, pos.unsqueeze(-1).expand(h, n, d))
         r = min(policy.query_rows(m), m)
@@ -238,7 +241,7 @@ def test_keydiff_topk_equals_eq8_and_needs_no_probs():
         positions=torch.arange(n).expand(H, n),
         query_positions=torch.arange(n - 8, n),
         probs=None,
-        state={},
+        state=token_state(policy, keys, keys),
         protected=torch.zeros(H, n, dtype=torch.bool),
         capacity=cap,
         block_len=8,

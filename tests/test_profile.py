@@ -179,7 +179,8 @@ def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert p["num_params"] == llama_param_count(dims, tie_word_embeddings=False)
     assert p["weights_bytes"] == 4 * p["num_params"]
     assert p["runtime_baseline_bytes"] > 0  # CPU: measured RSS before the weights
-    assert p["attention_scratch_bytes"] == 0 and p["policy_state_bytes"] == 0  # keydiff reads no attention
+    assert p["attention_scratch_bytes"] == 0  # keydiff reads no attention
+    assert p["policy_state_bytes"] == 80 * 2 * 2 * 4  # its 1/‖k‖ per token: 80 slots x 2 KV heads x 2 layers, float32
     assert p["dense"]["doc_tokens"] == 5000 and p["dense"]["kv_bytes"] == 5000 * 512
     # The limit sits far above the measured baseline: a test process that has loaded the real model
     # (the full suite in CI) has an RSS above 1 GiB before this plan's weights.

@@ -201,10 +201,26 @@ class HeadGroup:
         self.values[:, :, a:b] = value_states
         self.positions[:, self.length : self.length + m] = positions
         self.rotary[:, self.length : self.length + m] = positions if rotary is None else rotary
-        self.state[:, :, self.length : self.length + m] = 0
+        self.state[:, :, self.length : self.length + m] = self.new_state(self.keys[0, :, a:b], self.values[0, :, a:b])
         if self.mass is not None:
             self.mass[:, self.length : self.length + m] = 0
         self.length += m
+
+    def new_state(self, keys: Tensor, values: Tensor) -> Tensor | float:
+        """Policy state of tokens being stored ([h, m, d] keys/values) → ``[F, h, m]``.
+
+        Running fields (H2O's sums) start at 0; per-token constants (``Policy.constants``: KeyDiff's
+        inverse key norm, VATP's ‖v‖₁, CAOTE's ‖v‖²) are computed here, once per token, so scoring
+        never recomputes them over the whole cache (issue 15). A plain 0 when there are none.
+        """
+        consts = self.policy.constants(keys, values) if self.state_fields else {}
+        if not consts:
+            return 0.0
+        out = torch.zeros(len(self.state_fields), keys.shape[0], keys.shape[1], dtype=torch.float32,
+                          device=keys.device)
+        for name, value in consts.items():
+            out[self.state_fields.index(name)] = value
+        return out
 
     def evicts_now(self, lazy: bool, lazy_limit: int) -> bool:
         """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
@@ -485,6 +501,21 @@ class BoundedCache(Cache):
         self.counters = CacheCounters()
         self.step = StepInfo()
         self.query_log: list[tuple[int, Tensor, int]] | None = None  # recall: (layer, queries, original − rotary)
+        self._scratch = torch.empty(0, dtype=torch.float32, device=device)
+
+    def scratch(self, *shape: int) -> Tensor:
+        """A float32 buffer of ``shape`` for one layer's attention probabilities, reused by every layer.
+
+        One growing storage instead of a fresh ``[h, rows, n]`` tensor per layer and block: a large
+        allocation per call costs page faults on CPU (the allocator returns it to the system) and
+        allocator traffic on CUDA. It grows only when a longer row is needed (the cache filling up,
+        or the dense reference's growing ``n``), so its size is one layer's probabilities, as before.
+        Valid until the next call: the attention function consumes it within the layer.
+        """
+        numel = math.prod(shape)
+        if numel > self._scratch.numel():
+            self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._scratch[:numel].view(shape)
 
     # -- clocks and counters -------------------------------------------------------------------
     def clock(self) -> float:

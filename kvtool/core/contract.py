@@ -140,6 +140,16 @@ class Policy:
         return [GroupSpec(heads=list(range(env.num_kv_heads)), capacity=env.budget, policy=self)]
 
     # -- running state and score -------------------------------------------------------------
+    def constants(self, keys: Tensor, values: Tensor) -> dict[str, Tensor]:
+        """Per-token constants of tokens being stored: ``[h, m, d]`` keys/values → {field: ``[h, m]``}.
+
+        For quantities of a token's own key or value that never change (KeyDiff's inverse key norm,
+        VATP's ‖v‖₁): computed once when the token is appended (or recalled), kept in a
+        ``state_fields`` entry and gathered with it, instead of recomputed over the whole cache at every
+        eviction. Fields not returned start at 0 (running state).
+        """
+        return {}
+
     def observe(self, ctx: ScoreContext) -> None:
         """Update running per-token state from this block (called before ``score``)."""
 
@@ -193,9 +203,13 @@ class Modifier(Policy):
     #: the base a bare ``--policy <modifier>`` applies to (the modifier paper's own setting)
     default_base: ClassVar[str] = "tova"
 
+    #: this modifier's own per-token state fields, after its base's
+    own_fields: ClassVar[tuple[str, ...]] = ()
+
     @property
     def state_fields(self) -> tuple[str, ...]:  # type: ignore[override]
-        return self.base.state_fields
+        base = tuple(self.base.state_fields)
+        return base + tuple(f for f in self.own_fields if f not in base)
 
     @property
     def observe_every_step(self) -> bool:  # type: ignore[override]
@@ -218,6 +232,13 @@ class Modifier(Policy):
 
     def observe(self, ctx: ScoreContext) -> None:
         self.base.observe(ctx)
+
+    def constants(self, keys: Tensor, values: Tensor) -> dict[str, Tensor]:
+        return {**self.base.constants(keys, values), **self.own_constants(keys, values)}
+
+    def own_constants(self, keys: Tensor, values: Tensor) -> dict[str, Tensor]:
+        """This modifier's own per-token constants (named in ``own_fields``)."""
+        return {}
 
     def extra_protected(self, ctx: ScoreContext) -> Tensor | None:
         return self.base.extra_protected(ctx)

@@ -104,7 +104,9 @@ def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor) -> Non
     g.positions[:, : n + T] = pos.gather(1, order)
     g.rotary[:, : n + T] = rot
     if g.state.shape[0]:
-        st = torch.cat((g.state[:, :, :n], torch.zeros(g.state.shape[0], g.num_heads, T, device=dev)), dim=2)
+        fresh = torch.zeros(g.state.shape[0], g.num_heads, T, device=dev)
+        fresh[:] = g.new_state(keys.to(dev, g.keys.dtype), values.to(dev, g.values.dtype))  # recalled: constants again
+        st = torch.cat((g.state[:, :, :n], fresh), dim=2)
         g.state[:, :, : n + T] = st.gather(2, order.unsqueeze(0).expand(g.state.shape[0], -1, -1))
     g.length = n + T
     if g.capacity is not None:

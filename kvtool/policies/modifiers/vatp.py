@@ -44,9 +44,13 @@ class VATP(Modifier):
             return max(0, int(self.first))
         return self.env.sinks if self.env is not None else DEFAULT_FIRST
 
+    own_fields = ("v_l1",)  # ‖v_k‖₁, a per-token constant
+
+    def own_constants(self, keys: Tensor, values: Tensor) -> dict[str, Tensor]:
+        return {"v_l1": values.float().abs().sum(dim=-1)}
+
     def modify(self, ctx: ScoreContext, scores: Tensor) -> Tensor:
-        l1 = ctx.values.to(scores.dtype).abs().sum(dim=-1)  # [h, n], ‖v_k‖₁
-        return scores * l1
+        return scores * ctx.state["v_l1"]  # [h, n] · ‖v_k‖₁ (computed once per token, at append)
 
     def extra_protected(self, ctx: ScoreContext) -> Tensor | None:
         mine = ctx.positions < self.first_tokens

@@ -393,6 +393,16 @@ def test_wrong_model(env, kvc, capsys):
     assert env["model"] in line
 
 
+def test_cache_from_an_older_policy_state_layout(env, kvc, capsys, monkeypatch):
+    """A cache whose per-token policy state differs from this kvtool's (a policy gained a per-token
+    constant, issue 15) is refused with one line, not loaded into the wrong fields."""
+    from kvtool.policies.h2o import H2O
+
+    monkeypatch.setattr(H2O, "state_fields", ("acc", "extra"))
+    assert_usage_error(cli(capsys, "ask", kvc, "q", "--model", env["model"], "-q", *GEN),
+                       "per-token policy state ['acc']", "prefill it again")
+
+
 def test_wrong_dtype(env, kvc, capsys):
     assert_usage_error(
         cli(capsys, "ask", kvc, "q", "--model", env["model"], "--dtype", "bfloat16", "-q"),

@@ -895,6 +895,11 @@ def _check_layout(path: str, layout: Any, cache: Any) -> None:
         raise UsageError(
             f"{path} has another head layout than this run's cache (a different calibration?); prefill again"
         )
+    fields = [[list(g.state_fields) for g in layer.groups] for layer in cache.layers]
+    saved = [[list(g.get("state_fields", [])) if isinstance(g, dict) else [] for g in layer] for layer in layout]
+    if fields != saved:  # e.g. a keydiff cache from before its per-token 1/‖k‖ (0.2)
+        raise UsageError(f"{path} keeps per-token policy state {saved[0][0]}, this kvtool's policy keeps "
+                         f"{fields[0][0]}; prefill it again with this kvtool")
 
 
 # -- inspecting -------------------------------------------------------------------------------------------------

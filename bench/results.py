@@ -28,7 +28,9 @@ RESUME = ROOT / "bench" / "results-runs"  # tracked: a later session resumes wha
 START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
-ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256")
+ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
+         "needle-recall-long", "recall-page-16", "recall-page-64", "archive-float16")
+PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
 
@@ -54,6 +56,18 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,sink,{DEFAULT}",
                           "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
+        # longer haystacks (issue 13): full, the default, the default + recall; compact positions past 8K
+        "needle-recall-long": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k,8k",
+                               "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",
+                               "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
+        # the archive's page size and storage dtype: the default + recall 256 on needle's 1K trials
+        **{f"recall-page-{p}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
+                                "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT, "--budgets",
+                                "256", "--max-new-tokens", "16", "--recall", "256", "--recall-page", str(p)]
+           for p in PAGES},
+        "archive-float16": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
+                            "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT, "--budgets", "256",
+                            "--max-new-tokens", "16", "--recall", "256", "--archive-dtype", "float16"],
         "needle-multi": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                          "--depths", "0.1,0.5,0.9", "--trials", multi_trials, "--needles", "3",
                          "--policies", "full," + POLICIES, "--budgets", "256", "--max-new-tokens", "24"],
@@ -234,6 +248,35 @@ def table_blocks(data: dict) -> str:
     return "\n".join(lines + [""] + cmds)
 
 
+def table_archive(data: dict) -> str:
+    """The default + recall 256 on the same 1K needle trials, by archive page size and storage dtype,
+    each against the shipped setting (32-token pages, the model's dtype; Newcombe interval)."""
+    from kvtool.eval.stats import newcombe_difference, wilson
+
+    def found(task: dict | None) -> tuple[int, int] | None:
+        if task is None:
+            return None
+        rows = [r for r in task["result"]["summary"] if r["policy"] == DEFAULT and r.get("recall", 0)]
+        return (rows[0]["correct"], rows[0]["total"]) if rows else None
+
+    base = found(data.get("needle-recall"))
+    variants = [("32 (default)", "model's (float32)", base)]
+    variants += [(str(p), "model's (float32)", found(data.get(f"recall-page-{p}"))) for p in PAGES]
+    variants.insert(1, ("32", "float16", found(data.get("archive-float16"))))
+    lines = ["| page size | archive dtype | found | vs the default |", "|---|---|---|---|"]
+    for page, dtype, kn in variants:
+        if kn is None:
+            continue
+        k, n = kn
+        diff = "–"
+        if base is not None and not page.endswith("(default)"):
+            d = newcombe_difference(k, n, *base)
+            diff = f"{100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]" + (
+                " ✱" if d.excludes(0.0) else " (inside the noise)")
+        lines.append(f"| {page} | {dtype} | {_iv(wilson(k, n).as_dict(), pct=True)} ({k}/{n}) | {diff} |")
+    return "\n".join(lines)
+
+
 def choose_default(agreement: dict | None, needle: dict | None) -> list[str]:
     """Which policy the data supports as the default.
 
@@ -302,6 +345,11 @@ def render(data: dict, total_seconds: float) -> str:
          "each also answering with `--recall 256`: evicted tokens archived in 32-token pages, and the pages "
          "the question's queries point at (Quest's bound) brought back for the answer. The eviction-only "
          "and recall rows of a policy answer from the same read.", table_needle),
+        ("needle-recall-long", "Needle with recall on longer haystacks (issue 13)",
+         f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on 2K and 8K-token haystacks. "
+         "SmolLM2-135M was trained on 8,192 positions: the 8K haystack with the chat template and the question "
+         "passes that, so `full` reads past its range while the bounded rows switch to compact positions "
+         "(`--positions auto`).", table_needle),
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),
@@ -327,6 +375,14 @@ def render(data: dict, total_seconds: float) -> str:
                   f"`{DEFAULT}` on the agreement questions at prefill blocks of 64, 128 (the default) and 256 tokens; "
                   "each block size's token F1 against block 128's on the same questions (paired bootstrap).", "",
                   table_blocks(data), ""]
+    if any(k in data for k in ("archive-float16", *(f"recall-page-{p}" for p in PAGES))):
+        cmds = [f"`{data[k]['command']}` — {data[k]['seconds']:.0f} s"
+                for k in (*(f"recall-page-{p}" for p in PAGES), "archive-float16") if k in data]
+        parts += ["## Recall: archive page size and storage dtype", "",
+                  f"`{DEFAULT}` at budget 256 + recall 256 on the needle trials above (1K tokens, depths 0.1/0.5/0.9), "
+                  "with archive pages of 16, 32 and 64 tokens and with the archive stored in float16. The 32-token, "
+                  "float32 row is the \"Needle with recall\" table's.", "", table_archive(data), "",
+                  *[f"- {c}" for c in cmds], ""]
     rule = choose_default(data.get("agreement"), data.get("needle")) + beside_the_rule(data)
     parts += ["## Choosing the default policy", "", *[f"- {x}" for x in rule], ""]
     if data.get("peer"):

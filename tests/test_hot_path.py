@@ -141,3 +141,54 @@ def test_threads_default_to_usable_cores_and_validate():
     for bad in (0, -1, "2", 1.5, True):
         with pytest.raises(UsageError, match="threads"):
             Settings(threads=bad).validate()
+
+
+def test_core_share_divides_the_cores_among_live_kvtool_processes(tmp_path):
+    """Each process takes its cores // (1 + live peers on one of them); dead peers' files are removed."""
+    import os
+    import subprocess
+    import sys
+
+    from kvtool.runtime.cores import CoreShare
+
+    before = torch.get_num_threads()
+    share = CoreShare(tmp_path, interval=0.0)
+    cores = share.cores
+    try:
+        assert (tmp_path / str(os.getpid())).exists()
+        share.rebalance()
+        assert share.peers == 0 and share.threads == len(cores) == torch.get_num_threads()
+        peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            (tmp_path / str(peer.pid)).write_text(",".join(map(str, sorted(cores))))
+            elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            (tmp_path / str(elsewhere.pid)).write_text(str(max(cores) + 1000))  # pinned to other cores
+            share.rebalance()
+            assert share.peers == 1
+            assert share.threads == max(1, len(cores) // 2) == torch.get_num_threads()
+            assert share.min_threads == share.threads
+        finally:
+            for p in (peer, elsewhere):
+                p.kill()
+                p.wait()
+        share.rebalance()  # both died: their files go, the cores come back
+        assert share.peers == 0 and share.threads == len(cores) == torch.get_num_threads()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [str(os.getpid())]
+    finally:
+        share.close()
+        torch.set_num_threads(before)
+    assert not (tmp_path / str(os.getpid())).exists()
+
+
+def test_core_share_checks_at_most_every_interval(tmp_path, monkeypatch):
+    from kvtool.runtime.cores import CoreShare
+
+    share = CoreShare(tmp_path, interval=3600.0)
+    calls = []
+    monkeypatch.setattr(share, "fair_threads", lambda: calls.append(1) or share.threads)
+    try:
+        for _ in range(100):  # one per forward: one directory scan, then a clock read each
+            share.rebalance()
+        assert len(calls) == 1
+    finally:
+        share.close()

@@ -23,9 +23,10 @@ from tests.helpers import VOCAB, dense_logits, tiny_llama, tiny_qwen2
 
 
 def recall_engine(model, policy: str, budget: int, recall_tokens: int, positions: str = "absolute",
-                  block_size: int = 16, page_size: int = 8, archive_dir: str | None = None) -> Engine:
+                  block_size: int = 16, page_size: int = 8, archive_dir: str | None = None,
+                  archive_dtype: torch.dtype | None = None) -> Engine:
     cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=recall_tokens,
-                       page_size=page_size, archive_dir=archive_dir)
+                       page_size=page_size, archive_dir=archive_dir, archive_dtype=archive_dtype)
     env = model_env(model, cfg)
     # SnapKV's observation window (32 by default) is always kept: at the tests' budget of 40 it would leave
     # no room for the pinned question (the engine refuses that), so these tests observe 8 queries.
@@ -85,6 +86,26 @@ def test_select_takes_best_pages_and_equal_counts():
     assert idx[0].tolist() == [8, 9, 10, 11]
     assert {16, 17} <= set(idx[1].tolist())  # tail page first, then part of the next best
     assert pages >= 3
+
+
+def test_rerank_picks_the_page_with_the_best_exact_score():
+    """Quest's bound over-ranks a page whose keys spread widely; re-ranking the bound's candidates by
+    their exact max q·k (brute force over the candidates' keys) picks the page holding the matching key."""
+    h, d, P = 1, 4, 4
+    a = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    q = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]])  # [h, 1 row, d]
+    spread = torch.tensor([[5.0, -5.0, 0, 0], [-5.0, 5.0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])  # bound 10, best q·k 0
+    needle = torch.tensor([[2.0, 2.0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])  # bound 4, q·k 4
+    noise = torch.zeros(P, d)
+    keys = torch.cat([noise, spread, needle]).unsqueeze(0)
+    a.append(keys, torch.zeros_like(keys), torch.arange(3 * P).unsqueeze(0))
+    bound = a.page_scores(q)
+    assert bound.argmax().item() == 1  # the spread page looks best to the bound alone
+    assert torch.equal(a.page_max(q, torch.arange(3).unsqueeze(0)), torch.tensor([[0.0, 0.0, 4.0]]))
+    quest, _ = a.select(q, P, rerank=0)
+    reranked, _ = a.select(q, P)
+    assert quest.tolist() == [list(range(P, 2 * P))]
+    assert reranked.tolist() == [list(range(2 * P, 3 * P))]
 
 
 def test_dropped_indices_is_the_complement():
@@ -193,6 +214,65 @@ def test_recalled_kv_equal_what_was_evicted(positions, monkeypatch):
                 else:
                     torch.testing.assert_close(k[h, t], ek, atol=1e-5, rtol=1e-5)
                     assert torch.equal(v[h, t], ev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_narrow_archive_dtype_costs_only_its_rounding(dtype):
+    """--archive-dtype: archived K/V are the evicted ones rounded to ``dtype`` (and back to the
+    cache's dtype when recalled); the archive file is half the size of a float32 one."""
+    model = tiny_llama()
+    doc = ids_of(100, 5)
+    wide = recall_engine(model, "keydiff", 32, 512)
+    narrow = recall_engine(model, "keydiff", 32, 512, archive_dtype=dtype)
+    cw, _ = read(wide, doc)
+    cn, _ = read(narrow, doc)
+    for gw, gn in zip(cw.groups(), cn.groups(), strict=True):
+        aw, an = gw.archive, gn.archive
+        assert an.dtype == dtype and an.length == aw.length > 0
+        assert an.store.rows * an.store.row_bytes * 2 == aw.store.rows * aw.store.row_bytes
+        idx = torch.arange(aw.length).expand(gw.num_heads, -1)
+        kw, vw, pw = aw.read(idx)
+        kn, vn, pn = an.read(idx)
+        assert torch.equal(pw, pn)
+        assert torch.equal(kn, kw.to(dtype)) and torch.equal(vn, vw.to(dtype))  # exactly the rounding
+    assert recall.archive_dtype(cn) == str(dtype).removeprefix("torch.")
+
+
+def test_page_size_sets_the_summaries_and_the_unit_of_recall():
+    model = tiny_llama()
+    for page in (4, 16):
+        cache, _ = read(recall_engine(model, "sink", 32, 512, page_size=page), ids_of(100, 5))
+        for g in cache.groups():
+            assert g.archive.page_size == page and g.archive.pages == -(-g.archive.length // page)
+
+
+def test_recalled_tokens_stay_for_the_whole_answer():
+    """The question and the answer displace the policy's own tokens, never the ones recalled for them:
+    `sink` would otherwise evict the oldest — the recalled — first. The next restore drops them."""
+    model = tiny_llama()
+    engine = recall_engine(model, "sink", 32, 24, block_size=16)
+    cache, snap = read(engine, ids_of(200, 6))
+    recalled: dict[int, list] = {}
+    real = recall.insert
+
+    def spy(g, keys, values, positions):
+        recalled[id(g)] = positions.tolist()
+        real(g, keys, values, positions)
+
+    recall.insert = spy
+    try:
+        logits, res = engine.feed_question(cache, ids_of(12, 7), lambda: cache.restore(snap))
+    finally:
+        recall.insert = real
+    assert res is not None and res.tokens == 24 and recalled
+    engine.generate(cache, logits, 40, eos_ids=set())  # past the spare region: lazy evictions run
+    for g in cache.groups():
+        if id(g) in recalled:
+            held = g.positions[:, : g.length].tolist()
+            for head, pos in enumerate(recalled[id(g)]):
+                assert set(pos) <= set(held[head])
+    cache.restore(snap)
+    assert all(g.recalled is None for g in cache.groups())
 
 
 def test_recall_stays_within_budget_plus_recall_plus_block_and_restores():
@@ -359,3 +439,33 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
 
     assert peak(r) - peak(p) == 24 * per_token
     assert r["archive_bytes_per_evicted_token"]["file"] == per_token
+    rc, narrow, err = run_cli(capsys, *args, "--recall", "24", "--archive-dtype", "float16", "--recall-page", "64")
+    assert rc == 0, err
+    n = json.loads(narrow)
+    assert n["archive_dtype"] == "float16" and n["recall_page"] == 64
+    assert n["archive_bytes_per_evicted_token"]["file"] == per_token // 2
+    assert n["archive_bytes_per_evicted_token"]["host"] < r["archive_bytes_per_evicted_token"]["host"]
+    for bad in (["--archive-dtype", "int4"], ["--recall-page", "0"]):
+        rc, _, err = run_cli(capsys, *args, "--recall", "24", *bad)
+        assert rc == 2 and err.startswith("kvtool: error: ") and "Traceback" not in err
+
+
+def test_kvc_archive_in_another_dtype_answers_without_recall(kvenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    out = tmp_path / "half.kvc"
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
+                         "--recall", "64", "--archive-dtype", "float16", "-q")
+    assert rc == 0, err
+    rc, info, _ = run_cli(capsys, "inspect", out, "--json")
+    assert json.loads(info)["archive"]["dtype"] == "float16"
+    ask = ["ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "4",
+           "--json"]
+    rc, same, err = run_cli(capsys, *ask, "--archive-dtype", "float16")
+    assert rc == 0 and "answering without recall" not in err, err
+    assert json.loads(same)["stats"]["recalled_pages"] > 0 and json.loads(same)["stats"]["archive_dtype"] == "float16"
+    rc, other, err = run_cli(capsys, *ask)
+    assert rc == 0 and "stores keys/values in float16" in err and "--archive-dtype float16" in err
+    assert json.loads(other)["stats"]["recalled_pages"] == 0

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from kvtool.cli.options import (
     EVAL_SETTINGS,
+    ArchiveDtypeOpt,
     BlockOpt,
     DeviceOpt,
     DtypeOpt,
@@ -21,6 +22,7 @@ from kvtool.cli.options import (
     PositionsOpt,
     QuantOpt,
     QuietOpt,
+    RecallPageOpt,
     RecentOpt,
     SinksOpt,
     with_settings,
@@ -84,6 +86,8 @@ def needle(
                                         "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
     resume: ResumeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
+    recall_page: RecallPageOpt = None,
+    archive_dtype: ArchiveDtypeOpt = None,
     block_size: BlockOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = None,
@@ -102,7 +106,7 @@ def needle(
 
     grid = _grid(policies, budgets, True, block_size=block_size, model=model, device=device, dtype=dtype,
                  quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
-                 max_new_tokens=max_new_tokens)
+                 max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype)
     path = resolve_input(haystack, DEFAULT_HAYSTACK, "--haystack")
     task = NeedleTask(
         grid=grid,

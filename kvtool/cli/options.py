@@ -32,6 +32,10 @@ QuantOpt = Annotated[str | None, typer.Option("--quantize", help="none, 8bit or 
 PositionsOpt = Annotated[str | None, typer.Option("--positions", help="absolute, compact or auto (default).")]
 RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV head a question may bring back "
                                                "from the archive of evicted tokens: 512, 4k, or off (default).")]
+RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archive page size in tokens: the unit "
+                                                  "recall scores and brings back (default 32).")]
+ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: auto "
+                                                     "(the model's, default), float32, float16 or bfloat16.")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
@@ -61,6 +65,8 @@ SETTING_OPTIONS: dict[str, Any] = {
     "quantize": QuantOpt,
     "positions": PositionsOpt,
     "recall": RecallOpt,
+    "recall_page": RecallPageOpt,
+    "archive_dtype": ArchiveDtypeOpt,
     "sinks": SinksOpt,
     "recent": RecentOpt,
     "temperature": TempOpt,
@@ -73,7 +79,7 @@ SETTING_OPTIONS: dict[str, Any] = {
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget
 READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
-                 "recall")
+                 "recall", "recall_page", "archive_dtype")
 #: reading plus generation (ask, summarize)
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
 #: what an evaluation grid fixes for every cell (policies and budgets are lists there)

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.cli.options import (
+    ArchiveDtypeOpt,
     BlockOpt,
     BudgetOpt,
     DeviceOpt,
@@ -27,6 +28,7 @@ from kvtool.cli.options import (
     QuantOpt,
     QuietOpt,
     RecallOpt,
+    RecallPageOpt,
     overrides,
 )
 from kvtool.cli.output import dashboard, emit_json, sayer
@@ -50,6 +52,8 @@ def profile(
     policy: PolicyOpt = None,
     policy_opt: PolicyOptOpt = None,
     recall: RecallOpt = None,
+    recall_page: RecallPageOpt = None,
+    archive_dtype: ArchiveDtypeOpt = None,
     profile_name: ProfileOpt = None,
     doc: DocOpt = None,
     doc_format: FormatOpt = None,
@@ -61,7 +65,8 @@ def profile(
     """Predicted memory plan (weights, KV, scratch, activations, peak); --doc measures a real prefill."""
     run_profile(
         overrides(model=model, budget=budget, block_size=block_size, dtype=dtype, device=device,
-                  quantize=quantize, policy=policy, policy_opt=policy_opt, recall=recall),
+                  quantize=quantize, policy=policy, policy_opt=policy_opt, recall=recall,
+                  recall_page=recall_page, archive_dtype=archive_dtype),
         profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out, quiet=quiet,
         doc_format=doc_format,
     )

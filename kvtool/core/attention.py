@@ -83,16 +83,17 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: f
     transformers' eager attention does.
 
     The softmax runs in place on one buffer (``scratch``, the cache's reusable float32 storage, or a
-    fresh one): a matmul into it, the mask added, then max, exp and the row sum — no second
-    ``[h, q_per_kv·r, n]`` tensor per pass. The result lives in ``scratch`` until its next use.
+    fresh one): a matmul into it, the mask added, then torch's fused softmax with ``out=`` the same
+    buffer — no second ``[h, q_per_kv·r, n]`` tensor. The result lives in ``scratch`` until its next use.
 
     Why not SDPA's log-sum-exp (issue 15): CPU's fused kernel
     (``_scaled_dot_product_flash_attention_for_cpu``) returns the row normaliser, but it needs K and V
     expanded to every query head, and the column sums a policy wants still need ``exp(q kᵀ − lse)``
     for every entry — a second ``q kᵀ`` matmul and an exp pass. Measured for one SmolLM2 layer (3 KV
     heads × 3 query heads, a 128-token block over 1,152 stored tokens, 2 threads): SDPA alone 2.0 ms,
-    SDPA + log-sum-exp + column sums 4.1–4.7 ms, this in-place softmax (output and column sums)
-    2.6–2.8 ms, the previous out-of-place softmax 2.9–7 ms (its fresh 5 MB tensors page-fault).
+    SDPA + log-sum-exp + column sums 4.1–4.7 ms, an in-place softmax written as max/exp/sum/divide
+    passes (output and column sums) 2.6–2.8 ms, the previous out-of-place softmax 2.9–7 ms (its fresh
+    5 MB tensors page-fault); the fused in-place softmax takes ~0.4 ms less than the four passes.
     """
     h, n, d = k.shape[1], k.shape[2], k.shape[3]
     r = q.shape[2]
@@ -109,9 +110,7 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: f
             grouped.masked_fill_(~mask, float("-inf"))
         else:
             grouped.add_(mask.float())
-    top = scores.amax(dim=-1, keepdim=True)
-    scores.sub_(top).exp_()
-    scores.div_(scores.sum(dim=-1, keepdim=True))
+    torch.softmax(scores, dim=-1, out=scores)  # one fused kernel, in place: each row is read before it is written
     return grouped
 
 

@@ -96,6 +96,9 @@ class HeadGroup:
         self.heads = list(spec.heads)
         self.capacity = spec.capacity
         self.base_capacity = spec.capacity  # recall raises ``capacity`` for one answer; restore lowers it
+        # Positions [h, T] (ascending) recalled for the current answer: kept until the next restore, so the
+        # question and the answer displace the policy's own tokens, as without recall (core/recall.py)
+        self.recalled: Tensor | None = None
         self.archive: GroupArchive | None = None  # where evicted tokens go (kvtool/core/archive.py)
         self.policy: Policy = spec.policy
         self.compensation = spec.compensation
@@ -317,6 +320,7 @@ class HeadGroup:
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
         keys = tensors[f"{prefix}.keys"]
         self.capacity = self.base_capacity
+        self.recalled = None
         n = keys.shape[1] - self.off
         if keys.shape[0] != self.num_heads or keys.shape[-1] != self.keys.shape[-1]:
             raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
@@ -564,6 +568,9 @@ class BoundedCache(Cache):
         if self.pin_start is not None:
             pinned = pos >= self.pin_start
             mask |= pinned if self.pin_end is None else pinned & (pos < self.pin_end)
+        if g.recalled is not None:  # recalled for this answer: a sorted search per head, no host sync
+            at = torch.searchsorted(g.recalled, pos.contiguous()).clamp_(max=g.recalled.shape[1] - 1)
+            mask |= g.recalled.gather(1, at) == pos
         return mask
 
     @property

@@ -47,6 +47,7 @@ class EngineConfig:
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
     recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
     page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
+    archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
 
     def validate(self) -> None:
@@ -130,6 +131,7 @@ class Engine:
         config: EngineConfig,
         listener: Listener | None = None,
         env: PolicyEnv | None = None,
+        pacer: Callable[[], None] | None = None,
     ) -> None:
         config.validate()
         check_supported(model)
@@ -137,6 +139,9 @@ class Engine:
         self.policy = policy
         self.config = config
         self.listener = listener
+        # Called in the model's thread before every forward (a block or a decoded token): the runtime
+        # uses it to share the CPU cores with other kvtool processes (runtime/cores.py). Must be cheap.
+        self.pacer = pacer
         self.env = env or policy.env or model_env(model, config)
         attention.register()
         # The registered function falls through to SDPA without the engine's cache: a plain forward of
@@ -184,7 +189,7 @@ class Engine:
         )
         if self.config.recall > 0:
             where = self.config.archive_dir
-            recall.attach(cache, self.config.recall, self.config.page_size,
+            recall.attach(cache, self.config.recall, self.config.page_size, self.config.archive_dtype,
                           MemoryStore if where is None else lambda rb: FileStore(rb, where))
         return cache
 
@@ -207,6 +212,8 @@ class Engine:
         return self._forward(cache, ids, logits_rows)
 
     def _forward(self, cache: BoundedCache, ids: Tensor, logits_rows: int) -> Tensor:
+        if self.pacer is not None:
+            self.pacer()
         m = ids.shape[-1]
         was_compact = cache.compact
         rotary = cache.begin_step(m)

@@ -33,13 +33,18 @@ class RecallResult:
     seconds: float = 0.0
 
 
-def attach(cache: BoundedCache, recall: int, page_size: int, store: StoreFactory) -> None:
-    """Give every bounded group an archive and room for ``recall`` more tokens per head (cache still empty)."""
+def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype | None, store: StoreFactory) -> None:
+    """Give every bounded group an archive and room for ``recall`` more tokens per head (cache still empty).
+
+    ``dtype``: how archived K/V are stored (None: as the cache holds them); recalled tokens are cast
+    back to the cache's dtype, so a narrower archive costs only its rounding (``--archive-dtype``).
+    """
     for g in cache.groups():
         if g.capacity is None:
             continue
-        rb = GroupArchive.row_bytes(g.num_heads, g.keys.shape[-1], g.keys.dtype)
-        g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], g.keys.dtype, page_size, store(rb))
+        dt = dtype or g.keys.dtype
+        rb = GroupArchive.row_bytes(g.num_heads, g.keys.shape[-1], dt)
+        g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], dt, page_size, store(rb))
         if g.max_slots is not None:
             g.max_slots += recall
         _reserve(g, g.slots + recall)
@@ -58,6 +63,11 @@ def _reserve(g: HeadGroup, slots: int) -> None:
 
 def archives(cache: BoundedCache) -> list[GroupArchive]:
     return [g.archive for g in cache.groups() if g.archive is not None]
+
+
+def archive_dtype(cache: BoundedCache) -> str | None:
+    """How archived K/V are stored ("float16", …), or None without an archive."""
+    return next((str(a.dtype).removeprefix("torch.") for a in archives(cache)), None)
 
 
 def archive_bytes(cache: BoundedCache) -> int:
@@ -111,6 +121,7 @@ def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor) -> Non
     g.length = n + T
     if g.capacity is not None:
         g.capacity = g.capacity + T
+    g.recalled = torch.sort(positions.to(dev), dim=1).values  # protected until the next restore
 
 
 @torch.inference_mode()

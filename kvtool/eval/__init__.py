@@ -166,6 +166,9 @@ class Grid:
             "recent": s.recent,
             "positions": s.positions,
             "seed": s.seed,
+            # recall's archive settings only when changed: resume logs written before they existed match
+            **({"recall_page": s.recall_page} if s.recall_page != Settings().recall_page else {}),
+            **({"archive_dtype": s.archive_dtype} if s.archive_dtype != "auto" else {}),
         }
 
 

@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.core.archive import DEFAULT_PAGE_SIZE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
@@ -215,9 +214,12 @@ def plan(
         heads = dims["num_kv_heads"] * dims["num_layers"]
         out["recall_tokens"] = recall_tokens
         out["recall_slots_bytes"] = recall_tokens * per_token
+        archive_elem = elem if settings.archive_dtype == "auto" else _mem.dtype_bytes(settings.archive_dtype)
+        out["archive_dtype"] = info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype
+        out["recall_page"] = settings.recall_page
         out["archive_bytes_per_evicted_token"] = {
-            "file": per_token,
-            "host": heads * (4 + 2 * 4 * dims["head_dim"] // DEFAULT_PAGE_SIZE),
+            "file": per_token // elem * archive_elem,
+            "host": heads * (4 + 2 * 4 * dims["head_dim"] // settings.recall_page),
         }
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
@@ -294,7 +296,8 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
             ("recall slots", _b(p["recall_slots_bytes"]),
              f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
             ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['host'])}",
-             "K/V in an unlinked temp file (KVTOOL_ARCHIVE_DIR or TMPDIR) + host positions and page summaries"),
+             f"K/V ({p['archive_dtype']}) in an unlinked temp file (KVTOOL_ARCHIVE_DIR or TMPDIR) + host "
+             f"positions and summaries of {p['recall_page']}-token pages"),
         ]
     rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
                  "sum of the above (KV promised is inside allocated)"))

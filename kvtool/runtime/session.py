@@ -26,9 +26,10 @@ from kvtool.errors import UsageError
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
+from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
-from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, set_threads, usable_cores
+from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
@@ -135,9 +136,16 @@ class Session:
         self.threads = set_threads(settings.threads)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say)
+        # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)
+        self.share = process_share() if settings.threads is None and self.loaded.device.type == "cpu" else None
+        if self.share is not None:
+            self.share.rebalance()
+            self.threads = self.share.threads
         if self.loaded.device.type == "cpu":
+            shared = self.share.peers if self.share is not None else 0
+            peers = f"; {shared} other kvtool process(es) share them" if shared else ""
             self.say(f"threads: {self.threads} (of {usable_cores()} usable cores"
-                     f"{', --threads' if settings.threads is not None else ''})")
+                     f"{', --threads' if settings.threads is not None else ''}{peers})")
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
@@ -156,14 +164,22 @@ class Session:
             recent=settings.recent,
             positions=settings.positions,
             recall=self.recall_tokens,
+            page_size=settings.recall_page,
+            archive_dtype=None if settings.archive_dtype == "auto" else resolve_dtype(settings.archive_dtype,
+                                                                                      self.loaded.device),
             archive_dir=self.archive_dir if self.recall_tokens else None,
         )
         self.engine_config.validate()
+        if self.recall_tokens:
+            stored = settings.archive_dtype if settings.archive_dtype != "auto" else str(self.loaded.dtype).replace(
+                "torch.", "")
+            self.say(f"recall: {self.recall_tokens} tokens per KV head; evicted tokens archived in {self.archive_dir} "
+                     f"(unlinked temporary file), {stored}, pages of {settings.recall_page} tokens")
         env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
         self.policy: Policy = build_policy(settings.policy, settings.policy_options, env)
         self._reading: Document | None = None
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=self._relay if listener else None,
-                             env=env)
+                             env=env, pacer=self.share.rebalance if self.share is not None else None)
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
@@ -394,6 +410,8 @@ class Session:
             "peak_memory_bytes": peak_bytes if peak_bytes is not None else self.engine.meter.peak_bytes(),
             "positions": self.settings.positions,
             "threads": self.threads,
+            # fewest threads this process ran with while sharing the cores with other kvtool processes
+            "threads_min": self.share.min_threads if self.share is not None else self.threads,
             "compact_since_token": cache.compact_since if cache and cache.compact else None,
             "time_split_seconds": {
                 "probs": round(c.probs_seconds, 4),
@@ -422,6 +440,8 @@ class Session:
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
             "archive_path": f"{self.archive_dir} (unlinked temporary file)" if self.recall_tokens else None,
+            "archive_dtype": recall.archive_dtype(cache) if cache is not None else None,
+            "recall_page": self.engine_config.page_size,
             "recall_seconds": round(self.recall_seconds, 4),
             "recalled_pages": self.recalled_pages,
             "recalled_tokens_max": self.recalled_tokens_max,

@@ -24,6 +24,7 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "8bit", "4bit")
 POSITIONS = ("absolute", "compact", "auto")
+ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the model's dtype
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Settings:
     recent: int = 8
     positions: str = "auto"
     recall: str = "off"
+    recall_page: int = 32  # archive page size in tokens (the unit recall scores and brings back)
+    archive_dtype: str = "auto"  # dtype of archived K/V (auto: the model's)
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -329,6 +332,8 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "recent": _int(0),
     "positions": _choice(POSITIONS),
     "recall": _recall,
+    "recall_page": _int(1),
+    "archive_dtype": _choice(ARCHIVE_DTYPES),
     "max_new_tokens": _int(1),
     "temperature": _temperature,
     "top_p": _top_p,

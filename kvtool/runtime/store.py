@@ -687,6 +687,7 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
             "tensors_sha256": tensors_digest(_as_saved(archived)),
             "bytes": int(size),
             "page_size": _page_size(read.cache),
+            "dtype": _archive_dtype(read.cache),
             "tokens": int(sum(g.archive.length * g.num_heads for g in read.cache.groups() if g.archive)),
             "pages": int(sum(g.archive.pages * g.num_heads for g in read.cache.groups() if g.archive)),
         }
@@ -718,6 +719,10 @@ def _page_size(cache: Any) -> int:
     return next(g.archive.page_size for g in cache.groups() if g.archive is not None)
 
 
+def _archive_dtype(cache: Any) -> str | None:
+    return next((str(g.archive.dtype).removeprefix("torch.") for g in cache.groups() if g.archive is not None), None)
+
+
 def _as_saved(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """The tensors as ``write_kvc`` stores them (positions as int32), for the checksum the .kvc records."""
     import torch
@@ -741,6 +746,10 @@ def load_archive(path: str, meta: dict[str, Any], cache: Any) -> str | None:
         if tensors_digest(_as_saved(tensors)) != info.get("tensors_sha256"):
             raise UsageError("checksum mismatch")
         page_size = int(info["page_size"])
+        saved, ours = info.get("dtype"), _archive_dtype(cache)
+        if saved is not None and ours is not None and saved != ours:  # rows of another width: not loadable
+            return (f"{path}'s archive stores keys/values in {saved}, this run archives in {ours}: answering "
+                    f"without recall (pass --archive-dtype {saved})")
         for li, layer in enumerate(cache.layers):
             for gi, g in enumerate(layer.groups):
                 if g.archive is not None and f"l{li}.g{gi}.rows" in tensors:

@@ -29,7 +29,7 @@ START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
-         "needle-recall-long", "recall-page-16", "recall-page-64", "archive-float16")
+         "recall-page-16", "recall-page-64", "archive-float16", "needle-recall-long")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 

@@ -29,7 +29,7 @@ START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
-         "recall-page-16", "recall-page-64", "archive-float16", "needle-recall-long")
+         "recall-page-16", "recall-page-64", "archive-float16", "needle-recall-2k", "needle-recall-long")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -60,6 +60,11 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "needle-recall-long": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k,8k",
                                "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",
                                "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
+        # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
+        "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
+                             "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",
+                             "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
+                             "--repetition-penalty", "1"],
         # the archive's page size and storage dtype: the default + recall 256 on needle's 1K trials
         **{f"recall-page-{p}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                                 "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT, "--budgets",
@@ -343,8 +348,17 @@ def render(data: dict, total_seconds: float) -> str:
          "The same trials, for the best eviction-only policy at budget 256 (`sink`) and the default "
          f"(`{DEFAULT}`), "
          "each also answering with `--recall 256`: evicted tokens archived in 32-token pages, and the pages "
-         "the question's queries point at (Quest's bound) brought back for the answer. The eviction-only "
-         "and recall rows of a policy answer from the same read.", table_needle),
+         "the question's queries point at (Quest's bound keeps 4× the pages that fit, their exact max q·k "
+         "picks) brought back and held for the answer. The eviction-only and recall rows of a policy answer "
+         "from the same read. With Quest's bound alone and no protection of the recalled tokens (before "
+         "2026-11-23) the recall rows were `sink` 11/30 and `h2o` 28/30.", table_needle),
+        ("needle-recall-2k", "Needle with recall on a 2K haystack, no repetition penalty (issue 13)",
+         f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on a 2K-token haystack, "
+         "answered with `--repetition-penalty 1` (off). With the default penalty (1.1 on the answer's own tokens) "
+         f"`{DEFAULT}` + recall found 7 of these 30 numbers (`bench/results-runs/needle-recall-long.jsonl`), and "
+         "18 of its 23 misses stopped at or skipped a digit the answer had already written (`60494` → `6049`, "
+         "`27611` → `2761`); the only number without a repeated digit (`39714`) was found at every depth. "
+         "`full` kept 29/30 with the penalty: its margins are wide enough.", table_needle),
         ("needle-recall-long", "Needle with recall on longer haystacks (issue 13)",
          f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on 2K and 8K-token haystacks. "
          "SmolLM2-135M was trained on 8,192 positions: the 8K haystack with the chat template and the question "

@@ -24,6 +24,7 @@ from kvtool.cli.options import (
     QuietOpt,
     RecallPageOpt,
     RecentOpt,
+    RepPenOpt,
     SinksOpt,
     with_settings,
 )
@@ -88,6 +89,7 @@ def needle(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
     recall_page: RecallPageOpt = None,
     archive_dtype: ArchiveDtypeOpt = None,
+    repetition_penalty: RepPenOpt = None,
     block_size: BlockOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = None,
@@ -106,7 +108,8 @@ def needle(
 
     grid = _grid(policies, budgets, True, block_size=block_size, model=model, device=device, dtype=dtype,
                  quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
-                 max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype)
+                 max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype,
+                 repetition_penalty=repetition_penalty)
     path = resolve_input(haystack, DEFAULT_HAYSTACK, "--haystack")
     task = NeedleTask(
         grid=grid,

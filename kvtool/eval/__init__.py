@@ -169,6 +169,8 @@ class Grid:
             # recall's archive settings only when changed: resume logs written before they existed match
             **({"recall_page": s.recall_page} if s.recall_page != Settings().recall_page else {}),
             **({"archive_dtype": s.archive_dtype} if s.archive_dtype != "auto" else {}),
+            **({"repetition_penalty": s.repetition_penalty}
+               if s.repetition_penalty != Settings().repetition_penalty else {}),
         }
 
 

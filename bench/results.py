@@ -363,7 +363,8 @@ def render(data: dict, total_seconds: float) -> str:
          f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on 2K and 8K-token haystacks. "
          "SmolLM2-135M was trained on 8,192 positions: the 8K haystack with the chat template and the question "
          "passes that, so `full` reads past its range while the bounded rows switch to compact positions "
-         "(`--positions auto`).", table_needle),
+         "(`--positions auto`). Answered with the default repetition penalty (1.1), which cuts repeated digits: "
+         "compare the 2K table without it.", table_needle),
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),

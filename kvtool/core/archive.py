@@ -6,7 +6,7 @@ tokens per head and a group's archive grows in lockstep across its heads::
     GroupArchive (one per bounded head group)
       store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
       positions    [h, archived] int32, original stream position of each archived token (host memory)
-      kmin, kmax   [h, pages, d] float16 page summaries (host memory), rounded outward so the bound holds
+      kmin, kmax   [h, pages, d] float32 page summaries (host memory, 2/P of the keys' size in float32)
 
 Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
 per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 2024)
@@ -36,20 +36,6 @@ from kvtool.errors import UsageError
 DEFAULT_PAGE_SIZE = 32
 #: Quest's bound pre-selects this many times the pages that fit; their exact max q·k picks among them
 RERANK = 4
-#: page summaries are host memory that grows with the document: half precision, rounded outward
-SUMMARY_DTYPE = torch.float16
-
-
-def round_down(x: Tensor) -> Tensor:
-    """``x`` in float16, never above ``x`` (a page minimum must stay a lower bound of its keys)."""
-    h = x.to(SUMMARY_DTYPE)
-    return torch.where(h.float() > x.float(), torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
-
-
-def round_up(x: Tensor) -> Tensor:
-    """``x`` in float16, never below ``x``."""
-    h = x.to(SUMMARY_DTYPE)
-    return torch.where(h.float() < x.float(), torch.nextafter(h, torch.full_like(h, float("inf"))), h)
 
 
 class ArchiveStore(Protocol):
@@ -150,8 +136,8 @@ class GroupArchive:
         self.store = store
         self.length = 0  # archived tokens per head
         self.positions = torch.empty(num_heads, 0, dtype=torch.int32)
-        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
-        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
+        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
+        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -163,7 +149,7 @@ class GroupArchive:
 
     def nbytes(self) -> int:
         """Bytes held: K/V rows plus positions and page summaries."""
-        summaries = 2 * self.h * self.pages * self.d * self.kmin.element_size()
+        summaries = 2 * self.h * self.pages * self.d * 4
         return self.store.rows * self.store.row_bytes + self.length * self.h * 4 + summaries
 
     # -- appending --------------------------------------------------------------------------------
@@ -183,16 +169,16 @@ class GroupArchive:
         need = last + 1
         if need > self.kmin.shape[1]:
             cap = max(need, 2 * self.kmin.shape[1], 16)
-            kmin = torch.full((self.h, cap, self.d), float("inf"), dtype=SUMMARY_DTYPE)
-            kmax = torch.full((self.h, cap, self.d), float("-inf"), dtype=SUMMARY_DTYPE)
+            kmin = torch.full((self.h, cap, self.d), float("inf"))
+            kmax = torch.full((self.h, cap, self.d), float("-inf"))
             kmin[:, : self.kmin.shape[1]] = self.kmin
             kmax[:, : self.kmax.shape[1]] = self.kmax
             self.kmin, self.kmax = kmin, kmax
         for p in range(first, last + 1):
             lo, hi = max(p * P, a) - a, min((p + 1) * P, a + n) - a
             part = kf[:, lo:hi]
-            self.kmin[:, p] = torch.minimum(self.kmin[:, p], round_down(part.amin(1)))
-            self.kmax[:, p] = torch.maximum(self.kmax[:, p], round_up(part.amax(1)))
+            torch.minimum(self.kmin[:, p], part.amin(1), out=self.kmin[:, p])
+            torch.maximum(self.kmax[:, p], part.amax(1), out=self.kmax[:, p])
         self.length += n
 
     # -- recall -------------------------------------------------------------------------------------
@@ -205,8 +191,7 @@ class GroupArchive:
         q = queries.float().cpu()
         npg = self.pages
         pos, neg = q.clamp(min=0), q.clamp(max=0)
-        kmax, kmin = self.kmax[:, :npg].float(), self.kmin[:, :npg].float()
-        bound = torch.bmm(pos, kmax.transpose(1, 2)) + torch.bmm(neg, kmin.transpose(1, 2))
+        bound = torch.bmm(pos, self.kmax[:, :npg].transpose(1, 2)) + torch.bmm(neg, self.kmin[:, :npg].transpose(1, 2))
         return bound.amax(1)
 
     def page_max(self, queries: Tensor, pages: Tensor) -> Tensor:
@@ -285,7 +270,7 @@ class GroupArchive:
         self.page_size = page_size
         self.store.append(rows.contiguous())
         self.positions = pos.clone()
-        self.kmin, self.kmax = round_down(kmin), round_up(kmax)  # files before float16 summaries hold float32
+        self.kmin, self.kmax = kmin.clone(), kmax.clone()
         self.length = n
 
     def close(self) -> None:

@@ -219,7 +219,7 @@ def plan(
         out["recall_page"] = settings.recall_page
         out["archive_bytes_per_evicted_token"] = {
             "file": per_token // elem * archive_elem,
-            "host": heads * (4 + 2 * 2 * dims["head_dim"] // settings.recall_page),  # int32 position, float16 min/max
+            "host": heads * (4 + 2 * 4 * dims["head_dim"] // settings.recall_page),
         }
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]

@@ -213,7 +213,7 @@ class HeadGroup:
         """Policy state of tokens being stored ([h, m, d] keys/values) → ``[F, h, m]``.
 
         Running fields (H2O's sums) start at 0; per-token constants (``Policy.constants``: KeyDiff's
-        inverse key norm, VATP's ‖v‖₁, CAOTE's ‖v‖²) are computed here, once per token, so scoring
+        inverse key norm, VATP's ‖v‖₁) are computed here, once per token, so scoring
         never recomputes them over the whole cache (issue 15). A plain 0 when there are none.
         """
         consts = self.policy.constants(keys, values) if self.state_fields else {}

@@ -138,6 +138,11 @@ class Run:
         return self.policy if self.budget is None else f"{self.policy}@{self.budget}"
 
 
+DEFAULTS = Settings()
+#: settings ``eval needle`` varies that resume fingerprints from before them did not record
+LATER_SETTINGS = ("recall_page", "archive_dtype", "repetition_penalty")
+
+
 @dataclass
 class Grid:
     settings: Settings  # shared settings (model, device, block size, ...); policy/budget set per run
@@ -166,11 +171,8 @@ class Grid:
             "recent": s.recent,
             "positions": s.positions,
             "seed": s.seed,
-            # recall's archive settings only when changed: resume logs written before they existed match
-            **({"recall_page": s.recall_page} if s.recall_page != Settings().recall_page else {}),
-            **({"archive_dtype": s.archive_dtype} if s.archive_dtype != "auto" else {}),
-            **({"repetition_penalty": s.repetition_penalty}
-               if s.repetition_penalty != Settings().repetition_penalty else {}),
+            # settings added later appear only when changed: resume logs written before them still match
+            **{k: getattr(s, k) for k in LATER_SETTINGS if getattr(s, k) != getattr(DEFAULTS, k)},
         }
 
 

@@ -679,6 +679,8 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
     meta = build_meta(session, read, tensors, scalars)
     archived = archive_tensors(read.cache)
     if archived:
+        from kvtool.core import recall
+
         check_output(path, force)  # fail before writing the (larger) archive
         apath = archive_path(path)
         size = write_kvc(apath, archived, {"archive_of": os.path.basename(os.fspath(path))}, force=True)
@@ -687,8 +689,8 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
             "tensors_sha256": tensors_digest(_as_saved(archived)),
             "bytes": int(size),
             "page_size": _page_size(read.cache),
-            "dtype": _archive_dtype(read.cache),
-            "tokens": int(sum(g.archive.length * g.num_heads for g in read.cache.groups() if g.archive)),
+            "dtype": recall.archive_dtype(read.cache),
+            "tokens": recall.archived_tokens(read.cache),
             "pages": int(sum(g.archive.pages * g.num_heads for g in read.cache.groups() if g.archive)),
         }
         try:
@@ -719,10 +721,6 @@ def _page_size(cache: Any) -> int:
     return next(g.archive.page_size for g in cache.groups() if g.archive is not None)
 
 
-def _archive_dtype(cache: Any) -> str | None:
-    return next((str(g.archive.dtype).removeprefix("torch.") for g in cache.groups() if g.archive is not None), None)
-
-
 def _as_saved(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """The tensors as ``write_kvc`` stores them (positions as int32), for the checksum the .kvc records."""
     import torch
@@ -739,6 +737,12 @@ def load_archive(path: str, meta: dict[str, Any], cache: Any) -> str | None:
     info = meta.get("archive")
     if not info:
         return f"{path} has no archive of evicted tokens: answering without recall (prefill with --recall)"
+    from kvtool.core import recall
+
+    saved, ours = info.get("dtype"), recall.archive_dtype(cache)
+    if saved is not None and ours is not None and saved != ours:  # rows of another width: decided before reading
+        return (f"{path}'s archive stores keys/values in {saved}, this run archives in {ours}: answering "
+                f"without recall (pass --archive-dtype {saved})")
     apath = os.path.join(os.path.dirname(os.path.abspath(path)), str(info.get("file", "")))
     try:
         header = read_header(apath)
@@ -746,10 +750,6 @@ def load_archive(path: str, meta: dict[str, Any], cache: Any) -> str | None:
         if tensors_digest(_as_saved(tensors)) != info.get("tensors_sha256"):
             raise UsageError("checksum mismatch")
         page_size = int(info["page_size"])
-        saved, ours = info.get("dtype"), _archive_dtype(cache)
-        if saved is not None and ours is not None and saved != ours:  # rows of another width: not loadable
-            return (f"{path}'s archive stores keys/values in {saved}, this run archives in {ours}: answering "
-                    f"without recall (pass --archive-dtype {saved})")
         for li, layer in enumerate(cache.layers):
             for gi, g in enumerate(layer.groups):
                 if g.archive is not None and f"l{li}.g{gi}.rows" in tensors:

@@ -29,7 +29,8 @@ START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
-         "recall-page-16", "recall-page-64", "archive-float16", "needle-recall-2k", "needle-recall-long")
+         "recall-page-16", "recall-page-64", "archive-float16", "needle-recall-2k", "needle-recall-long",
+         "needle-recall-32k")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -56,10 +57,17 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,sink,{DEFAULT}",
                           "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
-        # longer haystacks (issue 13): full, the default, the default + recall; compact positions past 8K
-        "needle-recall-long": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k,8k",
+        # longer haystacks (issue 13): full, the default, the default + recall; compact positions past 8K.
+        # Penalty 1 as for 2K: the default 1.1 drops a repeated digit of the number (see render)
+        "needle-recall-long": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "8k",
                                "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",
-                               "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
+                               "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
+                               "--repetition-penalty", "1"],
+        # 32K: without full (a dense 32K pass takes ~4 min per trial here: see needle-recall-32k-full)
+        "needle-recall-32k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "32k",
+                              "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT, "--no-full",
+                              "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
+                              "--repetition-penalty", "1"],
         # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
         "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
                              "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",

@@ -72,40 +72,47 @@ def test_archive_appends_in_order_and_page_bounds_hold():
         assert torch.equal(arch.kmin[:, p], sl.amin(1)) and torch.equal(arch.kmax[:, p], sl.amax(1))
 
 
-def test_select_takes_best_pages_and_equal_counts():
-    h, d, P = 2, 4, 4
+def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan():
+    """Brute force: every archived token's q·k when the archive fits the scan; beyond it, the pages
+    with the highest Quest bound (computed by hand), still scored exactly."""
+    h, d, P, n = 2, 4, 4, 18
     arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
-    k = torch.zeros(h, 18, d)
-    k[0, 8:12, 0] = 5.0  # head 0: page 2 matches the query
-    k[1, 16:18, 0] = 5.0  # head 1: the short tail page matches
-    arch.append(k, k.clone(), torch.arange(18).expand(h, -1))
-    q = torch.zeros(h, 1, d)
-    q[:, 0, 0] = 1.0
-    idx, pages = arch.select(q, 4)
-    assert idx.shape == (h, 4)
-    assert idx[0].tolist() == [8, 9, 10, 11]
-    assert {16, 17} <= set(idx[1].tolist())  # tail page first, then part of the next best
-    assert pages >= 3
+    K = torch.randn(h, n, d, generator=torch.Generator().manual_seed(3))
+    arch.append(K, torch.randn(h, n, d), torch.arange(n).expand(h, -1))
+    q = torch.randn(h, 3, d)
+    exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
+    idx, scores = arch.candidates(q, 64)
+    for head in range(h):
+        seen = {}
+        for j, i in enumerate(idx[head].tolist()):
+            if scores[head, 0, j] > float("-inf"):
+                seen[i] = scores[head, :, j]
+        assert sorted(seen) == list(range(n))  # everything, each once (the tail page's padding is −inf)
+        for i, s in seen.items():
+            assert torch.allclose(s, exact[head, :, i], atol=1e-5)
+    idx, scores = arch.candidates(q, 2 * P)  # two pages of five
+    bound = torch.bmm(q.clamp(min=0), arch.kmax[:, :5].transpose(1, 2)) + torch.bmm(
+        q.clamp(max=0), arch.kmin[:, :5].transpose(1, 2))
+    for head in range(h):
+        want = sorted(torch.topk(bound[head].amax(0), 2).indices.tolist())
+        assert sorted(set((idx[head] // P).tolist())) == want
 
 
-def test_rerank_picks_the_page_with_the_best_exact_score():
-    """Quest's bound over-ranks a page whose keys spread widely; re-ranking the bound's candidates by
-    their exact max q·k (brute force over the candidates' keys) picks the page holding the matching key."""
-    h, d, P = 1, 4, 4
-    a = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
-    q = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]])  # [h, 1 row, d]
-    spread = torch.tensor([[5.0, -5.0, 0, 0], [-5.0, 5.0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])  # bound 10, best q·k 0
-    needle = torch.tensor([[2.0, 2.0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])  # bound 4, q·k 4
-    noise = torch.zeros(P, d)
-    keys = torch.cat([noise, spread, needle]).unsqueeze(0)
-    a.append(keys, torch.zeros_like(keys), torch.arange(3 * P).unsqueeze(0))
-    bound = a.page_scores(q)
-    assert bound.argmax().item() == 1  # the spread page looks best to the bound alone
-    assert torch.equal(a.page_max(q, torch.arange(3).unsqueeze(0)), torch.tensor([[0.0, 0.0, 4.0]]))
-    quest, _ = a.select(q, P, rerank=0)
-    reranked, _ = a.select(q, P)
-    assert quest.tolist() == [list(range(P, 2 * P))]
-    assert reranked.tolist() == [list(range(2 * P, 3 * P))]
+def test_every_head_recalls_the_span_around_the_relevant_positions():
+    """One ranking (by stream position) for every head, whatever order each archived its tokens in; the
+    tokens after a match (the rest of its sentence) and a few before come with it."""
+    h, d, P, n = 2, 4, 4, 64
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    pos = torch.stack([torch.arange(n), torch.arange(n).flip(0)])  # the heads archived in different orders
+    arch.append(torch.zeros(h, n, d), torch.zeros(h, n, d), pos)
+    relevance = torch.zeros(n + 1)
+    relevance[40] = 1.0
+    best = recall.F.max_pool1d(recall.F.pad(relevance.view(1, 1, -1), (24, 8)), 33, stride=1).view(-1)
+    idx = arch.top_by_position(best + recall.TIE * relevance, 12)
+    for head in range(h):
+        got = pos[head, idx[head]].tolist()
+        assert 40 in got and set(got) <= set(range(32, 65))  # the match and what surrounds it
+        assert idx[head].tolist() == sorted(idx[head].tolist())
 
 
 def test_dropped_indices_is_the_complement():

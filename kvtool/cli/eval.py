@@ -83,6 +83,8 @@ def needle(
     trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new secret number each).")] = 10,
     needles: Annotated[int, typer.Option("--needles", help="k > 1: k labelled secret numbers per document, the "
                                          "question asks for one (multi-needle).")] = 1,
+    no_full: Annotated[bool, typer.Option("--no-full", help="Leave out the full-cache reference (a dense pass "
+                                          "over a long haystack can take hours).")] = False,
     recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
                                         "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
     resume: ResumeOpt = None,
@@ -102,11 +104,11 @@ def needle(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is always included."""
+    """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
     from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
     from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
 
-    grid = _grid(policies, budgets, True, block_size=block_size, model=model, device=device, dtype=dtype,
+    grid = _grid(policies, budgets, not no_full, block_size=block_size, model=model, device=device, dtype=dtype,
                  quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
                  max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype,
                  repetition_penalty=repetition_penalty)

@@ -25,6 +25,7 @@ import errno
 import mmap
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -34,8 +35,10 @@ from torch import Tensor
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
-#: Quest's bound pre-selects this many times the pages that fit; their exact max q·k picks among them
-RERANK = 4
+#: archived tokens per head scored exactly against a question (beyond: the pages Quest's bound ranks best)
+SCAN = 8192
+#: pages whose keys are read at once while scanning
+SCAN_CHUNK = 64
 
 
 class ArchiveStore(Protocol):
@@ -194,48 +197,48 @@ class GroupArchive:
         bound = torch.bmm(pos, self.kmax[:, :npg].transpose(1, 2)) + torch.bmm(neg, self.kmin[:, :npg].transpose(1, 2))
         return bound.amax(1)
 
-    def page_max(self, queries: Tensor, pages: Tensor) -> Tensor:
-        """Exact ``max q·k`` over each of ``pages`` ([h, c] page numbers), over every query row: [h, c].
+    def candidates(self, queries: Tensor, scan: int,
+                   place: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Exact ``q·k`` of up to ``scan`` archived tokens per head: the pages Quest's bound ranks best.
 
-        Reads the candidates' rows from the store (keys and values: a row holds both); a tail page's
-        missing tokens count as −inf.
+        Returns the tokens' archive indices [h, A] and their scores per query row [h, r, A] (−inf for
+        a tail page's missing tokens). An archive of at most ``scan`` tokens per head is scored
+        exactly, whole; a longer one by its ``scan // P`` best pages by the bound, so the work per
+        question stays bounded however long the document. Keys are read ``SCAN_CHUNK`` pages at a
+        time: the transient buffer does not grow with ``scan`` beyond the scores themselves.
+        ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
-        P = self.page_size
-        idx = (pages.unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)  # [h, c·P]
-        valid = idx < self.length
-        keys, _, _ = self.read(idx.clamp(max=self.length - 1))
-        scores = torch.bmm(queries.float().cpu(), keys.float().transpose(1, 2)).amax(1)  # [h, c·P]
-        return scores.masked_fill(~valid, float("-inf")).view(self.h, -1, P).amax(-1)
-
-    def select(self, queries: Tensor, tokens: int, rerank: int = RERANK) -> tuple[Tensor, int]:
-        """Token indices [h, T] (ascending) of the best pages that fit ``tokens`` per head; and pages touched.
-
-        Two stages: Quest's bound (``page_scores``, from the summaries alone) keeps the ``rerank`` ×
-        (pages that fit) most promising pages, then their exact ``max q·k`` (``page_max``, reading those
-        pages' keys) orders them. The bound alone over-ranks pages whose keys merely spread widely:
-        with it, some of the needle came back in 25–30 of the embedded model's 90 KV heads at depth 0.1
-        and `sink` + recall answered 0 of 3 such trials; re-ranked, 46–48 heads and 3 of 3, as with the
-        exact max over every page (docs/results.md has the full tables). ``rerank`` 0 uses the bound
-        alone. Pages are then taken in score order; the last one may be cut so every head recalls
-        exactly ``T = min(tokens, archived)`` tokens (a group's heads must hold equal counts).
-        """
-        T = min(tokens, self.length)
-        if T <= 0:
-            return torch.empty(self.h, 0, dtype=torch.long), 0
         P = self.page_size
         order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
-        if rerank:
-            cand = order[:, : min(self.pages, rerank * -(-T // P) + 1)]  # + 1: a short tail page
-            exact = self.page_max(queries, cand)
-            order = cand.gather(1, torch.argsort(exact, dim=1, descending=True, stable=True))
-        idx = order.unsqueeze(-1) * P + torch.arange(P)  # [h, pages, P]
-        idx = idx.reshape(self.h, -1)
-        valid = idx < self.length  # only the tail page is short: the same count per head
-        first = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices[:, :T]
-        chosen = idx.gather(1, first)
-        touched = torch.zeros(self.h, self.pages, dtype=torch.bool)
-        touched.scatter_(1, chosen // P, True)
-        return torch.sort(chosen, dim=1).values, int(touched.sum())
+        cand = torch.sort(order[:, : max(1, scan // P)], dim=1).values  # file order: reads run forwards
+        q = queries.float().cpu()
+        idx = (cand.unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)  # [h, A]
+        valid = idx < self.length
+        idx = idx.clamp(max=self.length - 1)
+        scores = torch.empty(self.h, q.shape[1], idx.shape[1])
+        step = SCAN_CHUNK * P
+        for lo in range(0, idx.shape[1], step):
+            keys, _, pos = self.read(idx[:, lo : lo + step])
+            if place is not None:
+                keys = place(keys, pos)
+            scores[:, :, lo : lo + step] = torch.bmm(q, keys.float().transpose(1, 2))
+        return idx, scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+
+    def top_by_position(self, relevance: Tensor, tokens: int) -> Tensor:
+        """The ``min(tokens, archived)`` archived tokens per head whose positions rank best in ``relevance``.
+
+        ``relevance`` [stream positions] is shared by every head of every layer; returns ascending
+        archive indices [h, T] (a group's heads must hold equal counts).
+        """
+        key = relevance[self.positions[:, : self.length].long()]
+        top = torch.topk(key, min(tokens, self.length), dim=1, sorted=False).indices
+        return torch.sort(top, dim=1).values
+
+    def touched(self, index: Tensor) -> int:
+        """Pages that archive indices ``index`` [h, T] fall in, summed over heads."""
+        pages = torch.zeros(self.h, self.pages, dtype=torch.bool)
+        pages.scatter_(1, index // self.page_size, True)
+        return int(pages.sum())
 
     def read(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values [h, T, d] and positions [h, T] of archived tokens ``index`` [h, T]."""

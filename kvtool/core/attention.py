@@ -204,7 +204,7 @@ def kvtool_attention(
         raise UsageError(f"layer {module.layer_idx}: the model attends with sliding_window={window}, kvtool's "
                          f"cache expected {layer.groups[0].window}; this model's layer layout is not supported")
     if cache.query_log is not None:  # recall scores archive pages against the question's own queries
-        cache.query_log.append((module.layer_idx, query, cache.seen - cache.rotary_next if cache.compact else 0))
+        cache.query_log.append((module.layer_idx, query, scaling))
     if len(layer.groups) == 1:
         out = _attend_group(layer, layer.groups[0], query, scaling, softcap)
     else:

@@ -504,7 +504,7 @@ class BoundedCache(Cache):
         self.lazy = False
         self.counters = CacheCounters()
         self.step = StepInfo()
-        self.query_log: list[tuple[int, Tensor, int]] | None = None  # recall: (layer, queries, original − rotary)
+        self.query_log: list[tuple[int, Tensor, float]] | None = None  # recall: (layer, queries, scaling)
         self._scratch = torch.empty(0, dtype=torch.float32, device=device)
 
     def scratch(self, *shape: int) -> Tensor:

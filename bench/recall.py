@@ -2,7 +2,7 @@
 
     python bench/recall.py --length 8k --budget 256 --recall 256 --repeats 2
 
-For each repeat, the same ~L-token text (Sherlock Holmes with a pass key at depth 0.5) is read and
+For each repeat, the same ~L-token text (Sherlock Holmes with a secret number at depth 0.5) is read and
 asked about with recall off, then on (alternating, so drifting machine load hits both alike), each in
 its own child process so its peak memory is its own. Prints one JSON object: prefill tokens/s of
 both and their ratio (issue 13's target: ≥ 0.9), the peak memory with recall against the peak
@@ -42,16 +42,17 @@ def child(args: argparse.Namespace, mode: str) -> dict:
     n = parse_tokens(args.length)
     ids = tok(Path(args.text).read_text(encoding="utf-8")[: n * 8], add_special_tokens=False)["input_ids"][:n]
     half = n // 2
-    needle = " The pass key is 71432. Remember it. 71432 is the pass key. "
+    needle = " The secret number is 71432. Remember it: the secret number is 71432. "  # eval needle's wording
     doc = tok.decode(ids[:half]) + needle + tok.decode(ids[half:])
-    over = {"budget": args.budget, "max_new_tokens": 16, "recall": args.recall if mode == "on" else "off"}
+    over = {"budget": args.budget, "max_new_tokens": 16, "recall": args.recall if mode == "on" else "off",
+            "repetition_penalty": 1.0}
     if args.policy:
         over["policy"] = args.policy
     s = Session(resolve_settings(None, over), loaded=loaded)
     t0 = time.perf_counter()
     read = s.read(text_document(doc))
     t1 = time.perf_counter()
-    ans = s.ask(read, "What is the pass key?")
+    ans = s.ask(read, "What is the secret number?")
     t2 = time.perf_counter()
     st = s.stats(read)
     return {"prefill_tokens_per_second": st["prefill_tokens_per_second"], "read_seconds": t1 - t0,

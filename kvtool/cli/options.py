@@ -35,7 +35,8 @@ RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV h
 RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archive page size in tokens: the unit "
                                                   "recall scores and brings back (default 32).")]
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: auto "
-                                                     "(the model's, default), float32, float16 or bfloat16.")]
+                                                     "(the model's, default), float32, float16, bfloat16 or int8 "
+                                                     "(with a scale per token and head).")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]

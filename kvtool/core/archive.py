@@ -6,7 +6,7 @@ tokens per head and a group's archive grows in lockstep across its heads::
     GroupArchive (one per bounded head group)
       store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
       positions    [h, archived] int32, original stream position of each archived token (host memory)
-      kmin, kmax   [h, pages, d] float32 page summaries (host memory, 2/P of the keys' size in float32)
+      kmin, kmax   [h, pages, d] float16 page summaries, rounded outward (host memory, 8 B per token at P 32, d 64)
 
 Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
 per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 2024)
@@ -35,6 +35,8 @@ from torch import Tensor
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
+#: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
+SUMMARY_DTYPE = torch.float16
 #: archived tokens per head scored exactly against a question (beyond: the pages Quest's bound ranks best)
 SCAN = 8192
 #: pages whose keys are read at once while scanning
@@ -139,11 +141,14 @@ class GroupArchive:
         self.store = store
         self.length = 0  # archived tokens per head
         self.positions = torch.empty(num_heads, 0, dtype=torch.int32)
-        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
-        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=torch.float32)
+        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
+        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes per archived token: K and V of every head (int8: plus a float32 scale per head for each)."""
+        if dtype == torch.int8:
+            return 2 * num_heads * (head_dim + 4)
         return 2 * num_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
@@ -152,7 +157,7 @@ class GroupArchive:
 
     def nbytes(self) -> int:
         """Bytes held: K/V rows plus positions and page summaries."""
-        summaries = 2 * self.h * self.pages * self.d * 4
+        summaries = 2 * self.h * self.pages * self.d * self.kmin.element_size()
         return self.store.rows * self.store.row_bytes + self.length * self.h * 4 + summaries
 
     # -- appending --------------------------------------------------------------------------------
@@ -161,27 +166,36 @@ class GroupArchive:
         n = keys.shape[1]
         if n == 0:
             return
-        rows = torch.cat((keys.transpose(0, 1).reshape(n, -1), values.transpose(0, 1).reshape(n, -1)), dim=1)
-        rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
+        if self.dtype == torch.int8:
+            rows = _quantize(keys, values)
+        else:
+            rows = torch.cat((keys.transpose(0, 1).reshape(n, -1), values.transpose(0, 1).reshape(n, -1)), dim=1)
+            rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
         self.store.append(rows)
         a = self.length
         self.positions = _grow_cat(self.positions, positions.to(torch.int32).cpu(), a)
-        kf = keys.detach().float().cpu()
         P = self.page_size
         first, last = a // P, (a + n - 1) // P
         need = last + 1
         if need > self.kmin.shape[1]:
             cap = max(need, 2 * self.kmin.shape[1], 16)
-            kmin = torch.full((self.h, cap, self.d), float("inf"))
-            kmax = torch.full((self.h, cap, self.d), float("-inf"))
+            kmin = torch.full((self.h, cap, self.d), float("inf"), dtype=SUMMARY_DTYPE)
+            kmax = torch.full((self.h, cap, self.d), float("-inf"), dtype=SUMMARY_DTYPE)
             kmin[:, : self.kmin.shape[1]] = self.kmin
             kmax[:, : self.kmax.shape[1]] = self.kmax
             self.kmin, self.kmax = kmin, kmax
-        for p in range(first, last + 1):
-            lo, hi = max(p * P, a) - a, min((p + 1) * P, a + n) - a
-            part = kf[:, lo:hi]
-            torch.minimum(self.kmin[:, p], part.amin(1), out=self.kmin[:, p])
-            torch.maximum(self.kmax[:, p], part.amax(1), out=self.kmax[:, p])
+        # the new keys laid out on their pages ([h, pages, P, d]), padding neutral for min and max
+        kf = keys.detach().float().cpu()
+        lead, pages = a - first * P, need - first
+        lo = torch.full((self.h, pages * P, self.d), float("inf"))
+        lo[:, lead : lead + n] = kf
+        hi = torch.full_like(lo, float("-inf"))
+        hi[:, lead : lead + n] = kf
+        sl = slice(first, need)
+        lo = torch.minimum(lo.view(self.h, pages, P, self.d).amin(2), self.kmin[:, sl].float())
+        hi = torch.maximum(hi.view(self.h, pages, P, self.d).amax(2), self.kmax[:, sl].float())
+        self.kmin[:, sl] = _round(lo, down=True)
+        self.kmax[:, sl] = _round(hi, down=False)
         self.length += n
 
     # -- recall -------------------------------------------------------------------------------------
@@ -194,8 +208,9 @@ class GroupArchive:
         q = queries.float().cpu()
         npg = self.pages
         pos, neg = q.clamp(min=0), q.clamp(max=0)
-        bound = torch.bmm(pos, self.kmax[:, :npg].transpose(1, 2)) + torch.bmm(neg, self.kmin[:, :npg].transpose(1, 2))
-        return bound.amax(1)
+        bound = torch.bmm(pos, self.kmax[:, :npg].float().transpose(1, 2)) + torch.bmm(
+            neg, self.kmin[:, :npg].float().transpose(1, 2))
+        return bound.nan_to_num(nan=float("inf")).amax(1)
 
     def candidates(self, queries: Tensor, scan: int,
                    place: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
@@ -243,7 +258,9 @@ class GroupArchive:
     def read(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values [h, T, d] and positions [h, T] of archived tokens ``index`` [h, T]."""
         uniq, inverse = torch.unique(index, return_inverse=True)
-        rows = self.store.read(uniq).view(self.dtype).view(-1, 2, self.h, self.d)
+        rows = self.store.read(uniq)
+        rows = _dequantize(rows, self.h, self.d) if self.dtype == torch.int8 else rows.view(self.dtype).view(
+            -1, 2, self.h, self.d)
         heads = torch.arange(self.h).unsqueeze(1)
         keys = rows[:, 0][inverse, heads]
         values = rows[:, 1][inverse, heads]
@@ -265,7 +282,7 @@ class GroupArchive:
         if self.length:
             raise ValueError("an archive can only be loaded into an empty one")
         rows, pos = tensors[f"{prefix}.rows"], tensors[f"{prefix}.positions"].to(torch.int32)
-        kmin, kmax = tensors[f"{prefix}.kmin"].float(), tensors[f"{prefix}.kmax"].float()
+        kmin, kmax = tensors[f"{prefix}.kmin"], tensors[f"{prefix}.kmax"]
         n = pos.shape[1]
         if (rows.shape != (n, self.store.row_bytes) or pos.shape[0] != self.h
                 or kmin.shape != (self.h, -(-n // page_size), self.d) or kmax.shape != kmin.shape):
@@ -273,11 +290,45 @@ class GroupArchive:
         self.page_size = page_size
         self.store.append(rows.contiguous())
         self.positions = pos.clone()
-        self.kmin, self.kmax = kmin.clone(), kmax.clone()
+        # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
+        self.kmin, self.kmax = _round(kmin.float(), down=True), _round(kmax.float(), down=False)
         self.length = n
 
     def close(self) -> None:
         self.store.close()
+
+
+def _quantize(keys: Tensor, values: Tensor) -> Tensor:
+    """int8 rows: K and V [h, n, d] → [n, 2·h·d] int8 then [n, 2·h] float32 scales, as bytes.
+
+    Symmetric per token and head (absmax / 127): a key's error is at most half its scale per channel.
+    """
+    n = keys.shape[1]
+    kv = torch.stack((keys, values)).detach().float().cpu()  # [2, h, n, d]
+    scale = kv.abs().amax(-1, keepdim=True).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
+    q = kv.div(scale).round_().clamp_(-127, 127).to(torch.int8)
+    data = q.permute(2, 0, 1, 3).reshape(n, -1).view(torch.uint8)
+    scales = scale.squeeze(-1).permute(2, 0, 1).reshape(n, -1).contiguous().view(torch.uint8)
+    return torch.cat((data, scales), dim=1)
+
+
+def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
+    """The inverse of :func:`_quantize`: [u, row_bytes] bytes → [u, 2, h, d] float32."""
+    q = rows[:, : 2 * h * d].view(torch.int8).view(-1, 2, h, d)
+    scale = rows[:, 2 * h * d :].contiguous().view(torch.float32).view(-1, 2, h, 1)
+    return q.float() * scale
+
+
+def _round(x: Tensor, down: bool) -> Tensor:
+    """``x`` in ``SUMMARY_DTYPE``, rounded outward (down for minima, up for maxima) so the bound still holds.
+
+    Past float16's range a value becomes ±inf, which only loosens the bound (``page_scores`` turns
+    the 0·inf of a zero query channel back into a valid bound).
+    """
+    r = x.to(SUMMARY_DTYPE)
+    wrong = r.float() > x if down else r.float() < x
+    step = torch.nextafter(r, torch.full_like(r, float("-inf") if down else float("inf")))
+    return torch.where(wrong, step, r)
 
 
 def _grow_cat(buf: Tensor, new: Tensor, used: int) -> Tensor:

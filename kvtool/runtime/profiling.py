@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
@@ -214,12 +215,14 @@ def plan(
         heads = dims["num_kv_heads"] * dims["num_layers"]
         out["recall_tokens"] = recall_tokens
         out["recall_slots_bytes"] = recall_tokens * per_token
-        archive_elem = elem if settings.archive_dtype == "auto" else _mem.dtype_bytes(settings.archive_dtype)
+        int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
+        archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
+            settings.archive_dtype)
         out["archive_dtype"] = info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype
         out["recall_page"] = settings.recall_page
         out["archive_bytes_per_evicted_token"] = {
-            "file": per_token // elem * archive_elem,
-            "host": heads * (4 + 2 * 4 * dims["head_dim"] // settings.recall_page),
+            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
+            "host": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
         }
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]

@@ -165,8 +165,8 @@ class Session:
             positions=settings.positions,
             recall=self.recall_tokens,
             page_size=settings.recall_page,
-            archive_dtype=None if settings.archive_dtype == "auto" else resolve_dtype(settings.archive_dtype,
-                                                                                      self.loaded.device),
+            archive_dtype=None if settings.archive_dtype == "auto" else torch.int8 if settings.archive_dtype == "int8"
+            else resolve_dtype(settings.archive_dtype, self.loaded.device),
             archive_dir=self.archive_dir if self.recall_tokens else None,
         )
         self.engine_config.validate()

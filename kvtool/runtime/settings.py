@@ -24,7 +24,7 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZE = ("none", "8bit", "4bit")
 POSITIONS = ("absolute", "compact", "auto")
-ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # auto: the model's dtype
+ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # auto: the model's dtype
 
 
 @dataclass

@@ -352,24 +352,30 @@ def render(data: dict, total_seconds: float) -> str:
         ("needle-recall", "Needle with recall (issue 13)",
          "The same trials, for the best eviction-only policy at budget 256 (`sink`) and the default "
          f"(`{DEFAULT}`), "
-         "each also answering with `--recall 256`: evicted tokens archived in 32-token pages, and the pages "
-         "the question's queries point at (Quest's bound keeps 4× the pages that fit, their exact max q·k "
-         "picks) brought back and held for the answer. The eviction-only and recall rows of a policy answer "
-         "from the same read. With Quest's bound alone and no protection of the recalled tokens (before "
-         "2026-11-23) the recall rows were `sink` 11/30 and `h2o` 28/30.", table_needle),
+         "each also answering with `--recall 256`: evicted tokens archived in 32-token pages; every KV head "
+         "scores its archive exactly against the question's queries, the resulting attention is summed per "
+         "document position over all heads and layers, and every head brings back the most relevant positions "
+         "(with the 8 tokens before and 24 after each) for the answer. The eviction-only and recall rows of a "
+         "policy answer from the same read. Earlier selections on these trials: Quest's bound alone, "
+         "`sink` 11/30 and `h2o` 28/30; per-head pages re-ranked by exact max q·k, `sink` 24/30, `h2o` 29/30.",
+         table_needle),
         ("needle-recall-2k", "Needle with recall on a 2K haystack, no repetition penalty (issue 13)",
          f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on a 2K-token haystack, "
          "answered with `--repetition-penalty 1` (off). With the default penalty (1.1 on the answer's own tokens) "
-         f"`{DEFAULT}` + recall found 7 of these 30 numbers (`bench/results-runs/needle-recall-long.jsonl`), and "
+         "and the earlier per-head selection "
+         f"`{DEFAULT}` + recall found 7 of these 30 numbers, and "
          "18 of its 23 misses stopped at or skipped a digit the answer had already written (`60494` → `6049`, "
-         "`27611` → `2761`); the only number without a repeated digit (`39714`) was found at every depth. "
-         "`full` kept 29/30 with the penalty: its margins are wide enough.", table_needle),
-        ("needle-recall-long", "Needle with recall on longer haystacks (issue 13)",
-         f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on 2K and 8K-token haystacks. "
-         "SmolLM2-135M was trained on 8,192 positions: the 8K haystack with the chat template and the question "
-         "passes that, so `full` reads past its range while the bounded rows switch to compact positions "
-         "(`--positions auto`). Answered with the default repetition penalty (1.1), which cuts repeated digits: "
-         "compare the 2K table without it.", table_needle),
+         "`27611` → `2761`). With per-head pages (re-ranked) and no penalty it found 23/30: "
+         "11–16 of the 90 KV heads held all five digits and the answers came out cut (`419` for `41190`, `52` for `52445`); "
+         "the shared ranking puts them in all 90.", table_needle),
+        ("needle-recall-long", "Needle with recall on 8K and 32K haystacks (issue 13)",
+         f"The default (`{DEFAULT}`) with and without recall 256 at budget 256 on 8K- and 32K-token haystacks, "
+         "no repetition penalty. SmolLM2-135M was trained on 8,192 positions: with the chat template and the "
+         "question both haystacks pass that, so the bounded rows use compact positions (`--positions auto`) and "
+         "recall scores each archived key where it would land among the kept ones. `full` is left out "
+         "(`--no-full`): a dense pass takes minutes per trial here; on the 8K haystack with the default "
+         "penalty it found 15/30 (0/10 at depth 0.1, 6/10 at 0.5, 9/10 at 0.9), reading past its range. "
+         "With the earlier per-head selection `h2o` + recall found 0/30 at 8K.", table_needle),
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),

@@ -159,8 +159,8 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
     Why one ranking for all heads: a needle is usually pointed at by a few retrieval heads, but
     copying it out takes the needle's tokens in the other layers too. Measured on the embedded
     model (2K haystack, h2o@256 + recall 256, depth 0.5): with each head choosing by its own scores
-    only 29–34 of 90 KV heads held all five digits and 3 of 4 trials failed; with the shared ranking
-    90 of 90 did and the answers came out whole (docs/results.md).
+    only 11–16 of 90 KV heads held all five digits and 3 of 4 trials failed; with the shared ranking
+    90 of 90 did and 2 of those 3 were answered (docs/results.md).
     """
     t0 = cache.clock()
     by_layer: dict[int, list[Tensor]] = {}

@@ -7,8 +7,9 @@ asked about with recall off, then on (alternating, so drifting machine load hits
 its own child process so its peak memory is its own. Prints one JSON object: prefill tokens/s of
 both and their ratio (issue 13's target: ≥ 0.9), the peak memory with recall against the peak
 without plus the recall slots (≤ 1.05), recall's share of the run's wall time (read + ask; ≤ 0.10),
-the ask's own time, the recall seconds (first question pass + page scoring + reading the archive)
-and the archive's size. The archive lives where a run puts it: KVTOOL_ARCHIVE_DIR or the temp directory.
+the ask's own time, the recall seconds (first question pass + scoring the archive + reading what
+comes back) and the archive's size. The archive lives where a run puts it: KVTOOL_ARCHIVE_DIR or the
+temp directory.
 """
 
 from __future__ import annotations

@@ -366,8 +366,8 @@ def render(data: dict, total_seconds: float) -> str:
          f"`{DEFAULT}` + recall found 7 of these 30 numbers, and "
          "18 of its 23 misses stopped at or skipped a digit the answer had already written (`60494` → `6049`, "
          "`27611` → `2761`). With per-head pages (re-ranked) and no penalty it found 23/30: "
-         "11–16 of the 90 KV heads held all five digits and the answers came out cut (`419` for `41190`, `52` for `52445`); "
-         "the shared ranking puts them in all 90.", table_needle),
+         "11–16 of the 90 KV heads held all five digits and the answers came out cut (`419` for `41190`, "
+         "`52` for `52445`); the shared ranking puts them in all 90.", table_needle),
         ("needle-recall-long", "Needle with recall on 8K and 32K haystacks (issue 13)",
          f"The default (`{DEFAULT}`) with and without recall 256 at budget 256 on 8K- and 32K-token haystacks, "
          "no repetition penalty. SmolLM2-135M was trained on 8,192 positions: with the chat template and the "

@@ -94,13 +94,15 @@ class Rotator:
     def rotate(self, keys: Tensor, delta: Tensor) -> Tensor:
         """keys [h, n, d] rotated by delta [h, n] (or [n]) positions, returned in keys' dtype."""
         inv = self.inv_freq.to(keys.device)
-        angles = delta.to(torch.float32).unsqueeze(-1) * inv  # [h, n, d/2]
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = delta.to(torch.float32).unsqueeze(-1) * inv  # [h, n, d/2]: each angle serves both halves
         cos, sin = angles.cos(), angles.sin()
         k = keys.float()
         half = k.shape[-1] // 2
-        rotated_half = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
-        return (k * cos + rotated_half * sin).to(keys.dtype)
+        k1, k2 = k[..., :half], k[..., half:]
+        out = torch.empty_like(k)
+        torch.sub(k1 * cos, k2 * sin, out=out[..., :half])  # rotate_half: (k1, k2) → (−k2, k1)
+        torch.add(k2 * cos, k1 * sin, out=out[..., half:])
+        return out.to(keys.dtype)
 
 
 def _check_static(rtype: str) -> None:

@@ -37,10 +37,10 @@ from kvtool.errors import UsageError
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
 SUMMARY_DTYPE = torch.float16
-#: archived tokens per head scored exactly (beyond: the pages Quest's bound ranks best). At 32K
-#: tokens with compact positions an 8,192 cap missed a needle at depth 0.1: the bound compares the
-#: question's compact-frame queries with summaries of keys at their original positions
-SCAN = 32768
+#: archived tokens per head scored exactly (beyond: the pages Quest's bound ranks best). The scores
+#: ([h, rows, SCAN] float32) are recall's largest transient buffer; at 32K tokens a cap of 32,768
+#: found no more needles (depth 0.1: missed either way) and cost 4× the time and buffer
+SCAN = 8192
 #: pages whose keys are read at once while scanning
 SCAN_CHUNK = 64
 

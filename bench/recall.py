@@ -6,7 +6,9 @@ For each repeat, the same ~L-token text (Sherlock Holmes with a secret number at
 asked about with recall off, then on (alternating, so drifting machine load hits both alike), each in
 its own child process so its peak memory is its own. Prints one JSON object: prefill tokens/s of
 both and their ratio (issue 13's target: ≥ 0.9), the peak memory with recall against the peak
-without plus the recall slots (≤ 1.05), recall's share of the run's wall time (read + ask; ≤ 0.10),
+without plus the recall slots (≤ 1.05; RSS sampled every 5 ms by the bench itself, since kvtool's
+own 50 ms sampler can miss recall's short-lived buffers — its figure is printed beside), recall's
+share of the run's wall time (read + ask; ≤ 0.10),
 the ask's own time, the recall seconds (first question pass + scoring the archive + reading what
 comes back) and the archive's size. The archive lives where a run puts it: KVTOOL_ARCHIVE_DIR or the
 temp directory.
@@ -19,8 +21,11 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,16 +55,27 @@ def child(args: argparse.Namespace, mode: str) -> dict:
     if args.policy:
         over["policy"] = args.policy
     s = Session(resolve_settings(None, over), loaded=loaded)
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     read = s.read(text_document(doc))
     t1 = time.perf_counter()
     ans = s.ask(read, "What is the secret number?")
     t2 = time.perf_counter()
+    done.set()
+    sampler.join()
     st = s.stats(read)
     return {"prefill_tokens_per_second": st["prefill_tokens_per_second"], "read_seconds": t1 - t0,
             "ask_seconds": t2 - t1, "wall_seconds": t2 - t0, "recall_seconds": st["recall_seconds"],
             "archive_bytes": st["archive_bytes"], "kv_cache_bytes": st["kv_cache_bytes"],
-            "peak_memory_bytes": st["peak_memory_bytes"], "policy": st["policy"], "found": "71432" in ans.answer}
+            "peak_memory_bytes": st["peak_memory_bytes"], "peak_rss_5ms_bytes": max(peak[0], st["peak_memory_bytes"]),
+            "policy": st["policy"], "found": "71432" in ans.answer}
 
 
 def main() -> None:
@@ -98,9 +114,11 @@ def main() -> None:
         # issue 13's targets: ≥ 0.9, ≤ 1.05, ≤ 0.10
         "prefill_speed_ratio": round(med("on", "prefill_tokens_per_second")
                                      / med("off", "prefill_tokens_per_second"), 3),
-        "peak_off": med("off", "peak_memory_bytes"), "peak_on": med("on", "peak_memory_bytes"),
+        "peak_off": med("off", "peak_rss_5ms_bytes"), "peak_on": med("on", "peak_rss_5ms_bytes"),
         "recall_slot_bytes": slots,
-        "peak_ratio": round(med("on", "peak_memory_bytes") / (med("off", "peak_memory_bytes") + slots), 3),
+        "peak_ratio": round(med("on", "peak_rss_5ms_bytes") / (med("off", "peak_rss_5ms_bytes") + slots), 3),
+        "peak_ratio_kvtool_meter": round(med("on", "peak_memory_bytes")
+                                         / (med("off", "peak_memory_bytes") + slots), 3),
         "recall_share_of_wall": round(med("on", "recall_seconds") / med("on", "wall_seconds"), 4),
         "wall_seconds_off": round(med("off", "wall_seconds"), 2),
         "wall_seconds_on": round(med("on", "wall_seconds"), 2),

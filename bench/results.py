@@ -30,7 +30,7 @@ CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
          "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
-         "needle-recall-long")
+         "needle-recall-long", "needle-recall-32k")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -60,11 +60,11 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         # longer haystacks (issue 13): the default with and without recall, compact positions (--positions auto)
         # past the model's 8,192 positions; penalty 1 as for 2K (1.1 drops a repeated digit of the number).
         # Without full: a dense pass takes minutes per trial here (its 8K rate is in the render's text).
-        # 32K: the same command with --lengths 32k (partial run by hand, see docs/results.md)
-        "needle-recall-long": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "8k",
-                               "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT, "--no-full",
-                               "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
-                               "--repetition-penalty", "1"],
+        **{f"needle-recall-{name}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths",
+                                     length, "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT,
+                                     "--no-full", "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
+                                     "--repetition-penalty", "1"]
+           for name, length in (("long", "8k"), ("32k", "32k"))},
         # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
         "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
                              "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",

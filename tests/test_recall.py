@@ -48,7 +48,7 @@ def read(engine: Engine, doc: torch.Tensor):
 def test_archive_appends_in_order_and_page_bounds_hold():
     torch.manual_seed(0)
     h, d, P = 3, 8, 5
-    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     ks, vs, ps = [], [], []
     for n in (3, 7, 1, 12):  # appends that start and end mid-page
         k, v = torch.randn(h, n, d), torch.randn(h, n, d)
@@ -61,15 +61,18 @@ def test_archive_appends_in_order_and_page_bounds_hold():
     k2, v2, p2 = arch.read(every)
     assert torch.equal(k2, K) and torch.equal(v2, V) and torch.equal(p2, Pos)
     q = torch.randn(h, 6, d)
-    bound = torch.bmm(q.clamp(min=0), arch.kmax[:, : arch.pages].float().transpose(1, 2)) + torch.bmm(
-        q.clamp(max=0), arch.kmin[:, : arch.pages].float().transpose(1, 2))  # [h, r, pages]
+    kmin, kmax = arch.page_summaries()
+    assert kmin.shape == (h, arch.pages, d) and arch.summaries.rows == arch.length // P  # the open page: in memory
+    bound = torch.bmm(q.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(
+        q.clamp(max=0), kmin.float().transpose(1, 2))  # [h, r, pages]
+    assert torch.equal(arch.page_scores(q), bound.amax(1))
     exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
     page_of = torch.arange(arch.length) // P
     assert (bound[:, :, page_of] >= exact - 1e-5).all()
     # brute-force summaries: min/max over each page's keys, rounded outward to float16 (one step at most)
     for p in range(arch.pages):
         sl = K[:, p * P : (p + 1) * P]
-        lo, hi = arch.kmin[:, p], arch.kmax[:, p]
+        lo, hi = kmin[:, p], kmax[:, p]
         assert (lo.float() <= sl.amin(1)).all() and (hi.float() >= sl.amax(1)).all()
         assert (torch.nextafter(lo, torch.full_like(lo, float("inf"))).float() >= sl.amin(1)).all()
         assert (torch.nextafter(hi, torch.full_like(hi, float("-inf"))).float() <= sl.amax(1)).all()
@@ -77,7 +80,7 @@ def test_archive_appends_in_order_and_page_bounds_hold():
 
 def test_page_bound_holds_past_float16_range():
     h, d, P = 1, 4, 4
-    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     k = torch.zeros(h, P, d)
     k[0, 1, 0], k[0, 2, 1] = 1e6, -1e6  # beyond float16's 65504
     arch.append(k, k.clone(), torch.arange(P).unsqueeze(0))
@@ -90,12 +93,12 @@ def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan():
     """Brute force: every archived token's q·k when the archive fits the scan; beyond it, the pages
     with the highest Quest bound (computed by hand), still scored exactly."""
     h, d, P, n = 2, 4, 4, 18
-    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     K = torch.randn(h, n, d, generator=torch.Generator().manual_seed(3))
     arch.append(K, torch.randn(h, n, d), torch.arange(n).expand(h, -1))
     q = torch.randn(h, 3, d)
     exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
-    idx, scores = arch.candidates(q, 64)
+    idx, scores = arch.candidates(q, 64)  # positions = archive indices here
     for head in range(h):
         seen = {}
         for j, i in enumerate(idx[head].tolist()):
@@ -105,18 +108,35 @@ def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan():
         for i, s in seen.items():
             assert torch.allclose(s, exact[head, :, i], atol=1e-5)
     idx, scores = arch.candidates(q, 2 * P)  # two pages of five
-    bound = torch.bmm(q.clamp(min=0), arch.kmax[:, :5].float().transpose(1, 2)) + torch.bmm(
-        q.clamp(max=0), arch.kmin[:, :5].float().transpose(1, 2))
+    kmin, kmax = arch.page_summaries()
+    bound = torch.bmm(q.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(
+        q.clamp(max=0), kmin.float().transpose(1, 2))
     for head in range(h):
         want = sorted(torch.topk(bound[head].amax(0), 2).indices.tolist())
         assert sorted(set((idx[head] // P).tolist())) == want
+
+
+def test_attention_of_candidates_is_the_softmax_beside_the_kept_tokens():
+    """Brute force: each candidate's probability in the softmax over [kept, candidates] (a padded −inf
+    candidate gets 0), maximised over the question rows."""
+    from types import SimpleNamespace
+
+    h, d, n, A = 2, 8, 5, 7
+    gen = torch.Generator().manual_seed(4)
+    g = SimpleNamespace(keys=torch.randn(1, h, 2 + n, d, generator=gen), off=2, length=n)
+    q, archived = torch.randn(h, 3, d, generator=gen), torch.randn(h, A, d, generator=gen)
+    scores = torch.bmm(q, archived.transpose(1, 2))
+    scores[:, :, -1] = float("-inf")
+    want = torch.softmax(torch.cat((torch.bmm(q, g.keys[0, :, 2:].transpose(1, 2)), scores), 2) * 0.3, 2)[:, :, n:]
+    got = recall._attention(g, q, scores.clone(), 0.3)
+    assert torch.allclose(got, want.amax(1), atol=1e-6) and (got[:, -1] == 0).all()
 
 
 def test_every_head_recalls_the_span_around_the_relevant_positions():
     """One ranking (by stream position) for every head, whatever order each archived its tokens in; the
     tokens after a match (the rest of its sentence) and a few before come with it."""
     h, d, P, n = 2, 4, 4, 64
-    arch = GroupArchive(h, d, torch.float32, P, MemoryStore(GroupArchive.row_bytes(h, d, torch.float32)))
+    arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     pos = torch.stack([torch.arange(n), torch.arange(n).flip(0)])  # the heads archived in different orders
     arch.append(torch.zeros(h, n, d), torch.zeros(h, n, d), pos)
     relevance = torch.zeros(n + 1)
@@ -339,6 +359,50 @@ def test_recall_stays_within_budget_plus_recall_plus_block_and_restores():
         assert all(g.capacity == budget for g in cache.groups())
 
 
+def test_focus_ranks_by_the_question_rows_only():
+    """Oracle: recall focused on rows a..b of the question chooses exactly what recall chooses from a
+    log holding only those rows' queries (the instruction's rows do not vote)."""
+    model = tiny_llama()
+    engine = recall_engine(model, "h2o", 32, 16)
+    cache, snap = read(engine, ids_of(240, 11))
+    q = ids_of(12, 12)
+    cache.query_log = []
+    engine.pin(cache, q.numel(), None)
+    engine.feed(cache, [q], progress=False)
+    log, cache.query_log = cache.query_log, None
+    chosen: list[list] = []
+    real = recall.insert
+
+    def spy(g, keys, values, positions):
+        chosen[-1].append(positions.tolist())
+        real(g, keys, values, positions)
+
+    recall.insert = spy
+    try:
+        for entries, focus in ((log, slice(4, 9)), ([(li, x[:, :, 4:9], s) for li, x, s in log], None),
+                               (log, None)):
+            cache.restore(snap)
+            chosen.append([])
+            recall.recall(cache, entries, 16, focus)
+    finally:
+        recall.insert = real
+    assert chosen[0] == chosen[1]
+    assert chosen[0] != chosen[2]  # the other rows did change the choice: focus is not a no-op here
+
+
+def test_focus_rows_are_the_question_tokens():
+    from kvtool.runtime import prompt
+    from tests.helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    question = "what is the pass key?"
+    suffix = prompt.question_suffix(tok, question)
+    rows = prompt.focus_rows(tok, suffix, question)
+    ids = prompt.encode(tok, suffix)
+    assert rows is not None and tok.decode(ids[rows]).strip() == question
+    assert prompt.focus_rows(tok, suffix, "not in there") is None
+
+
 def test_recall_does_not_archive_the_answer():
     model = tiny_llama()
     engine = recall_engine(model, "keydiff", 32, 32)
@@ -484,7 +548,7 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     n = json.loads(narrow)
     assert n["archive_dtype"] == "float16" and n["recall_page"] == 64
     assert n["archive_bytes_per_evicted_token"]["file"] == per_token // 2
-    assert n["archive_bytes_per_evicted_token"]["host"] < r["archive_bytes_per_evicted_token"]["host"]
+    assert n["archive_bytes_per_evicted_token"]["index"] < r["archive_bytes_per_evicted_token"]["index"]
     for bad in (["--archive-dtype", "int4"], ["--recall-page", "0"]):
         rc, _, err = run_cli(capsys, *args, "--recall", "24", *bad)
         assert rc == 2 and err.startswith("kvtool: error: ") and "Traceback" not in err

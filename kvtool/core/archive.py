@@ -3,10 +3,11 @@
 Every head of a group keeps exactly ``capacity`` tokens, so every eviction drops the same number of
 tokens per head and a group's archive grows in lockstep across its heads::
 
-    GroupArchive (one per bounded head group)
+    GroupArchive (one per bounded head group), three append-only stores
       store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
-      positions    [h, archived] int32, original stream position of each archived token (host memory)
-      kmin, kmax   [h, pages, d] float16 page summaries, rounded outward (host memory, 8 B per token at P 32, d 64)
+      index        rows [archived, h] int32: the original stream position of each archived token
+      summaries    rows [completed pages, 2·h·d] float16: key minima then maxima, rounded outward
+      tail         the open page's summary (the only part in host memory)
 
 Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
 per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 2024)
@@ -15,7 +16,8 @@ two matrix products score every page of a head against every query row.
 
 The backing store is pluggable: :class:`MemoryStore` (a growing host tensor, tests) or
 :class:`FileStore` (an unlinked temporary file written with ``pwrite`` and read through a short-lived
-``mmap``): the process RSS stays flat however long the document, and the file vanishes with the
+``mmap``): the process RSS stays flat however long the document (measured at 32K tokens: holding
+positions and summaries in host memory instead cost 34 MB, 3.5% of the run's peak), and the file vanishes with the
 process, even on Ctrl-C, SIGTERM or SIGKILL, because it has no name after it is created.
 """
 
@@ -37,12 +39,18 @@ from kvtool.errors import UsageError
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
 SUMMARY_DTYPE = torch.float16
-#: archived tokens per head scored exactly (beyond: the pages Quest's bound ranks best). The scores
-#: ([h, rows, SCAN] float32) are recall's largest transient buffer; at 32K tokens a cap of 32,768
-#: found no more needles (depth 0.1: missed either way) and cost 4× the time and buffer
-SCAN = 8192
+#: archived tokens per head scored exactly (beyond: the pages Quest's bound ranks best). Measured at
+#: 32K (compact positions): with 8,192 the bound's pre-selection dropped the needle's page in most
+#: heads (its summaries sit at original positions, the question at compact ones) and the needle was
+#: missed; scoring all 32,768 found it, in 2.9 s of a 120 s ask (docs/results.md)
+SCAN = 32768
+#: the exact scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
+#: question scans fewer tokens exactly rather than allocate more than this
+SCAN_BYTES = 64 << 20
 #: pages whose keys are read at once while scanning
-SCAN_CHUNK = 64
+SCAN_CHUNK = 16
+#: completed pages whose summaries are read at once while bounding
+SUMMARY_CHUNK = 4096
 
 
 class ArchiveStore(Protocol):
@@ -131,20 +139,27 @@ class FileStore:
 
 
 class GroupArchive:
-    """The archived tokens of one head group, in lockstep across its heads, with page summaries."""
+    """The archived tokens of one head group, in lockstep across its heads, with page summaries.
 
-    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int, store: ArchiveStore) -> None:
+    Three append-only stores (files on a real run), so host memory does not grow with the document:
+    ``store`` the K/V rows, ``index`` each token's original position per head (int32), ``summaries``
+    each completed page's per-channel key minima then maxima (float16, rounded outward). Only the open
+    (last, incomplete) page's summary, ``tail``, is held in memory.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
+                 new_store: Callable[[int], ArchiveStore]) -> None:
         if page_size < 1:
             raise UsageError(f"archive page size must be at least 1 (got {page_size})")
         self.h = num_heads
         self.d = head_dim
         self.dtype = dtype
         self.page_size = page_size
-        self.store = store
+        self.store = new_store(self.row_bytes(num_heads, head_dim, dtype))
+        self.index = new_store(4 * num_heads)
+        self.summaries = new_store(2 * num_heads * head_dim * SUMMARY_DTYPE.itemsize)
         self.length = 0  # archived tokens per head
-        self.positions = torch.empty(num_heads, 0, dtype=torch.int32)
-        self.kmin = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
-        self.kmax = torch.empty(num_heads, 0, head_dim, dtype=SUMMARY_DTYPE)
+        self.tail = _empty_page(num_heads, head_dim)  # [2, h, d]: min, max of the open page's keys
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -158,9 +173,9 @@ class GroupArchive:
         return -(-self.length // self.page_size)
 
     def nbytes(self) -> int:
-        """Bytes held: K/V rows plus positions and page summaries."""
-        summaries = 2 * self.h * self.pages * self.d * self.kmin.element_size()
-        return self.store.rows * self.store.row_bytes + self.length * self.h * 4 + summaries
+        """Bytes held: K/V rows, positions and page summaries (all in the stores) and the open page."""
+        stores = (self.store, self.index, self.summaries)
+        return sum(st.rows * st.row_bytes for st in stores) + self.tail.numel() * self.tail.element_size()
 
     # -- appending --------------------------------------------------------------------------------
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -174,72 +189,99 @@ class GroupArchive:
             rows = torch.cat((keys.transpose(0, 1).reshape(n, -1), values.transpose(0, 1).reshape(n, -1)), dim=1)
             rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
         self.store.append(rows)
-        a = self.length
-        self.positions = _grow_cat(self.positions, positions.to(torch.int32).cpu(), a)
-        P = self.page_size
-        first, last = a // P, (a + n - 1) // P
-        need = last + 1
-        if need > self.kmin.shape[1]:
-            cap = max(need, 2 * self.kmin.shape[1], 16)
-            kmin = torch.full((self.h, cap, self.d), float("inf"), dtype=SUMMARY_DTYPE)
-            kmax = torch.full((self.h, cap, self.d), float("-inf"), dtype=SUMMARY_DTYPE)
-            kmin[:, : self.kmin.shape[1]] = self.kmin
-            kmax[:, : self.kmax.shape[1]] = self.kmax
-            self.kmin, self.kmax = kmin, kmax
-        # the new keys laid out on their pages ([h, pages, P, d]), padding neutral for min and max
+        self.index.append(_as_rows(positions.to(torch.int32).cpu().t()))
+        # the new keys laid out on the pages they fill ([h, pages, P, d]), padding neutral for min and max;
+        # the first of them is the open page, whose summary so far is ``tail``
+        P, lead = self.page_size, self.length % self.page_size
+        pages = -(-(lead + n) // P)
         kf = keys.detach().float().cpu()
-        lead, pages = a - first * P, need - first
         lo = torch.full((self.h, pages * P, self.d), float("inf"))
         lo[:, lead : lead + n] = kf
         hi = torch.full_like(lo, float("-inf"))
         hi[:, lead : lead + n] = kf
-        sl = slice(first, need)
-        lo = torch.minimum(lo.view(self.h, pages, P, self.d).amin(2), self.kmin[:, sl].float())
-        hi = torch.maximum(hi.view(self.h, pages, P, self.d).amax(2), self.kmax[:, sl].float())
-        self.kmin[:, sl] = _round(lo, down=True)
-        self.kmax[:, sl] = _round(hi, down=False)
+        lo, hi = lo.view(self.h, pages, P, self.d).amin(2), hi.view(self.h, pages, P, self.d).amax(2)
+        lo[:, 0] = torch.minimum(lo[:, 0], self.tail[0].float())
+        hi[:, 0] = torch.maximum(hi[:, 0], self.tail[1].float())
+        summ = torch.stack((_round(lo, down=True), _round(hi, down=False)), dim=1)  # [h, 2, pages, d]
+        done = (lead + n) // P  # pages these tokens complete
+        self._append_summaries(summ[:, :, :done])
+        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < pages else _empty_page(self.h, self.d)
         self.length += n
+
+    def _append_summaries(self, summ: Tensor) -> None:
+        """Completed pages' summaries [h, 2, pages, d] → rows [pages, 2·h·d] of the summary store."""
+        if summ.shape[2]:
+            self.summaries.append(_as_rows(summ.permute(2, 1, 0, 3)))
+
+    def page_summaries(self, first: int = 0, last: int | None = None) -> tuple[Tensor, Tensor]:
+        """Key minima and maxima [h, pages, d] (float16) of pages ``first`` … ``last`` − 1 (default: all)."""
+        last = self.pages if last is None else last
+        done = min(last, self.summaries.rows)
+        rows = self.summaries.read(torch.arange(first, done)) if done > first else torch.empty(
+            0, self.summaries.row_bytes, dtype=torch.uint8)
+        s = rows.view(SUMMARY_DTYPE).view(-1, 2, self.h, self.d).permute(1, 2, 0, 3)  # [2, h, pages, d]
+        if last > self.summaries.rows:  # the open page
+            s = torch.cat((s, self.tail.unsqueeze(2)), dim=2)
+        return s[0], s[1]
+
+    def positions_of(self, index: Tensor) -> Tensor:
+        """Original positions [h, T] (int64) of archive indices ``index`` [h, T]."""
+        uniq, inverse = torch.unique(index, return_inverse=True)
+        rows = self.index.read(uniq).view(torch.int32)  # [u, h]
+        return rows[inverse, torch.arange(self.h).unsqueeze(1)].long()
+
+    def all_positions(self) -> Tensor:
+        """Every archived token's original position per head: [h, archived] int64."""
+        return self.index.read(torch.arange(self.length)).view(torch.int32).t().long()
 
     # -- recall -------------------------------------------------------------------------------------
     def page_scores(self, queries: Tensor) -> Tensor:
         """Upper bound of q·k over each page, maximised over the query rows: [h, pages].
 
         ``queries`` [h, r, d] (float, original-position frame), all rows of the query heads that share
-        each KV head.
+        each KV head. Summaries are read ``SUMMARY_CHUNK`` pages at a time.
         """
         q = queries.float().cpu()
-        npg = self.pages
         pos, neg = q.clamp(min=0), q.clamp(max=0)
-        bound = torch.bmm(pos, self.kmax[:, :npg].float().transpose(1, 2)) + torch.bmm(
-            neg, self.kmin[:, :npg].float().transpose(1, 2))
-        return bound.nan_to_num(nan=float("inf")).amax(1)
+        out = torch.empty(self.h, self.pages)
+        for first in range(0, self.pages, SUMMARY_CHUNK):
+            last = min(first + SUMMARY_CHUNK, self.pages)
+            kmin, kmax = self.page_summaries(first, last)
+            bound = torch.bmm(pos, kmax.float().transpose(1, 2)) + torch.bmm(neg, kmin.float().transpose(1, 2))
+            out[:, first:last] = bound.nan_to_num_(nan=float("inf")).amax(1)
+        return out
 
     def candidates(self, queries: Tensor, scan: int,
                    place: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Exact ``q·k`` of up to ``scan`` archived tokens per head: the pages Quest's bound ranks best.
 
-        Returns the tokens' archive indices [h, A] and their scores per query row [h, r, A] (−inf for
-        a tail page's missing tokens). An archive of at most ``scan`` tokens per head is scored
+        Returns the tokens' original positions [h, A] and their scores per query row [h, r, A] (−inf
+        for a tail page's missing tokens). An archive of at most ``scan`` tokens per head is scored
         exactly, whole; a longer one by its ``scan // P`` best pages by the bound, so the work per
         question stays bounded however long the document. Keys are read ``SCAN_CHUNK`` pages at a
         time: the transient buffer does not grow with ``scan`` beyond the scores themselves.
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
-        order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
-        cand = torch.sort(order[:, : max(1, scan // P)], dim=1).values  # file order: reads run forwards
+        if self.length <= scan:
+            cand = torch.arange(self.pages).expand(self.h, -1)
+        else:
+            order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
+            cand = torch.sort(order[:, : max(1, scan // P)], dim=1).values  # file order: reads run forwards
         q = queries.float().cpu()
         idx = (cand.unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)  # [h, A]
         valid = idx < self.length
         idx = idx.clamp(max=self.length - 1)
         scores = torch.empty(self.h, q.shape[1], idx.shape[1])
+        positions = torch.empty(idx.shape, dtype=torch.long)
         step = SCAN_CHUNK * P
         for lo in range(0, idx.shape[1], step):
-            keys, _, pos = self.read(idx[:, lo : lo + step])
+            keys, _, pos = self.read(idx[:, lo : lo + step], values=False)
             if place is not None:
                 keys = place(keys, pos)
             scores[:, :, lo : lo + step] = torch.bmm(q, keys.float().transpose(1, 2))
-        return idx, scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+            positions[:, lo : lo + step] = pos
+        return positions, scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
 
     def top_by_position(self, relevance: Tensor, tokens: int) -> Tensor:
         """The ``min(tokens, archived)`` archived tokens per head whose positions rank best in ``relevance``.
@@ -247,7 +289,7 @@ class GroupArchive:
         ``relevance`` [stream positions] is shared by every head of every layer; returns ascending
         archive indices [h, T] (a group's heads must hold equal counts).
         """
-        key = relevance[self.positions[:, : self.length].long()]
+        key = relevance[self.all_positions()]
         top = torch.topk(key, min(tokens, self.length), dim=1, sorted=False).indices
         return torch.sort(top, dim=1).values
 
@@ -257,26 +299,26 @@ class GroupArchive:
         pages.scatter_(1, index // self.page_size, True)
         return int(pages.sum())
 
-    def read(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys, values [h, T, d] and positions [h, T] of archived tokens ``index`` [h, T]."""
+    def read(self, index: Tensor, values: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T]."""
         uniq, inverse = torch.unique(index, return_inverse=True)
         rows = self.store.read(uniq)
         rows = _dequantize(rows, self.h, self.d) if self.dtype == torch.int8 else rows.view(self.dtype).view(
             -1, 2, self.h, self.d)
         heads = torch.arange(self.h).unsqueeze(1)
         keys = rows[:, 0][inverse, heads]
-        values = rows[:, 1][inverse, heads]
-        return keys, values, self.positions[:, : self.length].gather(1, index).long()
+        vals = rows[:, 1][inverse, heads] if values else None
+        return keys, vals, self.positions_of(index)
 
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
-        """Rows, positions and page summaries of the archived tokens (reads the whole store)."""
-        n, npg = self.length, self.pages
+        """Rows, positions [h, n] and page summaries [h, pages, d] of the archived tokens (reads the stores)."""
+        kmin, kmax = self.page_summaries()
         return {
             f"{prefix}.rows": self.store.read(torch.arange(self.store.rows)),
-            f"{prefix}.positions": self.positions[:, :n].contiguous(),
-            f"{prefix}.kmin": self.kmin[:, :npg].contiguous(),
-            f"{prefix}.kmax": self.kmax[:, :npg].contiguous(),
+            f"{prefix}.positions": self.all_positions().to(torch.int32),
+            f"{prefix}.kmin": kmin.contiguous(),
+            f"{prefix}.kmax": kmax.contiguous(),
         }
 
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str, page_size: int) -> None:
@@ -291,13 +333,29 @@ class GroupArchive:
             raise ValueError(f"{prefix}: archive shapes do not match this cache")
         self.page_size = page_size
         self.store.append(rows.contiguous())
-        self.positions = pos.clone()
+        self.index.append(_as_rows(pos.t()))
         # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
-        self.kmin, self.kmax = _round(kmin.float(), down=True), _round(kmax.float(), down=False)
+        summ = torch.stack((_round(kmin.float(), down=True), _round(kmax.float(), down=False)), dim=1)
+        done = n // page_size
+        self._append_summaries(summ[:, :, :done])
+        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if n % page_size else _empty_page(self.h, self.d)
         self.length = n
 
     def close(self) -> None:
-        self.store.close()
+        for st in (self.store, self.index, self.summaries):
+            st.close()
+
+
+def _as_rows(t: Tensor) -> Tensor:
+    """``t`` [n, …] as store rows [n, bytes] (a dense copy: transposed views cannot be viewed as bytes)."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out.view(t.shape[0], -1).view(torch.uint8)
+
+
+def _empty_page(h: int, d: int) -> Tensor:
+    """The summary of a page with no keys yet: min +inf, max −inf ([2, h, d])."""
+    return torch.stack((torch.full((h, d), float("inf")), torch.full((h, d), float("-inf")))).to(SUMMARY_DTYPE)
 
 
 def _quantize(keys: Tensor, values: Tensor) -> Tensor:
@@ -331,17 +389,6 @@ def _round(x: Tensor, down: bool) -> Tensor:
     wrong = r.float() > x if down else r.float() < x
     step = torch.nextafter(r, torch.full_like(r, float("-inf") if down else float("inf")))
     return torch.where(wrong, step, r)
-
-
-def _grow_cat(buf: Tensor, new: Tensor, used: int) -> Tensor:
-    """Append ``new`` [h, n] after ``used`` columns of ``buf``, doubling its capacity when needed."""
-    n = new.shape[1]
-    if used + n > buf.shape[1]:
-        grown = torch.empty(buf.shape[0], max(2 * buf.shape[1], used + n, 256), dtype=buf.dtype)
-        grown[:, :used] = buf[:, :used]
-        buf = grown
-    buf[:, used : used + n] = new
-    return buf
 
 
 def dropped_indices(keep: Tensor, n: int) -> Tensor:

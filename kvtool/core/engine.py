@@ -258,12 +258,15 @@ class Engine:
         cache.pin_end = cache.seen + length  # the answer is not pinned: it may outgrow the budget
 
     def feed_question(self, cache: BoundedCache, ids: Tensor, restore: Callable[[], None],
-                      answer_tokens: int | None = None) -> tuple[Tensor, recall.RecallResult | None]:
+                      answer_tokens: int | None = None,
+                      focus: slice | None = None) -> tuple[Tensor, recall.RecallResult | None]:
         """Restore the post-document cache and feed a pinned question; with recall on, feed it twice.
 
         The first pass records the question's queries, the archive pages they point at come back
         beside the kept tokens (``kvtool/core/recall.py``), and the second pass lets the question's own
-        hidden states see them. Returns the last logits and what was recalled (None: no recall).
+        hidden states see them; ``focus`` picks the rows of ``ids`` whose queries rank the archive
+        (the question inside the instruction; None: all). Returns the last logits and what was
+        recalled (None: no recall).
         """
         restore()
         self.pin(cache, ids.numel(), answer_tokens)
@@ -279,7 +282,7 @@ class Engine:
         finally:
             cache.query_log = None
         restore()
-        result = recall.recall(cache, log, self.config.recall)
+        result = recall.recall(cache, log, self.config.recall, focus)
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.clock() - t0
         logits = self.feed(cache, [ids], progress=False)

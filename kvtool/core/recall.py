@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvtool.core.archive import SCAN, ArchiveStore, GroupArchive
+from kvtool.core.archive import SCAN, SCAN_BYTES, ArchiveStore, GroupArchive
 from kvtool.core.cache import BoundedCache, HeadGroup
 
 StoreFactory = Callable[[int], ArchiveStore]  # row bytes → a fresh store
@@ -50,8 +50,7 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
         if g.capacity is None:
             continue
         dt = dtype or g.keys.dtype
-        rb = GroupArchive.row_bytes(g.num_heads, g.keys.shape[-1], dt)
-        g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], dt, page_size, store(rb))
+        g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], dt, page_size, store)
         if g.max_slots is not None:
             g.max_slots += recall
         _reserve(g, g.slots + recall)
@@ -91,9 +90,9 @@ def close(cache: BoundedCache) -> None:
         a.close()
 
 
-def _group_queries(g: HeadGroup, queries: list[Tensor]) -> Tensor:
-    """The group's query rows, as the question attended: [h, q_per_kv · rows, d]."""
-    q = torch.cat([x[0] if g.all_heads else x[0].index_select(0, g.q_index) for x in queries], dim=1)  # [hq, m, d]
+def _group_queries(g: HeadGroup, queries: list[Tensor], rows: slice) -> Tensor:
+    """The group's query rows ``rows`` of the fed question, as they attended: [h, q_per_kv · rows, d]."""
+    q = torch.cat([x[0] if g.all_heads else x[0].index_select(0, g.q_index) for x in queries], dim=1)[:, rows]
     return q.reshape(g.num_heads, -1, q.shape[-1])
 
 
@@ -146,8 +145,13 @@ def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor) -> Non
 
 
 @torch.inference_mode()
-def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: int) -> RecallResult:
+def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: int,
+           focus: slice | None = None) -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
+
+    ``focus``: the rows of the fed suffix whose queries count (the question itself, not the
+    instruction and chat template around it, whose rows attend to the same generic attractors for
+    every question; None: every row).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
     candidates``) and turns the scores into the attention its question rows would give each
@@ -176,10 +180,11 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
             a = g.archive
             if a is None or a.length == 0 or not entries:
                 continue
-            q = _group_queries(g, entries).float().cpu()
-            idx, scores = a.candidates(q, SCAN, _landing(g, cache.compact))
+            q = _group_queries(g, entries, focus or slice(None)).float().cpu()
+            scan = max(a.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1])))
+            positions, scores = a.candidates(q, scan, _landing(g, cache.compact))
             probs = _attention(g, q, scores, scaling[li])
-            relevance.scatter_add_(0, a.positions.gather(1, idx).long().flatten(), probs.flatten())
+            relevance.scatter_add_(0, positions.flatten(), probs.flatten())
             chosen.append((g, min(tokens, g.usable_slots - g.length - cache.block_size)))
     before, after = SPAN
     best = F.max_pool1d(F.pad(relevance.view(1, 1, -1), (after, before)), before + after + 1, stride=1).view(-1)
@@ -203,8 +208,11 @@ def _attention(g: HeadGroup, q: Tensor, scores: Tensor, scaling: float) -> Tenso
     """Each candidate's attention probability, maximised over the question rows: [h, A].
 
     The softmax runs over the kept tokens and the candidates (``scores`` [h, r, A]), so a head that
-    attends to its kept tokens anyway lends the archive little.
+    attends to its kept tokens anyway lends the archive little. ``scores`` is consumed (in place:
+    no second buffer of its size).
     """
-    kept = torch.bmm(q, g.keys[0, :, g.off : g.off + g.length].float().cpu().transpose(1, 2))
-    z = torch.logsumexp(torch.cat((kept, scores), dim=2).mul_(scaling), dim=2, keepdim=True)
-    return scores.mul(scaling).sub_(z).exp_().amax(1)
+    kept = torch.bmm(q, g.keys[0, :, g.off : g.off + g.length].float().cpu().transpose(1, 2)).mul_(scaling)
+    m = scores.mul_(scaling).amax(2, keepdim=True)
+    total = scores.sub_(m).exp_().sum(2, keepdim=True)  # scores now hold exp(s − m)
+    z = torch.logaddexp(torch.logsumexp(kept, dim=2, keepdim=True), total.log_().add_(m))
+    return scores.mul_((m - z).exp_()).amax(1)

@@ -113,7 +113,7 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                     if session is None:
                         session = make_session(task.grid, run, loaded, reporter.say)
                         read = session.read(open_document(str(task.doc_path)))
-                    ans = session.answer(read, _suffix(session, q), q, max_new_tokens=task.max_new_tokens)
+                    ans = session.answer(read, _suffix(session, q), q, max_new_tokens=task.max_new_tokens, focus=q)
                     ref = dense[i]["answer"]
                     row: dict[str, Any] = {"answer": ans.answer, "budget": session.budget_tokens,
                                            "exact": exact_match(ref, ans.answer), "f1": token_f1(ref, ans.answer),

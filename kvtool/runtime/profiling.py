@@ -208,7 +208,7 @@ def plan(
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
     # Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
-    # archive itself lives in a file (host: positions and page summaries, a few bytes per evicted token).
+    # archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
     recall_tokens = parse_recall(settings.recall) if budget is not None else 0
     if recall_tokens:
         per_token = out["kv_bytes_per_token"]["total"]
@@ -222,7 +222,7 @@ def plan(
         out["recall_page"] = settings.recall_page
         out["archive_bytes_per_evicted_token"] = {
             "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
-            "host": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
+            "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
         }
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
@@ -298,9 +298,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         rows += [
             ("recall slots", _b(p["recall_slots_bytes"]),
              f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
-            ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['host'])}",
-             f"K/V ({p['archive_dtype']}) in an unlinked temp file (KVTOOL_ARCHIVE_DIR or TMPDIR) + host "
-             f"positions and summaries of {p['recall_page']}-token pages"),
+            ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['index'])}",
+             f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
+             f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),
         ]
     rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
                  "sum of the above (KV promised is inside allocated)"))

@@ -49,6 +49,22 @@ def question_suffix(tokenizer, question: str) -> str:
     return split_template(tokenizer, ASK_INSTRUCTION.format(question=question)).suffix
 
 
+def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
+    """The rows of ``suffix``'s tokens that encode ``focus`` (the user's question), or None if not found.
+
+    Recall ranks the archive by what these rows attend to: the instruction and the chat template
+    around the question are the same for every question, and their rows attend to the document's
+    generic attractors (essay titles, dates, turn headers) — measured at 32K, summed with the
+    question's rows they outranked the needle 100-fold (docs/results.md).
+    """
+    at = suffix.rfind(focus.strip()) if focus.strip() else -1
+    if at < 0:
+        return None
+    start = len(encode(tokenizer, suffix[:at]))
+    end = len(encode(tokenizer, suffix[: at + len(focus.strip())]))
+    return slice(start, max(end, start + 1))
+
+
 def summary_suffix(tokenizer, length: str) -> str:
     return split_template(tokenizer, SUMMARY_INSTRUCTION.format(length=SUMMARY_LENGTHS[length])).suffix
 

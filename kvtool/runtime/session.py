@@ -290,15 +290,18 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         max_new_tokens: int | None = None,
         cite_spans: bool = False,
+        focus: str | None = None,
     ) -> Answer:
         """Restore the post-document cache, feed the pinned suffix, decode; the cache keeps evicting.
 
         ``cite_spans``: also find the document spans the answer attended to (``Answer.citations``).
+        ``focus``: the part of the suffix whose queries choose what recall brings back (the question;
+        None: the whole suffix, e.g. a summary instruction).
         """
         if cite_spans and read.source is None:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
-        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text, max_new_tokens)
+        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text, max_new_tokens, focus)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -326,8 +329,8 @@ class Session:
         self.answers.append(ans)
         return ans
 
-    def _begin_answer(self, read: ReadResult, suffix_text: str,
-                      max_new_tokens: int | None = None) -> tuple[BoundedCache, Tensor, int]:
+    def _begin_answer(self, read: ReadResult, suffix_text: str, max_new_tokens: int | None = None,
+                      focus: str | None = None) -> tuple[BoundedCache, Tensor, int]:
         """Restore the post-document cache and feed the pinned suffix (with recall when it is on).
 
         Returns (cache, the suffix's logits, suffix length); the question stays pinned until the caller
@@ -335,8 +338,9 @@ class Session:
         """
         cache = read.cache
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
+        rows = prompt.focus_rows(self.tokenizer, suffix_text, focus) if focus else None
         logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
-                                                     max_new_tokens or self.settings.max_new_tokens)
+                                                     max_new_tokens or self.settings.max_new_tokens, rows)
         if recalled is not None:
             self.recall_seconds += recalled.seconds
             self.recalled_pages += recalled.pages
@@ -354,7 +358,8 @@ class Session:
         """
         if not forced:
             raise ValueError("nothing to force")
-        cache, logits, _ = self._begin_answer(read, prompt.question_suffix(self.tokenizer, question), len(forced))
+        cache, logits, _ = self._begin_answer(read, prompt.question_suffix(self.tokenizer, question), len(forced),
+                                              question)
         rows = [logits[-1].float().cpu()]
         for step in self.engine.steps(cache, torch.tensor(forced[:-1], dtype=torch.long), block_size=1):
             rows.append(step[-1].float().cpu())
@@ -366,7 +371,7 @@ class Session:
         if not question.strip():
             raise UsageError("empty question")
         return self.answer(read, prompt.question_suffix(self.tokenizer, question), question, on_text,
-                           cite_spans=cite_spans)
+                           cite_spans=cite_spans, focus=question)
 
     def summarize(self, read: ReadResult, length: str, on_text: Callable[[str], None] | None = None) -> Answer:
         if length not in prompt.SUMMARY_LENGTHS:

@@ -227,6 +227,9 @@ class GroupArchive:
     def positions_of(self, index: Tensor) -> Tensor:
         """Original positions [h, T] (int64) of archive indices ``index`` [h, T]."""
         uniq, inverse = torch.unique(index, return_inverse=True)
+        return self._positions(uniq, inverse)
+
+    def _positions(self, uniq: Tensor, inverse: Tensor) -> Tensor:
         rows = self.index.read(uniq).view(torch.int32)  # [u, h]
         return rows[inverse, torch.arange(self.h).unsqueeze(1)].long()
 
@@ -308,7 +311,7 @@ class GroupArchive:
         heads = torch.arange(self.h).unsqueeze(1)
         keys = rows[:, 0][inverse, heads]
         vals = rows[:, 1][inverse, heads] if values else None
-        return keys, vals, self.positions_of(index)
+        return keys, vals, self._positions(uniq, inverse)  # the same rows: one unique, not two
 
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:

@@ -57,14 +57,15 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,sink,{DEFAULT}",
                           "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
-        # longer haystacks (issue 13): the default with and without recall, compact positions (--positions auto)
-        # past the model's 8,192 positions; penalty 1 as for 2K (1.1 drops a repeated digit of the number).
-        # Without full: a dense pass takes minutes per trial here (its 8K rate is in the render's text).
+        # longer haystacks (issue 13): with and without recall, compact positions (--positions auto) past the
+        # model's 8,192 positions; penalty 1 as for 2K (1.1 drops a repeated digit of the number). 8K: full and
+        # every policy; 32K: the default only, without full (a dense 32K pass takes ~N min per trial here).
         **{f"needle-recall-{name}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths",
-                                     length, "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", DEFAULT,
-                                     "--no-full", "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
+                                     length, "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", *policies,
+                                     "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
                                      "--repetition-penalty", "1"]
-           for name, length in (("long", "8k"), ("32k", "32k"))},
+           for name, length, policies in (("long", "8k", ["full," + POLICIES]),
+                                          ("32k", "32k", [DEFAULT, "--no-full"]))},
         # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
         "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
                              "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",

@@ -573,3 +573,25 @@ def test_kvc_archive_in_another_dtype_answers_without_recall(kvenv, tmp_path, ca
     rc, other, err = run_cli(capsys, *ask)
     assert rc == 0 and "stores keys/values in float16" in err and "--archive-dtype float16" in err
     assert json.loads(other)["stats"]["recalled_pages"] == 0
+
+
+def test_a_question_the_template_rewrites_is_ranked_by_every_row_and_said(kvenv, tmp_path, monkeypatch):
+    """``focus_rows`` finds the question by its text; a template that rewrites it falls back, with a note."""
+    from kvtool.core.events import Note
+    from kvtool.runtime import prompt
+    from kvtool.runtime.document import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    notes: list[str] = []
+    s = Session(resolve_settings(None, {"model": kvenv["model"], "policy": "h2o", "budget": "40", "block_size": 16,
+                                        "recall": "64", "max_new_tokens": 2}),
+                listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None)
+    read = s.read(open_document(str(kvenv["doc"])))
+    s.ask(read, "where is the ship")
+    assert not any("not verbatim" in n for n in notes)
+    real = prompt.question_suffix
+    monkeypatch.setattr(prompt, "question_suffix", lambda tok, q: real(tok, q.upper()))
+    s.ask(read, "where is the ship")
+    assert sum("not verbatim" in n for n in notes) == 1

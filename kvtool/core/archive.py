@@ -190,21 +190,23 @@ class GroupArchive:
             rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
         self.store.append(rows)
         self.index.append(_as_rows(positions.to(torch.int32).cpu().t()))
-        # the new keys laid out on the pages they fill ([h, pages, P, d]), padding neutral for min and max;
-        # the first of them is the open page, whose summary so far is ``tail``
+        # summaries of the pages these keys touch: the open one (its summary so far is ``tail``), the
+        # whole pages after it, and a new open page with what is left (views of the keys: no padding)
         P, lead = self.page_size, self.length % self.page_size
-        pages = -(-(lead + n) // P)
         kf = keys.detach().float().cpu()
-        lo = torch.full((self.h, pages * P, self.d), float("inf"))
-        lo[:, lead : lead + n] = kf
-        hi = torch.full_like(lo, float("-inf"))
-        hi[:, lead : lead + n] = kf
-        lo, hi = lo.view(self.h, pages, P, self.d).amin(2), hi.view(self.h, pages, P, self.d).amax(2)
-        lo[:, 0] = torch.minimum(lo[:, 0], self.tail[0].float())
-        hi[:, 0] = torch.maximum(hi[:, 0], self.tail[1].float())
-        summ = torch.stack((_round(lo, down=True), _round(hi, down=False)), dim=1)  # [h, 2, pages, d]
-        done = (lead + n) // P  # pages these tokens complete
+        first = min(n, P - lead)
+        full = (n - first) // P
+        body = kf[:, first : first + full * P].reshape(self.h, full, P, self.d)
+        lo = [torch.minimum(kf[:, :first].amin(1), self.tail[0].float()).unsqueeze(1), body.amin(2)]
+        hi = [torch.maximum(kf[:, :first].amax(1), self.tail[1].float()).unsqueeze(1), body.amax(2)]
+        last = kf[:, first + full * P :]
+        if last.shape[1]:
+            lo.append(last.amin(1, keepdim=True))
+            hi.append(last.amax(1, keepdim=True))
+        summ = torch.stack((_round(torch.cat(lo, 1), down=True), _round(torch.cat(hi, 1), down=False)), dim=1)
+        done = (lead + n) // P  # pages these tokens complete: [h, 2, pages, d] minima then maxima
         self._append_summaries(summ[:, :, :done])
+        pages = summ.shape[2]
         self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < pages else _empty_page(self.h, self.d)
         self.length += n
 

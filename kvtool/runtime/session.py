@@ -339,6 +339,9 @@ class Session:
         cache = read.cache
         suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
         rows = prompt.focus_rows(self.tokenizer, suffix_text, focus) if focus else None
+        if focus and rows is None and self.recall_tokens:
+            self.emit(Note("recall: the question is not verbatim in the chat template's prompt; every prompt row "
+                           "ranks the archive (the template's rows can outrank the question's)"))
         logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
                                                      max_new_tokens or self.settings.max_new_tokens, rows)
         if recalled is not None:

@@ -8,6 +8,7 @@ q·k for every key of their page; a head never holds more than budget + recall +
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -89,25 +90,35 @@ def test_page_bound_holds_past_float16_range():
     assert not bound.isnan().any() and (bound >= torch.bmm(q, k.transpose(1, 2)).amax()).all()
 
 
-def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan():
-    """Brute force: every archived token's q·k when the archive fits the scan; beyond it, the pages
-    with the highest Quest bound (computed by hand), still scored exactly."""
+def _scored(arch: GroupArchive, q: torch.Tensor, scan: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every chunk of ``arch.scores`` on the candidate pages, joined: positions [h, A], scores [h, r, A]."""
+    chunks = list(arch.scores(q, arch.candidate_pages(q, scan)))
+    return torch.cat([p for p, _ in chunks], 1), torch.cat([s for _, s in chunks], 2)
+
+
+def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan(monkeypatch):
+    """Brute force: every archived token's q·k when the archive fits the scan (or no scan is given);
+    beyond it, the pages with the highest Quest bound (computed by hand), still scored exactly."""
+    from kvtool.core import archive
+
+    monkeypatch.setattr(archive, "SCAN_CHUNK", 2)  # several chunks
     h, d, P, n = 2, 4, 4, 18
     arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     K = torch.randn(h, n, d, generator=torch.Generator().manual_seed(3))
     arch.append(K, torch.randn(h, n, d), torch.arange(n).expand(h, -1))
     q = torch.randn(h, 3, d)
     exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
-    idx, scores = arch.candidates(q, 64)  # positions = archive indices here
-    for head in range(h):
-        seen = {}
-        for j, i in enumerate(idx[head].tolist()):
-            if scores[head, 0, j] > float("-inf"):
-                seen[i] = scores[head, :, j]
-        assert sorted(seen) == list(range(n))  # everything, each once (the tail page's padding is −inf)
-        for i, s in seen.items():
-            assert torch.allclose(s, exact[head, :, i], atol=1e-5)
-    idx, scores = arch.candidates(q, 2 * P)  # two pages of five
+    for scan in (64, None):
+        idx, scores = _scored(arch, q, scan)  # positions = archive indices here
+        for head in range(h):
+            seen = {}
+            for j, i in enumerate(idx[head].tolist()):
+                if scores[head, 0, j] > float("-inf"):
+                    seen[i] = scores[head, :, j]
+            assert sorted(seen) == list(range(n))  # everything, each once (the tail page's padding is −inf)
+            for i, s in seen.items():
+                assert torch.allclose(s, exact[head, :, i], atol=1e-5)
+    idx, scores = _scored(arch, q, 2 * P)  # two pages of five
     kmin, kmax = arch.page_summaries()
     bound = torch.bmm(q.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(
         q.clamp(max=0), kmin.float().transpose(1, 2))
@@ -116,9 +127,11 @@ def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan():
         assert sorted(set((idx[head] // P).tolist())) == want
 
 
-def test_attention_of_candidates_is_the_softmax_beside_the_kept_tokens():
+@pytest.mark.parametrize("hold", [100, 3])
+def test_attention_of_candidates_is_the_softmax_beside_the_kept_tokens(hold):
     """Brute force: each candidate's probability in the softmax over [kept, candidates] (a padded −inf
-    candidate gets 0), maximised over the question rows."""
+    candidate gets 0), maximised over the question rows — with the scores held (one pass) or computed
+    again in a second pass (more candidates than ``hold``)."""
     from types import SimpleNamespace
 
     h, d, n, A = 2, 8, 5, 7
@@ -128,8 +141,44 @@ def test_attention_of_candidates_is_the_softmax_beside_the_kept_tokens():
     scores = torch.bmm(q, archived.transpose(1, 2))
     scores[:, :, -1] = float("-inf")
     want = torch.softmax(torch.cat((torch.bmm(q, g.keys[0, :, 2:].transpose(1, 2)), scores), 2) * 0.3, 2)[:, :, n:]
-    got = recall._attention(g, q, scores.clone(), 0.3)
+    calls = []
+
+    def chunks():  # two chunks of candidates, fresh copies each time (the scores are consumed in place)
+        calls.append(1)
+        pos = torch.arange(A).expand(h, -1)
+        return iter([(pos[:, :4], scores[:, :, :4].clone()), (pos[:, 4:], scores[:, :, 4:].clone())])
+
+    out = list(recall._attention(g, q, chunks, 0.3, hold))
+    got = torch.cat([p for _, p in out], 1)
+    assert torch.equal(torch.cat([p for p, _ in out], 1), torch.arange(A).expand(h, -1))
     assert torch.allclose(got, want.amax(1), atol=1e-6) and (got[:, -1] == 0).all()
+    assert len(calls) == (1 if hold >= A else 2)
+
+
+def test_compact_recall_scores_every_archived_token_past_the_scan(monkeypatch):
+    """Compact positions: the bound's summaries (original positions) and the question (compact ones) are
+    in different frames, so no page is pre-selected by it — what comes back does not depend on SCAN.
+    With absolute positions a small SCAN pre-selects pages (and the choice may change)."""
+    chosen: dict[str, list[torch.Tensor]] = {}
+    real = recall.insert
+
+    def spy(g, keys, values, positions):
+        chosen[key].append(positions.clone())
+        real(g, keys, values, positions)
+
+    monkeypatch.setattr(recall, "insert", spy)
+    model = tiny_llama(max_positions=64)
+    for positions in ("compact", "absolute"):
+        for scan in (10_000, 8):
+            key = f"{positions}-{scan}"
+            chosen[key] = []
+            monkeypatch.setattr(recall, "SCAN", scan)
+            engine = recall_engine(model, "sink", 24, 8, positions=positions)
+            cache, snap = read(engine, ids_of(150, 5))
+            assert min(a.length for a in recall.archives(cache)) > 2 * 8  # past the scan: pages chosen by bound
+            engine.feed_question(cache, ids_of(6, 6), functools.partial(cache.restore, snap))
+    assert all(torch.equal(a, b) for a, b in zip(chosen["compact-10000"], chosen["compact-8"], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(chosen["absolute-10000"], chosen["absolute-8"], strict=True))
 
 
 def test_every_head_recalls_the_span_around_the_relevant_positions():

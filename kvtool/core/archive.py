@@ -27,7 +27,7 @@ import errno
 import mmap
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -39,13 +39,14 @@ from kvtool.errors import UsageError
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
 SUMMARY_DTYPE = torch.float16
-#: archived tokens per head scored exactly (beyond: the pages Quest's bound ranks best). Measured at
-#: 32K (compact positions): with 8,192 the bound's pre-selection dropped the needle's page in most
-#: heads (its summaries sit at original positions, the question at compact ones) and the needle was
-#: missed; scoring all 32,768 found it, in 2.9 s of a 120 s ask (docs/results.md)
+#: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
+#: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
+#: positions every token is, in two passes (the bound's summaries sit at original positions, the
+#: question at compact ones: at 32K with 8,192 the bound dropped the needle's page in most heads and
+#: the needle was missed; scoring all 32,768 found it, in 2.9 s of a 120 s ask, docs/results.md)
 SCAN = 32768
-#: the exact scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
-#: question scans fewer tokens exactly rather than allocate more than this
+#: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
+#: question holds fewer tokens' scores rather than allocate more than this
 SCAN_BYTES = 64 << 20
 #: pages whose keys are read at once while scanning
 SCAN_CHUNK = 16
@@ -256,37 +257,35 @@ class GroupArchive:
             out[:, first:last] = bound.nan_to_num_(nan=float("inf")).amax(1)
         return out
 
-    def candidates(self, queries: Tensor, scan: int,
-                   place: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """Exact ``q·k`` of up to ``scan`` archived tokens per head: the pages Quest's bound ranks best.
+    def candidate_pages(self, queries: Tensor, scan: int | None) -> Tensor:
+        """The pages to score exactly, per head [h, k] in file order: all of them, or (an archive longer than
+        ``scan`` tokens) the ``scan // P`` whose Quest bound is highest, so the work per question stays bounded.
 
-        Returns the tokens' original positions [h, A] and their scores per query row [h, r, A] (−inf
-        for a tail page's missing tokens). An archive of at most ``scan`` tokens per head is scored
-        exactly, whole; a longer one by its ``scan // P`` best pages by the bound, so the work per
-        question stays bounded however long the document. Keys are read ``SCAN_CHUNK`` pages at a
-        time: the transient buffer does not grow with ``scan`` beyond the scores themselves.
+        ``scan=None``: all pages whatever the length. The bound holds only where the queries and the
+        summaries share a frame (absolute positions); compact-mode recall passes None (``recall.recall``).
+        """
+        if scan is None or self.length <= scan:
+            return torch.arange(self.pages).expand(self.h, -1)
+        order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
+        return torch.sort(order[:, : max(1, scan // self.page_size)], dim=1).values  # file order: reads run forwards
+
+    def scores(self, queries: Tensor, pages: Tensor,
+               place: Callable[[Tensor, Tensor], Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time.
+
+        Yields the tokens' original positions [h, a] and their scores per query row [h, r, a] (−inf for
+        a tail page's missing tokens): the transient buffer is one chunk, however many pages.
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
-        if self.length <= scan:
-            cand = torch.arange(self.pages).expand(self.h, -1)
-        else:
-            order = torch.argsort(self.page_scores(queries), dim=1, descending=True, stable=True)  # [h, pages]
-            cand = torch.sort(order[:, : max(1, scan // P)], dim=1).values  # file order: reads run forwards
         q = queries.float().cpu()
-        idx = (cand.unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)  # [h, A]
-        valid = idx < self.length
-        idx = idx.clamp(max=self.length - 1)
-        scores = torch.empty(self.h, q.shape[1], idx.shape[1])
-        positions = torch.empty(idx.shape, dtype=torch.long)
-        step = SCAN_CHUNK * P
-        for lo in range(0, idx.shape[1], step):
-            keys, _, pos = self.read(idx[:, lo : lo + step], values=False)
+        for lo in range(0, pages.shape[1], SCAN_CHUNK):
+            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)
+            valid = idx < self.length
+            keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
             if place is not None:
                 keys = place(keys, pos)
-            scores[:, :, lo : lo + step] = torch.bmm(q, keys.float().transpose(1, 2))
-            positions[:, lo : lo + step] = pos
-        return positions, scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+            yield pos, torch.bmm(q, keys.float().transpose(1, 2)).masked_fill_(~valid.unsqueeze(1), float("-inf"))
 
     def top_by_position(self, relevance: Tensor, tokens: int) -> Tensor:
         """The ``min(tokens, archived)`` archived tokens per head whose positions rank best in ``relevance``.

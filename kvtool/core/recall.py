@@ -16,8 +16,9 @@ lowered again by the next restore (``HeadGroup.load_state_dict``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,8 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
     every question; None: every row).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
-    candidates``) and turns the scores into the attention its question rows would give each
+    scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
+    ranks best) and turns the scores into the attention its question rows would give each
     archived token beside the kept ones (``_attention``); those probabilities are summed per
     stream position over every head of every layer. Second, a position's relevance is the best sum
     within ``SPAN`` of it (so a match brings back the rest of its sentence), and every head recalls
@@ -181,10 +183,12 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
             if a is None or a.length == 0 or not entries:
                 continue
             q = _group_queries(g, entries, focus or slice(None)).float().cpu()
-            scan = max(a.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1])))
-            positions, scores = a.candidates(q, scan, _landing(g, cache.compact))
-            probs = _attention(g, q, scores, scaling[li])
-            relevance.scatter_add_(0, positions.flatten(), probs.flatten())
+            hold = max(a.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1])))
+            # Quest's bound needs the queries and the summaries in one frame: absolute positions only
+            pages = a.candidate_pages(q, None if cache.compact else hold)
+            place = _landing(g, cache.compact)
+            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold):
+                relevance.scatter_add_(0, positions.flatten(), probs.flatten())
             chosen.append((g, min(tokens, g.usable_slots - g.length - cache.block_size)))
     before, after = SPAN
     best = F.max_pool1d(F.pad(relevance.view(1, 1, -1), (after, before)), before + after + 1, stride=1).view(-1)
@@ -204,15 +208,25 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
     return out
 
 
-def _attention(g: HeadGroup, q: Tensor, scores: Tensor, scaling: float) -> Tensor:
-    """Each candidate's attention probability, maximised over the question rows: [h, A].
+def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,
+               hold: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Each scored token's attention probability, maximised over the question rows.
 
-    The softmax runs over the kept tokens and the candidates (``scores`` [h, r, A]), so a head that
-    attends to its kept tokens anyway lends the archive little. ``scores`` is consumed (in place:
-    no second buffer of its size).
+    ``chunks()`` yields (positions [h, a], scores [h, r, a]) of the archived tokens; this yields
+    (positions, probabilities [h, a]) for the same chunks. The softmax runs over the kept tokens and
+    every scored one, so a head that attends to its kept tokens anyway lends the archive little. Its
+    normaliser needs every score first: up to ``hold`` tokens' scores are kept from the first pass,
+    past that they are computed again (``chunks()`` a second time) — exact either way, in memory
+    bounded by ``hold``. Scores are consumed in place.
     """
     kept = torch.bmm(q, g.keys[0, :, g.off : g.off + g.length].float().cpu().transpose(1, 2)).mul_(scaling)
-    m = scores.mul_(scaling).amax(2, keepdim=True)
-    total = scores.sub_(m).exp_().sum(2, keepdim=True)  # scores now hold exp(s − m)
-    z = torch.logaddexp(torch.logsumexp(kept, dim=2, keepdim=True), total.log_().add_(m))
-    return scores.mul_((m - z).exp_()).amax(1)
+    z = torch.logsumexp(kept, dim=2, keepdim=True)  # [h, r, 1]
+    held: list[tuple[Tensor, Tensor]] | None = []
+    count = 0
+    for positions, scores in chunks():
+        z = torch.logaddexp(z, torch.logsumexp(scores.mul_(scaling), dim=2, keepdim=True))
+        count += scores.shape[2]
+        held = held + [(positions, scores)] if held is not None and count <= hold else None
+    again = held if held is not None else ((p, s.mul_(scaling)) for p, s in chunks())
+    for positions, scores in again:
+        yield positions, scores.sub_(z).exp_().amax(1)

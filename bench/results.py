@@ -30,7 +30,7 @@ CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
          "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
-         "needle-recall-long", "needle-recall-32k")
+         "needle-recall-long", "needle-recall-32k", "needle-32k-full")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -66,6 +66,10 @@ def tasks(quick: bool) -> dict[str, list[str]]:
                                      "--repetition-penalty", "1"]
            for name, length, policies in (("long", "8k", ["full," + POLICIES]),
                                           ("32k", "32k", [DEFAULT, "--no-full"]))},
+        # the dense reference at 32K: one trial per depth (a dense 32K pass takes ~N min per trial here)
+        "needle-32k-full": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "32k",
+                            "--depths", "0.1,0.5,0.9", "--trials", "1", "--policies", "full", "--budgets", "256",
+                            "--max-new-tokens", "16", "--repetition-penalty", "1"],
         # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
         "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
                              "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,{DEFAULT}",
@@ -387,6 +391,11 @@ def render(data: dict, total_seconds: float) -> str:
          "only (every suffix row voting, at most 8,192 tokens scored per head) it found 2 of 6 (0/2 at depth "
          "0.1, 2/2 at 0.5, 0/2 at 0.9): the instruction's and template's rows attended to essay titles and "
          "dates, and the bound's pre-selection dropped the needle's page in most heads.", table_needle),
+        ("needle-32k-full", "The dense reference on the 32K haystack (one trial per depth)",
+         "`full` on the first trial of each depth above (the same needles), no repetition penalty: the whole "
+         "cache at absolute positions, four times the range SmolLM2-135M was trained on. One trial per depth "
+         "because a dense 32K pass is quadratic in length: minutes per trial on this 2-core machine (the "
+         "time below is the whole run); the interval says how little three trials pin down.", table_needle),
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),

@@ -221,12 +221,15 @@ def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tens
     """
     kept = torch.bmm(q, g.keys[0, :, g.off : g.off + g.length].float().cpu().transpose(1, 2)).mul_(scaling)
     z = torch.logsumexp(kept, dim=2, keepdim=True)  # [h, r, 1]
-    held: list[tuple[Tensor, Tensor]] | None = []
+    held: list[tuple[Tensor, Tensor]] = []
     count = 0
     for positions, scores in chunks():
         z = torch.logaddexp(z, torch.logsumexp(scores.mul_(scaling), dim=2, keepdim=True))
         count += scores.shape[2]
-        held = held + [(positions, scores)] if held is not None and count <= hold else None
-    again = held if held is not None else ((p, s.mul_(scaling)) for p, s in chunks())
+        if count <= hold:
+            held.append((positions, scores))
+        else:
+            held.clear()  # too many to hold: freed now, computed again below
+    again = held if count <= hold else ((p, s.mul_(scaling)) for p, s in chunks())
     for positions, scores in again:
         yield positions, scores.sub_(z).exp_().amax(1)

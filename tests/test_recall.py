@@ -644,3 +644,26 @@ def test_a_question_the_template_rewrites_is_ranked_by_every_row_and_said(kvenv,
     monkeypatch.setattr(prompt, "question_suffix", lambda tok, q: real(tok, q.upper()))
     s.ask(read, "where is the ship")
     assert sum("not verbatim" in n for n in notes) == 1
+
+
+def test_a_session_and_its_last_read_go_with_the_last_reference(kvenv, tmp_path, monkeypatch):
+    """No cycle through the session (its callbacks are weak): an eval that builds one session per policy
+    frees each run's last read as soon as the next run starts, not whenever the cyclic GC runs."""
+    import gc
+    import weakref
+
+    from kvtool.runtime.document import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    s = Session(resolve_settings(None, {"model": kvenv["model"], "policy": "h2o", "budget": "40", "block_size": 16,
+                                        "recall": "64", "max_new_tokens": 2}), listener=lambda e: None)
+    s.ask(s.read(open_document(str(kvenv["doc"]))), "where is the ship")
+    session, cache = weakref.ref(s), weakref.ref(s.last_read.cache)
+    gc.disable()
+    try:
+        del s
+        assert session() is None and cache() is None
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,23 @@ from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` as a callable that does not keep its object alive.
+
+    The engine and the policy environment hold the session's callbacks; a bound method would make
+    session → engine → method → session a cycle, and the session's last read (a dense cache is
+    hundreds of MB) would then outlive the session until Python's cyclic GC happens to run.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        assert bound is not None, "a session callback used after its session was freed"
+        return bound(*args, **kwargs)
+
+    return call
 
 
 @dataclass
@@ -175,11 +193,12 @@ class Session:
                 "torch.", "")
             self.say(f"recall: {self.recall_tokens} tokens per KV head; evicted tokens archived in {self.archive_dir} "
                      f"(unlinked temporary file), {stored}, pages of {settings.recall_page} tokens")
-        env = model_env(self.model, self.engine_config, retrieval_heads=self._retrieval_heads)
+        env = model_env(self.model, self.engine_config, retrieval_heads=_weakly(self._retrieval_heads))
         self.policy: Policy = build_policy(settings.policy, settings.policy_options, env)
         self._reading: Document | None = None
-        self.engine = Engine(self.model, self.policy, self.engine_config, listener=self._relay if listener else None,
-                             env=env, pacer=self.share.rebalance if self.share is not None else None)
+        relay = _weakly(self._relay) if listener else None
+        self.engine = Engine(self.model, self.policy, self.engine_config, listener=relay, env=env,
+                             pacer=self.share.rebalance if self.share is not None else None)
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []

@@ -61,7 +61,7 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         # longer haystacks (issue 13): with and without recall, compact positions (--positions auto) past the
         # model's 8,192 positions; penalty 1 as for 2K (1.1 drops a repeated digit of the number). 8K: full and
         # every base policy (not the snapkv+caote combination: time); 32K: the default only, without full (a
-        # dense 32K pass takes 10+ minutes per trial here: needle-32k-full runs four per depth).
+        # dense 32K pass takes 10+ minutes per trial here: needle-32k-full runs ten per depth).
         **{f"needle-recall-{name}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths",
                                      length, "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", *policies,
                                      "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
@@ -73,9 +73,9 @@ def tasks(quick: bool) -> dict[str, list[str]]:
                               "--depths", "0.1,0.5,0.9", "--trials", "1", "--policies", DEFAULT, "--no-full",
                               "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
                               "--repetition-penalty", "1"],
-        # the dense reference at 32K: four trials per depth (a dense 32K pass takes 10+ minutes per trial here)
+        # the dense reference at 32K: ten trials per depth (a dense 32K pass takes 10+ minutes per trial here)
         "needle-32k-full": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "32k",
-                            "--depths", "0.1,0.5,0.9", "--trials", "4", "--policies", "full", "--budgets", "256",
+                            "--depths", "0.1,0.5,0.9", "--trials", "10", "--policies", "full", "--budgets", "256",
                             "--max-new-tokens", "16", "--repetition-penalty", "1"],
         # 2K haystack without the repetition penalty: at 1.1 it drops a repeated digit of the number (see render)
         "needle-recall-2k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "2k",
@@ -398,13 +398,14 @@ def render(data: dict, total_seconds: float) -> str:
          "only (every suffix row voting, at most 8,192 tokens scored per head) it found 2 of 6 (0/2 at depth "
          "0.1, 2/2 at 0.5, 0/2 at 0.9): the instruction's and template's rows attended to essay titles and "
          "dates, and the bound's pre-selection dropped the needle's page in most heads.", table_needle),
-        ("needle-32k-full", "The dense reference on the 32K haystack (four trials per depth)",
-         "`full` on the first four trials of each depth above (the same needles), no repetition penalty: the "
+        ("needle-32k-full", "The dense reference on the 32K haystack (ten trials per depth)",
+         "`full` on the ten trials of each depth above (the same needles), no repetition penalty: the "
          "whole cache at absolute positions, four times the range SmolLM2-135M was trained on. Every answer "
          "is underscores, line breaks and stray words (`_\\nThe\\n_.-\\n_…` at depth 0.1, `the one._\\nthe."
          "TheThe…` at 0.5, nearly the same string for every needle of a depth): the model does not read 32K tokens "
-         "at all. Four trials per depth, not ten, because a dense 32K pass is quadratic in length: about 10 "
-         "minutes per trial alone on this 2-core machine (21 minutes beside another run).", table_needle),
+         "at all. A dense 32K pass is quadratic in length: 10 to 12 minutes per trial alone on this 2-core "
+         "machine (21 minutes beside another run), so the 30 trials ran over three sessions, resumed from the "
+         "log.", table_needle),
         ("needle-recall-64k", "Needle with recall on a 64K haystack (a sample)",
          f"`{DEFAULT}` with and without recall 256 at budget 256 on a 64K-token haystack, one trial per depth. "
          "About 65,000 tokens per KV head are archived: past the 32,768 whose scores recall holds, so every "

@@ -3,7 +3,8 @@
     python bench/recall.py --length 8k --budget 256 --recall 256 --repeats 2
 
 For each repeat, the same ~L-token text (Sherlock Holmes with a secret number at depth 0.5) is read and
-asked about with recall off, then on (alternating, so drifting machine load hits both alike), each in
+asked about with recall off and on (in the order off-on, on-off, off-on, …, so that a drift of the
+machine's speed — on this shared VM the first run after a pause is often the fastest — hits both alike), each in
 its own child process so its peak memory is its own. Prints one JSON object: prefill tokens/s of
 both and their ratio (issue 13's target: ≥ 0.9), the peak memory with recall against the peak
 without plus the recall slots (≤ 1.05; RSS sampled every 5 ms by the bench itself, since kvtool's
@@ -11,7 +12,12 @@ own 50 ms sampler can miss recall's short-lived buffers — its figure is printe
 share of the run's wall time (read + ask; ≤ 0.10),
 the ask's own time, the recall seconds (first question pass + scoring the archive + reading what
 comes back) and the archive's size. The archive lives where a run puts it: KVTOOL_ARCHIVE_DIR or the
-temp directory.
+temp directory; ``--archive-dtype int8`` stores it as ``kvtool ask --archive-dtype int8`` would.
+
+Prefill speed on a shared 2-core machine drifts by up to ~15% between consecutive runs of the same
+read (measured: 478 then 404 tok/s at 16K, recall off both times), so one pair says little: the
+ratio of each pair is printed beside the ratio of the medians — use ``--repeats 3`` or more, and
+``--pool A.json B.json …`` for the mean pair ratio over saved runs with a bootstrap 95% interval.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ def child(args: argparse.Namespace, mode: str) -> dict:
     needle = " The secret number is 71432. Remember it: the secret number is 71432. "  # eval needle's wording
     doc = tok.decode(ids[:half]) + needle + tok.decode(ids[half:])
     over = {"budget": args.budget, "max_new_tokens": 16, "recall": args.recall if mode == "on" else "off",
-            "repetition_penalty": 1.0}
+            "repetition_penalty": 1.0, "archive_dtype": args.archive_dtype}
     if args.policy:
         over["policy"] = args.policy
     s = Session(resolve_settings(None, over), loaded=loaded)
@@ -84,18 +90,28 @@ def main() -> None:
     ap.add_argument("--budget", default="256")
     ap.add_argument("--recall", default="256")
     ap.add_argument("--policy", default=None, help="default: kvtool's default policy")
+    ap.add_argument("--archive-dtype", default="auto", help="how archived K/V are stored (auto: the model's)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--text", default=str(ROOT.parent / "shared" / "corpus" / "sherlock_holmes.txt"))
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="no runs: mean prefill ratio over the pairs of saved results, bootstrap 95%% interval")
     ap.add_argument("--child", choices=("off", "on"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.pool:
+        from kvtool.eval.stats import bootstrap_mean
+
+        pairs = [r for f in args.pool for r in json.loads(Path(f).read_text())["prefill_speed_ratio_pairs"]]
+        print(json.dumps({"files": args.pool, "pairs": pairs,
+                          "prefill_speed_ratio_mean": bootstrap_mean(pairs).as_dict(3)}, indent=1))
+        return
     if args.child:
         print(json.dumps(child(args, args.child)))
         return
     rows: dict[str, list[dict]] = {"off": [], "on": []}
-    for _ in range(args.repeats):
-        for mode in ("off", "on"):  # alternating: drifting machine load hits both alike
+    for i in range(args.repeats):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):  # ABBA: a linear drift cancels
             argv = [sys.executable, __file__, "--child", mode, "--length", args.length, "--budget", args.budget,
-                    "--recall", args.recall, "--text", args.text]
+                    "--recall", args.recall, "--archive-dtype", args.archive_dtype, "--text", args.text]
             if args.policy:
                 argv += ["--policy", args.policy]
             proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
@@ -108,12 +124,15 @@ def main() -> None:
     slots = med("on", "kv_cache_bytes") - med("off", "kv_cache_bytes")  # the recall slots, allocated with the cache
     out = {
         "length": parse_tokens(args.length), "policy": rows["on"][0]["policy"], "budget": args.budget,
-        "recall": args.recall, "repeats": args.repeats,
+        "recall": args.recall, "archive_dtype": args.archive_dtype, "repeats": args.repeats,
         "prefill_tps_off": med("off", "prefill_tokens_per_second"),
         "prefill_tps_on": med("on", "prefill_tokens_per_second"),
         # issue 13's targets: ≥ 0.9, ≤ 1.05, ≤ 0.10
         "prefill_speed_ratio": round(med("on", "prefill_tokens_per_second")
                                      / med("off", "prefill_tokens_per_second"), 3),
+        # each pair's own ratio: their spread is this machine's run-to-run noise
+        "prefill_speed_ratio_pairs": [round(on["prefill_tokens_per_second"] / off["prefill_tokens_per_second"], 3)
+                                      for off, on in zip(rows["off"], rows["on"], strict=True)],
         "peak_off": med("off", "peak_rss_5ms_bytes"), "peak_on": med("on", "peak_rss_5ms_bytes"),
         "recall_slot_bytes": slots,
         "peak_ratio": round(med("on", "peak_rss_5ms_bytes") / (med("off", "peak_rss_5ms_bytes") + slots), 3),

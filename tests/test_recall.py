@@ -51,7 +51,7 @@ def test_archive_appends_in_order_and_page_bounds_hold():
     h, d, P = 3, 8, 5
     arch = GroupArchive(h, d, torch.float32, P, MemoryStore)
     ks, vs, ps = [], [], []
-    for n in (3, 7, 1, 12):  # appends that start and end mid-page
+    for n in (3, 7, 1, 12, 2, 10):  # appends that start and end mid-page, or on a page boundary
         k, v = torch.randn(h, n, d), torch.randn(h, n, d)
         p = torch.randint(0, 1000, (h, n))
         arch.append(k, v, p)

@@ -160,7 +160,8 @@ class GroupArchive:
         self.index = new_store(4 * num_heads)
         self.summaries = new_store(2 * num_heads * head_dim * SUMMARY_DTYPE.itemsize)
         self.length = 0  # archived tokens per head
-        self.tail = _empty_page(num_heads, head_dim)  # [2, h, d]: min, max of the open page's keys
+        self.empty = _empty_page(num_heads, head_dim)  # never written to: shared by every fresh open page
+        self.tail = self.empty  # [2, h, d]: min, max of the open page's keys
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -187,28 +188,33 @@ class GroupArchive:
         if self.dtype == torch.int8:
             rows = _quantize(keys, values)
         else:
-            rows = torch.cat((keys.transpose(0, 1).reshape(n, -1), values.transpose(0, 1).reshape(n, -1)), dim=1)
-            rows = rows.to(self.dtype).cpu().contiguous().view(torch.uint8)
+            kv = torch.empty(n, 2, self.h, self.d, dtype=self.dtype)  # one copy each: dtype, device, layout
+            kv[:, 0].copy_(keys.transpose(0, 1))
+            kv[:, 1].copy_(values.transpose(0, 1))
+            rows = kv.view(n, -1).view(torch.uint8)
         self.store.append(rows)
-        self.index.append(_as_rows(positions.to(torch.int32).cpu().t()))
-        # summaries of the pages these keys touch: the open one (its summary so far is ``tail``), the
-        # whole pages after it, and a new open page with what is left (views of the keys: no padding)
+        self.index.append(_as_rows(positions.t(), torch.int32))
+        # summaries of the pages these keys touch: the open one (its summary so far is ``tail``; none
+        # when the last block ended on a page boundary), the whole pages after it, and a new open page
+        # with what is left (views of the keys: no padding). One pass per statistic, rounded once.
         P, lead = self.page_size, self.length % self.page_size
         kf = keys.detach().float().cpu()
-        first = min(n, P - lead)
+        first = min(n, P - lead) if lead else 0
         full = (n - first) // P
         body = kf[:, first : first + full * P].reshape(self.h, full, P, self.d)
-        lo = [torch.minimum(kf[:, :first].amin(1), self.tail[0].float()).unsqueeze(1), body.amin(2)]
-        hi = [torch.maximum(kf[:, :first].amax(1), self.tail[1].float()).unsqueeze(1), body.amax(2)]
+        lo, hi = [body.amin(2)], [body.amax(2)]
+        if first:
+            lo.insert(0, torch.minimum(kf[:, :first].amin(1), self.tail[0].float()).unsqueeze(1))
+            hi.insert(0, torch.maximum(kf[:, :first].amax(1), self.tail[1].float()).unsqueeze(1))
         last = kf[:, first + full * P :]
         if last.shape[1]:
             lo.append(last.amin(1, keepdim=True))
             hi.append(last.amax(1, keepdim=True))
-        summ = torch.stack((_round(torch.cat(lo, 1), down=True), _round(torch.cat(hi, 1), down=False)), dim=1)
-        done = (lead + n) // P  # pages these tokens complete: [h, 2, pages, d] minima then maxima
+        summ = _round_outward(torch.stack((torch.cat(lo, 1), torch.cat(hi, 1)), dim=1))  # [h, 2, pages, d]
+        done = (lead + n) // P  # pages these tokens complete
         self._append_summaries(summ[:, :, :done])
         pages = summ.shape[2]
-        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < pages else _empty_page(self.h, self.d)
+        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < pages else self.empty
         self.length += n
 
     def _append_summaries(self, summ: Tensor) -> None:
@@ -339,10 +345,10 @@ class GroupArchive:
         self.store.append(rows.contiguous())
         self.index.append(_as_rows(pos.t()))
         # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
-        summ = torch.stack((_round(kmin.float(), down=True), _round(kmax.float(), down=False)), dim=1)
+        summ = _round_outward(torch.stack((kmin.float(), kmax.float()), dim=1))
         done = n // page_size
         self._append_summaries(summ[:, :, :done])
-        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if n % page_size else _empty_page(self.h, self.d)
+        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if n % page_size else self.empty
         self.length = n
 
     def close(self) -> None:
@@ -350,9 +356,12 @@ class GroupArchive:
             st.close()
 
 
-def _as_rows(t: Tensor) -> Tensor:
-    """``t`` [n, …] as store rows [n, bytes] (a dense copy: transposed views cannot be viewed as bytes)."""
-    out = torch.empty(t.shape, dtype=t.dtype)
+def _as_rows(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` [n, …] as store rows [n, bytes], in ``dtype`` (default: its own), on the CPU.
+
+    One dense copy does all three (transposed views cannot be viewed as bytes).
+    """
+    out = torch.empty(t.shape, dtype=dtype or t.dtype)
     out.copy_(t)
     return out.view(t.shape[0], -1).view(torch.uint8)
 
@@ -383,15 +392,21 @@ def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
     return q.float() * scale
 
 
-def _round(x: Tensor, down: bool) -> Tensor:
-    """``x`` in ``SUMMARY_DTYPE``, rounded outward (down for minima, up for maxima) so the bound still holds.
+#: per half of a [h, 2, pages, d] summary: where outward is (minima down, maxima up)
+_OUTWARD = torch.tensor([-1.0, 1.0]).view(1, 2, 1, 1)
+_OUTWARD_LIMIT = (_OUTWARD * float("inf")).to(SUMMARY_DTYPE)
 
-    Past float16's range a value becomes ±inf, which only loosens the bound (``page_scores`` turns
-    the 0·inf of a zero query channel back into a valid bound).
+
+def _round_outward(x: Tensor) -> Tensor:
+    """Summaries ``x`` [h, 2, pages, d] (minima, then maxima) in ``SUMMARY_DTYPE``, rounded outward.
+
+    Minima round down and maxima up, so the bound still holds for every key. Past float16's range a
+    value becomes ±inf, which only loosens the bound (``page_scores`` turns the 0·inf of a zero query
+    channel back into a valid bound).
     """
     r = x.to(SUMMARY_DTYPE)
-    wrong = r.float() > x if down else r.float() < x
-    step = torch.nextafter(r, torch.full_like(r, float("-inf") if down else float("inf")))
+    wrong = (r.float() - x).mul_(_OUTWARD) < 0  # rounded inward
+    step = torch.nextafter(r, _OUTWARD_LIMIT.expand_as(r))
     return torch.where(wrong, step, r)
 
 

@@ -23,9 +23,23 @@ class KvtoolError(Exception):
 
 
 class UsageError(KvtoolError):
-    """Bad input or options (exit code 2)."""
+    """Bad input or options (exit code 2).
+
+    ``field`` names the setting at fault in the engine's own words (``budget``, ``block_size``): lower
+    layers never spell a command-line flag; the CLI maps the field to its flag when it prints the line.
+    """
 
     exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, exit_code: int | None = None, field: str | None = None) -> None:
+        super().__init__(message, exit_code)
+        self.field = field
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """The first non-empty line of an exception's message (at most ``limit`` characters), else its type name."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
 class Terminated(KeyboardInterrupt):

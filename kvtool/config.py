@@ -1,0 +1,76 @@
+"""One vocabulary for the settings every layer spells: devices, dtypes, quantization, where files live.
+
+Plain strings and paths only (no torch): the CLI validates with it before heavy imports, the model
+loader, the ``.kvc`` format, the memory plan and the settings all read the same names from here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+#: ``--device`` values. ``mps`` is refused here, once, for every command: the engine has not been tested on it.
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+
+#: model dtypes (``--dtype``); ``auto`` is the checkpoint's own (float32 on CPU)
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: the recall archive's dtypes (``--archive-dtype``); ``auto`` is the model's dtype
+ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+#: weight quantization (``--quantize``, bitsandbytes on CUDA)
+QUANTIZE = ("none", "8bit", "4bit")
+#: bytes per weight of a quantized linear layer (4-bit: one float16 scale per 64 weights)
+QUANT_BYTES_PER_PARAM: dict[str, float] = {"8bit": 1.0, "4bit": 0.5 + 4 / 64}
+
+#: every spelling a user or a file may use → the canonical dtype name
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "int8": "int8",
+}
+#: bytes per element of each canonical dtype name
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def dtype_name(value: object) -> str:
+    """The canonical name of a dtype given as a name or alias ("bf16"), or a ``torch.dtype`` (by its repr)."""
+    text = str(value).removeprefix("torch.")
+    try:
+        return DTYPE_ALIASES[text]
+    except KeyError:
+        raise ValueError(f"unknown dtype {value!r}") from None
+
+
+def kvtool_home() -> Path:
+    """kvtool's per-user directory: ``$KVTOOL_HOME``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``.
+
+    It holds converted models and user profiles (everything in it can be rebuilt), hence the XDG *cache*
+    directory. Empty variables count as unset; a relative ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says.
+    """
+    home = os.environ.get("KVTOOL_HOME", "").strip()
+    if home:
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if xdg and os.path.isabs(os.path.expanduser(xdg)):
+        return Path(xdg).expanduser() / "kvtool"
+    return Path.home() / ".cache" / "kvtool"
+
+
+def packaged_profiles_dir() -> Path:
+    """The profiles that ship inside the package (``kvtool/profiles/*.yaml``)."""
+    return Path(__file__).resolve().parent / "profiles"
+
+
+def profile_dirs() -> list[Path]:
+    """Where a profile named without a path is looked up, in order: ``./profiles``, the user's
+    ``$KVTOOL_HOME/profiles``, then the packaged ones (duplicates removed)."""
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for d in (Path.cwd() / "profiles", kvtool_home() / "profiles", packaged_profiles_dir()):
+        key = d.resolve() if d.exists() else d
+        if key not in seen:
+            seen.add(key)
+            out.append(d)
+    return out

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from kvtool.documents import text_document
 from kvtool.eval import load_text
 from kvtool.eval.needle import Haystack, insert_needle, passkey_needle
-from kvtool.runtime.document import text_document
 from kvtool.runtime.model import load_model
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import resolve_settings

@@ -44,7 +44,7 @@ def parse_tokens(text: str) -> int:
 
 def child(args: argparse.Namespace, mode: str) -> dict:
     """One read + one question in this process (so its peak memory is its own)."""
-    from kvtool.runtime.document import text_document
+    from kvtool.documents import text_document
     from kvtool.runtime.model import load_model
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings

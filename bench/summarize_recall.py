@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
+    from kvtool.documents import text_document
     from kvtool.eval.metrics import rouge_l, token_f1
     from kvtool.eval.stats import bootstrap_mean, paired_difference
-    from kvtool.runtime.document import text_document
     from kvtool.runtime.model import load_model
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings

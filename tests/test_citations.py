@@ -185,7 +185,7 @@ POLICY = "sink"
 @pytest.mark.real_model
 def test_real_model_cites_the_needle_page(tmp_path):
     pytest.importorskip("fpdf")
-    from kvtool.runtime.document import open_document
+    from kvtool.documents import open_document
     from kvtool.runtime.model import load_model
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
@@ -217,8 +217,8 @@ def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_p
     pytest.importorskip("fpdf")
     from kvtool.cli.dashboard import format_parts
     from kvtool.core.events import PrefillProgress
+    from kvtool.documents import open_document
     from kvtool.runtime.citations import held_positions
-    from kvtool.runtime.document import open_document
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
     from tests.doc_fixtures import make_pdf

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("pypdf")
 pytest.importorskip("fpdf")
 
+from kvtool.documents import detect_format, extract_text, iter_parts, open_document  # noqa: E402
 from kvtool.errors import UsageError  # noqa: E402
 from kvtool.runtime.citations import SourceMap  # noqa: E402
-from kvtool.runtime.document import extract_text, iter_parts, iter_token_blocks, open_document  # noqa: E402
-from kvtool.runtime.documents import detect_format  # noqa: E402
+from kvtool.runtime.document import iter_token_blocks  # noqa: E402
 from tests.doc_fixtures import (  # noqa: E402
     ARTICLE,
     CHAPTERS,

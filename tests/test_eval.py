@@ -181,7 +181,7 @@ def test_haystack_cut_and_repeat() -> None:
 
 
 def test_text_document_reads_like_a_file() -> None:
-    from kvtool.runtime.document import iter_text
+    from kvtool.documents import iter_text
 
     text = "x" * 10000 + " é " + "y" * 100
     assert "".join(iter_text(text_document(text, "<t>"))) == text

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.runtime.document import text_document
+from kvtool.documents import text_document
 from kvtool.runtime.model import load_model
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import resolve_settings

@@ -627,8 +627,8 @@ def test_kvc_archive_in_another_dtype_answers_without_recall(kvenv, tmp_path, ca
 def test_a_question_the_template_rewrites_is_ranked_by_every_row_and_said(kvenv, tmp_path, monkeypatch):
     """``focus_rows`` finds the question by its text; a template that rewrites it falls back, with a note."""
     from kvtool.core.events import Note
+    from kvtool.documents import open_document
     from kvtool.runtime import prompt
-    from kvtool.runtime.document import open_document
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
@@ -652,7 +652,7 @@ def test_a_session_and_its_last_read_go_with_the_last_reference(kvenv, tmp_path,
     import gc
     import weakref
 
-    from kvtool.runtime.document import open_document
+    from kvtool.documents import open_document
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 

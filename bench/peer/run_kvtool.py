@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     args = ap.parse_args()
 
-    from kvtool.runtime.document import text_document
+    from kvtool.documents import text_document
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 

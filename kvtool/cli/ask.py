@@ -64,8 +64,8 @@ def summarize(
 
 def _open_input(path: str, doc_format: str | None = None, quiet: bool = False) -> tuple[str, Any]:
     """('kvc', header) for a saved cache (detected by content), else ('document', Document)."""
+    from kvtool.documents import open_document
     from kvtool.runtime import store
-    from kvtool.runtime.document import open_document
 
     if path != "-" and store.is_kvc(path) and doc_format in (None, "auto"):
         return "kvc", store.read_header(path)

@@ -30,8 +30,8 @@ def prefill(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
+    from kvtool.documents import open_document
     from kvtool.runtime import store
-    from kvtool.runtime.document import open_document
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before the model loads.

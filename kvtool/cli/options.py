@@ -137,11 +137,9 @@ def parse_policy_opts(items: list[str]) -> dict[str, str]:
 def read_questions(questions: list[str] | None, questions_file: Path | None) -> list[str]:
     qs = list(questions or [])
     if questions_file is not None:
-        try:
-            lines = questions_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"cannot read --questions-file {questions_file}: {e}") from None
-        from_file = [ln.strip() for ln in lines if ln.strip()]
+        from kvtool.documents import read_lines  # bounded: a huge file or /dev/zero is refused, not read
+
+        from_file = read_lines(questions_file, "--questions-file")
         if not from_file and not qs:
             raise UsageError(f"--questions-file {questions_file} has no questions (one per line)")
         qs += from_file

@@ -96,8 +96,8 @@ def run_profile(
     import transformers  # noqa: F401
     from rich.console import Console
 
+    from kvtool.documents import open_document
     from kvtool.runtime import profiling
-    from kvtool.runtime.document import open_document
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import parse_size, resolve_settings
 

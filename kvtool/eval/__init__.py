@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
 from kvtool.errors import UsageError
-from kvtool.runtime.document import SNIFF_BYTES, Document, extract_text
-from kvtool.runtime.documents import detect_format
 from kvtool.runtime.settings import Settings, parse_budget, resolve_settings
 
 #: What a directory of inputs may hold (other files are ignored).
@@ -235,7 +234,7 @@ def resolve_input(path: str | None, default_name: str, option: str) -> Path:
 def load_text(path: Path, option: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     """A document, or a directory's documents concatenated in sorted order (blank line between).
 
-    Text is read as it is; PDF, EPUB, HTML and DOCX files are extracted (:mod:`kvtool.runtime.documents`).
+    Text is read as it is; PDF, EPUB, HTML and DOCX files are extracted (:mod:`kvtool.documents`).
     At most ``max_bytes`` are read in all (the tasks need far less).
     """
     if path.is_dir():
@@ -264,7 +263,7 @@ def load_text(path: Path, option: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
                 parts.append(text)
             continue
         left -= len(data)
-        if b"\x00" in data[:SNIFF_BYTES]:
+        if b"\x00" in data:
             raise UsageError(f"{option}: {f} looks binary (NUL bytes); kvtool reads UTF-8 text")
         try:
             text = codecs.getincrementaldecoder("utf-8")().decode(data, final=left > 0)

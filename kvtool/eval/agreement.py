@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvtool.documents import read_lines
 from kvtool.errors import UsageError
 from kvtool.eval import CellLog, Grid, Reporter, Run, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import exact_match, kl_divergence, rouge_l, token_f1, top1_agreement
@@ -53,11 +54,7 @@ class AgreementTask:
 
 def read_questions_file(path: Path) -> list[str]:
     """One question per non-empty line; a clear error naming the file when it has none."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read --questions-file {path}: {e}") from None
-    qs = [ln.strip() for ln in lines if ln.strip()]
+    qs = read_lines(path, "--questions-file")
     if not qs:
         raise UsageError(f"--questions-file {path} has no questions (one per line)")
     if len(qs) > MAX_QUESTIONS:
@@ -66,7 +63,7 @@ def read_questions_file(path: Path) -> list[str]:
 
 
 def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
-    from kvtool.runtime.document import open_document
+    from kvtool.documents import open_document
 
     timer = Timer()
     torch.manual_seed(task.grid.settings.seed)

@@ -23,12 +23,13 @@ from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
+from kvtool.documents import Document
 from kvtool.errors import UsageError
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
-from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from kvtool.documents.base import Part, require, split_text
 from kvtool.errors import UsageError
-from kvtool.runtime.documents import Part, require
 
 
 def _short(e: Exception) -> str:
@@ -46,17 +46,25 @@ class PdfReaderParts:
         require("pypdf", "pdf")
         import logging
 
-        import pypdf
-
         # pypdf logs its repairs of damaged files ("EOF marker not found") on stderr; kvtool reports one line
         logging.getLogger("pypdf").setLevel(logging.ERROR)
-        from pypdf.errors import DependencyError, PdfReadError
-
         self.name = name
         self.notes: list[str] = []
         self.empty_pages: list[int] = []
+        # a path is opened here and read by pypdf as it seeks (given a path, pypdf would read the file whole)
+        self.file: BinaryIO = open(source, "rb") if isinstance(source, str) else source  # noqa: SIM115
         try:
-            self.reader = pypdf.PdfReader(source)
+            self._open(name)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _open(self, name: str) -> None:
+        import pypdf
+        from pypdf.errors import DependencyError, PdfReadError
+
+        try:
+            self.reader = pypdf.PdfReader(self.file)
             encrypted = self.reader.is_encrypted
         except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, OSError) as e:
             raise UsageError(f"{name} is not a readable PDF (corrupt: {_short(e)})") from None
@@ -78,6 +86,12 @@ class PdfReaderParts:
             raise UsageError(f"{name} has no text layer: run OCR first (none of its {self.total} pages has text)")
 
     def parts(self) -> Iterator[Part]:
+        try:
+            yield from self._pages()
+        finally:
+            self.file.close()
+
+    def _pages(self) -> Iterator[Part]:
         first = True
         for i in range(self.total):
             try:
@@ -88,7 +102,11 @@ class PdfReaderParts:
             if not text:
                 self.empty_pages.append(i + 1)
                 continue
-            yield Part(text=text if first else "\n\n" + text, page=i + 1)
+            done = 0
+            for k, piece in enumerate(split_text(text)):
+                done += len(piece)
+                fraction = (i + done / len(text)) / self.total
+                yield Part(text=piece if first or k else "\n\n" + piece, page=i + 1, new_unit=k == 0, fraction=fraction)
             first = False
         if first:
             raise UsageError(f"{self.name} has no text layer: run OCR first (none of its {self.total} pages has text)")

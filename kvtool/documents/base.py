@@ -118,14 +118,12 @@ class TextOut:
         if not words:
             self.space = self.space or bool(data)
             return
-        lead = data[0].isspace()
-        for k, word in enumerate(words):
-            if not self.line:
-                self._put("\n" if self.any else "")
-                self.line = self.any = True
-            elif k > 0 or lead or self.space:
-                self._put(" ")
-            self._put(word)
+        if not self.line:
+            sep = "\n" if self.any else ""
+            self.line = self.any = True
+        else:
+            sep = " " if data[0].isspace() or self.space else ""  # else the word goes on across the call
+        self._put(sep + " ".join(words))
         self.space = data[-1].isspace()
 
     def end_line(self) -> None:

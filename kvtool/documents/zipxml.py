@@ -38,8 +38,9 @@ MAX_ENTRIES = 100_000
 MIN_EXPAT = (2, 4, 1)
 
 
-def check_expat(version: tuple[int, int, int] = pyexpat.version_info) -> None:
+def check_expat() -> None:
     """Refuse (exit 1) an expat library older than :data:`MIN_EXPAT`: it would expand entity bombs."""
+    version = pyexpat.version_info
     if tuple(version) < MIN_EXPAT:
         have = ".".join(map(str, version))
         raise KvtoolError(f"this Python's expat XML library is {have}, older than 2.4.1, which does not limit entity "
@@ -92,20 +93,20 @@ class Container:
             raise self.corrupt(f"{norm!r:.80} is missing")
         return norm
 
-    def open(self, member: str, cap: int = MAX_MEMBER_BYTES) -> _Member:
-        """A stream over one member, refused as it is read once a cap is passed."""
+    def open(self, member: str, cap: int | None = None) -> _Member:
+        """A stream over one member, refused as it is read once a cap (default :data:`MAX_MEMBER_BYTES`) is passed."""
         try:
             info = self.zip.getinfo(member)
-            return _Member(self, member, self.zip.open(info), max(1, info.compress_size), cap)
+            return _Member(self, member, self.zip.open(info), max(1, info.compress_size), cap or MAX_MEMBER_BYTES)
         except KeyError:
             raise self.corrupt(f"{member!r:.80} is missing") from None
         except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, RuntimeError) as e:
             raise self.corrupt(f"{member!r:.80}: {e}") from None
 
-    def read(self, member: str, cap: int = MAX_META_BYTES) -> bytes:
-        """A small member whole (metadata), within ``cap`` and the container's caps."""
+    def read(self, member: str) -> bytes:
+        """A small member whole (metadata), within :data:`MAX_META_BYTES` and the container's caps."""
         out = bytearray()
-        with self.open(member, cap) as f:
+        with self.open(member, MAX_META_BYTES) as f:
             while chunk := f.read(CHUNK_BYTES):
                 out += chunk
         return bytes(out)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.documents import PART_CHARS, detect_format, iter_parts, iter_text, open_document, read_lines
+from kvtool.documents import PART_CHARS, detect_format, iter_parts, iter_text, open_document, read_lines, zipxml
 from kvtool.documents import html as html_mod
-from kvtool.documents import zipxml
 from kvtool.documents.markdown import MarkdownReaderParts
 from kvtool.errors import EXIT_RUNTIME, EXIT_USAGE, KvtoolError, UsageError
 

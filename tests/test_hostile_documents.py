@@ -302,3 +302,34 @@ def test_pypdf_floor_is_6():
     tomllib = pytest.importorskip("tomllib")
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["documents"]
     assert "pypdf>=6.0" in extra
+
+
+# -- descriptors: closed on refusal and when a read is released -----------------------------------------------------
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_readers_close_their_files_on_refusal_and_release(tmp_path, monkeypatch):
+    import gc
+    import io
+
+    from tests.doc_fixtures import CHAPTERS, make_docx, make_epub, make_pdf
+
+    drm = make_epub(tmp_path / "drm.epub", CHAPTERS, drm=True)
+    good = [make_epub(tmp_path / "b.epub", CHAPTERS), make_docx(tmp_path / "d.docx", CHAPTERS)]
+    if __import__("importlib").util.find_spec("fpdf"):
+        good.append(make_pdf(tmp_path / "p.pdf", ["one page", "two pages"]))
+    fds = len(list(Path("/proc/self/fd").iterdir()))
+    gc.disable()
+    try:
+        for _ in range(20):
+            with pytest.raises(UsageError, match="DRM"):
+                open_document(str(drm))
+            for path in good:
+                parts = iter_parts(open_document(str(path)))
+                next(parts)
+                parts.close()
+            monkeypatch.setattr(sys, "stdin", type("Stdin", (), {"buffer": io.BytesIO(good[0].read_bytes())}))
+            parts = iter_parts(open_document("-"))
+            next(parts)
+            parts.close()
+        assert len(list(Path("/proc/self/fd").iterdir())) == fds
+    finally:
+        gc.enable()

@@ -81,6 +81,15 @@ class EpubReaderParts:
         self.name = name
         self.notes: list[str] = []
         self.box = box = Container(source, name, "EPUB")
+        try:
+            self._package(box)
+        except BaseException:
+            box.close()
+            raise
+
+    def _package(self, box: Container) -> None:
+        """DRM checks, then the chapters the OPF package's spine lists (confined, present)."""
+        name = self.name
         if "META-INF/rights.xml" in box.names:
             raise UsageError(f"{name} is DRM-protected (Adobe ADEPT); kvtool reads DRM-free EPUBs only")
         if "META-INF/encryption.xml" in box.names:

@@ -68,18 +68,24 @@ class Container:
         check_expat()
         self.name, self.kind, self.size = name, kind, max(1, _size(source))
         self.inflated = 0
+        self._stream = None if isinstance(source, str) else source  # a stream handed over is ours to close
         try:
             self.zip = zipfile.ZipFile(source)
             infos = self.zip.infolist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            if self._stream is not None:
+                self._stream.close()
             raise UsageError(f"{name} is not a valid {kind} (corrupt ZIP: {e})") from None
         if len(infos) > MAX_ENTRIES:
-            self.zip.close()
+            self.close()
             raise UsageError(f"{name} lists {len(infos):,} files; a {kind} of at most {MAX_ENTRIES:,} is read")
         self.names = {i.filename for i in infos}
 
     def close(self) -> None:
+        """Close the ZIP and the stream it was given (a spooled stdin), if any."""
         self.zip.close()
+        if self._stream is not None:
+            self._stream.close()
 
     def corrupt(self, what: str) -> UsageError:
         return UsageError(f"{self.name} is not a valid {self.kind} (corrupt: {what})")

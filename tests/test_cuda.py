@@ -167,8 +167,13 @@ def test_interleaved_rope_is_found_by_config_flag_and_by_probing_rotate_half(mon
 
 
 # -- CUDA only --------------------------------------------------------------------------------------------------
-def _on(model, dtype):
-    return model.to("cuda", dtype)
+#: kvtool's error against a float32/float64 reference ≤ RATIO × transformers' own error in the same dtype + SLACK:
+#: tests/test_bf16.py's measured CPU tolerances (1.5×, +0.002) widened for CUDA kernels not yet measured.
+RATIO, SLACK = 2.0, 0.004
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b.float().cpu()).abs().max())
 
 
 @cuda
@@ -176,29 +181,32 @@ def _on(model, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_dense_equality_against_a_float32_reference(family, dtype):
-    """kvtool and transformers in ``dtype`` on CUDA, each against transformers in float32: kvtool's error is
-    no larger than transformers' own (plus a small slack), as in tests/test_bf16.py."""
-    ref = dense_logits(tiny_family(family).cuda(), _ids(100, 1).cuda()).float()
-    model = _on(tiny_family(family), dtype)
-    ids = _ids(100, 1).cuda()
-    theirs = (dense_logits(model, ids).float() - ref).abs().max()
+    """Nothing evicted: kvtool and transformers in ``dtype`` on CUDA, each against transformers in float32."""
+    ids = _ids(100, 1)
+    reference = dense_logits(tiny_family(family).cuda(), ids.cuda())
+    model = tiny_family(family).to("cuda", dtype)
+    theirs = dense_logits(model, ids.cuda())
     got, _ = stream_logits(make_engine(model, "sink", 128, block_size=16), ids)
-    ours = (got.float() - ref).abs().max()
-    assert ours <= 2 * theirs + 0.02, (float(ours), float(theirs))
+    assert got.dtype == dtype
+    assert _err(got, reference) <= RATIO * _err(theirs, reference) + SLACK
 
 
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "mistral", "gemma3"])
 def test_cuda_outputs_after_eviction_equal_masking_reference(monkeypatch, family, dtype):
-    model = _on(tiny_family(family), dtype)
-    ids = _ids(96, 4).cuda()
+    """After eviction, against the float64 masking reference of the same weights (run on the CPU)."""
+    ids = _ids(96, 4)
+    model = tiny_family(family).to("cuda", dtype)
     seen = record_visibility(monkeypatch)
-    got, _ = stream_logits(make_engine(model, "tova", 40, block_size=8), ids)
-    ref = masking_reference_logits(model.to("cpu", torch.float64), ids.cpu(), seen)  # float64, same weights
-    err = (got.float().cpu() - ref.float()).abs().max()
-    assert err < (0.15 if dtype == torch.bfloat16 else 0.03), float(err)
+    got, cache = stream_logits(make_engine(model, "tova", 40, block_size=8), ids)
+    monkeypatch.undo()
+    assert cache.counters.evicted_tokens > 0
+    noise_in_dtype = dense_logits(model, ids.cuda())
+    exact = model.to("cpu", torch.float64)
+    noise = _err(noise_in_dtype, dense_logits(exact, ids))
+    assert _err(got, masking_reference_logits(exact, ids, seen)) <= RATIO * noise + SLACK
 
 
 @cuda
@@ -208,7 +216,7 @@ def test_cuda_engine_runs_with_the_math_backend_disabled(dtype):
     """Every SDPA call of a prefill and a decode finds an efficient kernel (the math backend is switched off)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model = _on(tiny_family("llama3"), dtype)
+    model = tiny_family("llama3").to("cuda", dtype)
     engine = make_engine(model, "sink", 64, block_size=32)
     cache = engine.new_cache()
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):

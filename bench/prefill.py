@@ -4,10 +4,13 @@
     python bench/prefill.py --quick               # 2K/8K/32K, sink only: the issue-2 comparison (~5 min)
     python bench/prefill.py --config llama-3.1-8b --lengths 4k,32k,128k --policies sink,tova   # real shapes
 
-``--config NAME`` builds a randomly initialised model of a real model's shape (``CONFIGS`` below:
-written here, nothing is downloaded) in the device's dtype (bf16 on CUDA), so speed and memory can be
-measured at real sizes without weights. Documents are then random token ids and the block-size sweep
-is skipped (perplexity of random weights means nothing). ``--list-configs`` prints the shapes.
+``--config NAME`` builds a randomly initialised model of a real model's shape (``bench/gpu.py``:
+written there, nothing is downloaded) on the meta device and materialises it in bf16 on the target
+device, so speed and memory can be measured at real sizes without weights; ``--layers N`` keeps N
+layers (a CPU smoke test of the 8B shape). Documents are then random token ids and the block-size
+sweep is skipped (perplexity of random weights means nothing). ``--list-configs`` prints the shapes.
+On CUDA every row also reports the share of its SDPA calls that only the math backend could serve
+(``bench/gpu.SdpaProbe``; n/a on CPU), and the GPU targets are printed (``scripts/gpu-check.sh``).
 
 Every row runs in a fresh child process so its peak memory is its own (peak RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA). Rows:
@@ -44,77 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 sys.path.insert(0, str(ROOT))
 
-
-# Shapes of real models (from their published config.json files), randomly initialised by --config.
-# "class" is the transformers config class; every other key is passed to it.
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-CONFIGS: dict[str, dict] = {
-    "llama-3.1-8b": {"class": "LlamaConfig", "hidden_size": 4096, "intermediate_size": 14336,
-                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                     "vocab_size": 128256, "max_position_embeddings": 131072, "rope_scaling": _LLAMA3_ROPE},
-    "llama-3.2-1b": {"class": "LlamaConfig", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-                     "max_position_embeddings": 131072, "tie_word_embeddings": True,
-                     "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0}},
-    "qwen3-8b": {"class": "Qwen3Config", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                 "max_position_embeddings": 40960, "rope_theta": 1000000.0},
-    "qwen3-0.6b": {"class": "Qwen3Config", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                   "max_position_embeddings": 40960, "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "qwen2.5-0.5b": {"class": "Qwen2Config", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True},
-    "mistral-7b-v0.1": {"class": "MistralConfig", "hidden_size": 4096, "intermediate_size": 14336,
-                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                        "vocab_size": 32000, "max_position_embeddings": 32768, "sliding_window": 4096},
-    "phi-3-mini": {"class": "Phi3Config", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
-                   "max_position_embeddings": 4096, "sliding_window": 2047, "pad_token_id": 32000},
-    "gemma-2-9b": {"class": "Gemma2Config", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
-                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
-                   "max_position_embeddings": 8192, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
-                   "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256},
-    "gemma-3-12b": {"class": "Gemma3TextConfig", "hidden_size": 3840, "intermediate_size": 15360,
-                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-                    "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
-                    "query_pre_attn_scalar": 256,
-                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                        "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
-                                                           "factor": 8.0}}},
-    "gemma-3-1b": {"class": "Gemma3TextConfig", "hidden_size": 1152, "intermediate_size": 6912,
-                   "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
-                   "vocab_size": 262144, "max_position_embeddings": 32768, "sliding_window": 512,
-                   "query_pre_attn_scalar": 256,
-                   "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
-}
-
-
-def config_model(name: str, device_spec: str, dtype_spec: str):
-    """A randomly initialised model of ``CONFIGS[name]``'s shape, built directly on the device."""
-    import torch
-    import transformers
-
-    from kvtool.runtime.model import resolve_device, resolve_dtype
-
-    spec = dict(CONFIGS[name])
-    cls = getattr(transformers, spec.pop("class"))
-    device = resolve_device(device_spec)
-    dtype = resolve_dtype(dtype_spec, device)
-    config = cls(**spec)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.eval().requires_grad_(False)
-    return model, device
-
-
-def random_ids(vocab: int, n: int):
-    import torch
-
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+from bench.gpu import CONFIGS, SdpaProbe, config_model, gpu_targets, model_bytes, random_ids  # noqa: E402
 
 
 def parse_tokens(text: str) -> int:
@@ -191,16 +124,31 @@ def run_one(spec: dict) -> dict:
         out_threads = share.threads
     if spec.get("config"):
         loaded = None
-        model, device = config_model(spec["config"], spec.get("device", "auto"), spec.get("dtype", "auto"))
+        model, device = config_model(spec["config"], spec.get("device", "auto"), spec.get("dtype", "auto"),
+                                     spec.get("layers"))
         ids = random_ids(model.config.get_text_config().vocab_size, spec["length"] + spec.get("continuation", 0))
     else:
         loaded = load_model(spec.get("model"), spec.get("device", "auto"), spec.get("dtype", "auto"))
         model, device = loaded.model, loaded.device
         ids = corpus_ids(loaded.tokenizer, spec["length"] + spec.get("continuation", 0))
     doc, cont = ids[: spec["length"]], ids[spec["length"] :]
-    kind, block = spec["kind"], spec["block_size"]
-    out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads}
+    out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads,
+           **model_bytes(model)}
+    probe = SdpaProbe(device)
     reset_peak(device)
+    with probe:
+        _time_row(spec, model, device, loaded, doc, cont, out, share)
+    out.update(probe.result())
+    out["peak_bytes"] = peak_bytes(device)
+    out["device"] = str(device)
+    if share is not None:
+        out["threads_min"] = share.min_threads
+    return out
+
+
+def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) -> None:
+    """Prefill (and decode) one row, filling ``out`` with its timings."""
+    kind, block = spec["kind"], spec["block_size"]
     decode_n = spec.get("decode_tokens", 0)
     if kind in ("dense", "chunked"):
         from transformers import DynamicCache
@@ -266,11 +214,6 @@ def run_one(spec: dict) -> dict:
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
         out["decode_split_seconds"] = {"score": c.score_seconds - before[0], "evict": c.evict_seconds - before[1]}
-    out["peak_bytes"] = peak_bytes(device)
-    out["device"] = str(device)
-    if share is not None:
-        out["threads_min"] = share.min_threads
-    return out
 
 
 def _continuation_nll(engine, cache, logits, cont) -> float:
@@ -386,6 +329,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--config", default=None, help="random model of a real shape: " + ", ".join(CONFIGS))
     ap.add_argument("--list-configs", action="store_true", help="print the --config shapes and exit")
+    ap.add_argument("--layers", type=int, default=None, help="--config only: keep this many layers (smoke tests)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the issue-2 table)")
@@ -408,6 +352,8 @@ def main() -> None:
             raise SystemExit(f"prefill.py: error: unknown --config {args.config!r}; one of {', '.join(CONFIGS)}")
         if args.model is not None:
             raise SystemExit("prefill.py: error: --config and --model are exclusive")
+        if args.layers is not None and args.layers < 1:
+            raise SystemExit("prefill.py: error: --layers must be at least 1")
         args.sweep = ""  # random weights: continuation perplexity means nothing
     if args.quick:
         args.lengths, args.policies, args.sweep, args.memory_lengths = "2k,8k,32k", "sink", "", ""
@@ -418,7 +364,8 @@ def main() -> None:
     dense_max = parse_tokens(args.dense_max)
     chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
-            "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads}
+            "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads,
+            "layers": args.layers if args.config else None}
 
     import torch
 
@@ -475,8 +422,19 @@ def main() -> None:
     check_targets(rows, roof, budget, mem_lengths, ratios)
     print_markdown(rows, roof)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"roofline_gflops": roof, "rows": rows, "sweep": sweep_rows},
-                                                   indent=1))
+        doc = {"device": device_label(device_name), "torch": torch.__version__, "roofline_gflops": roof,
+               "rows": rows, "sweep": sweep_rows}
+        tmp = Path(args.json_path + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(args.json_path)  # never a half-written file
+
+
+def device_label(device_name: str) -> str:
+    import torch
+
+    if device_name == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs)"
 
 
 def find(rows, kind, n, policy=None):
@@ -508,7 +466,14 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
                  f" evict {s['evict'] / total:5.1%}")
     print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
           f"{fmt_bytes(r['peak_bytes']):>10}  decode {dec:6.1f} tok/s  {flops:5.1f} GFLOP/s "
-          f"({flops / roof:4.0%} of roofline){split}", flush=True)
+          f"({flops / roof:4.0%} of roofline){split}{math_note(r)}", flush=True)
+
+
+def math_note(r: dict) -> str:
+    """The row's share of SDPA calls that took the math backend (CUDA), else nothing."""
+    if r.get("math_share") is None:
+        return ""
+    return f"  math backend {r['math_calls']}/{r['sdpa_calls']} SDPA calls ({r['math_share']:.0%})"
 
 
 def print_markdown(rows: list[dict], roof: float) -> None:
@@ -604,6 +569,8 @@ def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[
             report(f"scoring + eviction share of block time, {p}", share, target, higher_is_better=False)
             flops = 2 * r["params"] * 2048 / r["prefill_seconds"] / 1e9
             report(f"prefill FLOP rate / roofline, {p}", flops / roof, 0.45)
+    print("\nGPU targets (scripts/gpu-check.sh; measured on a GPU run, printed wherever the rows exist):")
+    gpu_targets(rows, budget, report, find)
 
 
 if __name__ == "__main__":

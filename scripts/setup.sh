@@ -12,10 +12,10 @@ if ! python -c "import torch" 2>/dev/null; then
   if ls "${PIP_FIND_LINKS:-/nonexistent}"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
     pip install --quiet "torch==2.13.0"                      # the CPU wheel on local disk
   elif command -v nvidia-smi >/dev/null 2>&1; then
-    pip install --quiet "torch>=2.4"                         # CUDA build for a GPU machine
+    pip install --quiet "torch>=2.6"                         # CUDA build for a GPU machine
   else
     # never pull the multi-GB CUDA build onto a CPU-only machine
-    pip install --quiet "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
+    pip install --quiet "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 pip install --quiet -e ".[test,documents]"

@@ -12,6 +12,14 @@ appended the block's keys/values. For each head group of the layer it
 3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
    so at most one layer's probabilities exist at a time.
 
+SDPA gets no ``enable_gqa``: the query heads that share a KV head are folded into the query length
+(``[1, kv_heads, q_per_kv · m, d]``) and the mask is repeated along the folded axis, as an additive
+mask in the queries' dtype whose rows are 16-element aligned. On CUDA, masked GQA (``enable_gqa`` with
+an explicit mask) is served only by the math backend (float32 scores for the whole block); the
+folded problem is plain multi-head attention with a mask, which the memory-efficient kernel takes
+without padding or converting the mask on every call. The folded mask is built once per block and
+shared by every layer.
+
 Sliding-window layers (``HeadGroup.window``, see ``core/families.py``) hold contiguous tokens, so
 their mask is arithmetic: query row ``r`` sees column ``j`` iff ``0 <= r + n_old - j < W``. Logit
 softcapping (Gemma 2: ``softcap=``) is ``tanh(s / c) · c`` on the scaled scores; SDPA cannot do it, so
@@ -117,13 +125,55 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: f
 def _decode_mass(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, off: int) -> Tensor:
     """One decode query's probabilities summed over the query heads of each KV head: [h, n] (citations).
 
-    Scores in the cache's dtype (no float32 copy of K, unlike :func:`_probs`), softmax in float32.
+    Scores in the cache's dtype (no float32 copy of K, unlike :func:`_probs`), softmax in float32. The
+    query is scaled before the product: in float16 an unscaled ``q·k`` can pass 65504 (inf) where the
+    scaled score is well within range.
     """
     h, d = k.shape[1], k.shape[3]
-    scores = torch.bmm(q[0].reshape(h, -1, d), k[0].transpose(1, 2)).float().mul_(scaling)  # [h, q_per_kv, n]
+    scores = torch.bmm(q[0].reshape(h, -1, d) * scaling, k[0].transpose(1, 2)).float()  # [h, q_per_kv, n]
     if mask is not None:  # a single query row: only RazorAttention's float mask (compensation bias)
         scores = scores + mask.float()
     return torch.softmax(scores, dim=-1)[..., off:].sum(1)
+
+
+def _sdpa_mask(cache: BoundedCache, mask: Tensor, q_per_kv: int, dtype: torch.dtype,
+               key: tuple | None) -> Tensor:
+    """``mask`` [m, n] as SDPA's folded additive mask [q_per_kv · m, n] in ``dtype`` (cached per block by ``key``).
+
+    Row ``j · m + r`` is query head ``j`` of a KV head at block row ``r``: the mask repeated along the
+    folded axis. Rows are allocated 16 elements wide (then sliced), so the memory-efficient CUDA kernel
+    takes it without a padded copy; a boolean mask becomes 0 / −inf once here instead of in every call.
+    """
+    full_key = None if key is None else (*key, q_per_kv, str(dtype), "sdpa")
+    masks = cache.step.masks
+    if full_key is not None and full_key in masks:
+        return masks[full_key]
+    m, n = mask.shape
+    width = -(-n // 16) * 16
+    folded = torch.zeros(q_per_kv, m, width, dtype=dtype, device=mask.device)[..., :n]
+    if mask.dtype == torch.bool:
+        folded.masked_fill_(~mask, float("-inf"))
+    else:
+        folded.copy_(mask.expand(q_per_kv, m, n))
+    out = folded.view(q_per_kv * m, n)
+    if full_key is not None:
+        masks[full_key] = out  # type: ignore[index]
+    return out
+
+
+def _sdpa(cache: BoundedCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, key: tuple | None,
+          scaling: float) -> Tensor:
+    """Output [1, h · q_per_kv, m, d] of SDPA with the query heads of each KV head folded into the query length.
+
+    Equal to ``enable_gqa=True`` with the mask broadcast over heads, but an efficient kernel can run it
+    (see the module docstring). A single query row with no mask needs no mask after folding either.
+    """
+    h, m, d = k.shape[1], q.shape[2], q.shape[3]
+    q_per_kv = q.shape[1] // h
+    folded_q = q.reshape(1, h, q_per_kv * m, d)  # a view for decode rows and for index-selected groups
+    folded_mask = None if mask is None else _sdpa_mask(cache, mask, q_per_kv, q.dtype, key)
+    out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scaling)
+    return out.view(1, h * q_per_kv, m, v.shape[-1])
 
 
 def _reduce_gqa(p: Tensor, off: int) -> Tensor:
@@ -144,8 +194,10 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     bias = g.comp_bias() if g.off else None
     if g.window is not None:
         mask = _window_mask(cache, m, n, g.window, q.device)
+        mask_key: tuple | None = (m, n, 0, g.window)
     else:
         mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)
+        mask_key = (m, n, g.off) if bias is None else None  # the compensation bias is per group: not shared
     probs = None
     if rows == m or softcap is not None:
         t0 = cache.clock()
@@ -158,7 +210,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=g.q_per_kv > 1)
+        out = _sdpa(cache, q, k, v, mask, mask_key, scaling)
         if rows > 0:
             t0 = cache.clock()
             sub_mask = None if mask is None else mask[-rows:]

@@ -134,7 +134,7 @@ class Engine:
         pacer: Callable[[], None] | None = None,
     ) -> None:
         config.validate()
-        check_supported(model)
+        check_supported(model, config.positions)
         self.model = model
         self.policy = policy
         self.config = config

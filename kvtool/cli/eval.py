@@ -1,4 +1,4 @@
-"""``kvtool eval needle | ppl | attn-error``: evaluate eviction policies over a (policy × budget) grid.
+"""``kvtool eval needle | ppl | attn-error | agreement``: evaluate eviction policies over a (policy × budget) grid.
 
 Everything is validated before the model loads; the model is loaded once per command. Progress goes to
 stderr (rich), results to stdout as rich tables, or one JSON object with ``--json`` (see kvtool/eval).
@@ -11,42 +11,28 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvtool.cli.options import (
-    EVAL_SETTINGS,
-    ArchiveDtypeOpt,
-    BlockOpt,
-    DeviceOpt,
-    DtypeOpt,
-    JsonOpt,
-    ModelOpt,
-    PositionsOpt,
-    QuantOpt,
-    QuietOpt,
-    RecallPageOpt,
-    RecentOpt,
-    RepPenOpt,
-    SinksOpt,
-    with_settings,
-)
+from kvtool.cli.options import EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
 from kvtool.cli.output import emit_json, stderr_console
+from kvtool.data import sample_path
 
 eval_app = typer.Typer(
     name="eval",
-    help="Evaluate eviction policies: needle in a haystack, perplexity, attention-output error.",
+    help="Evaluate eviction policies: needle in a haystack, perplexity, attention-output error, agreement with "
+    "the dense answers. Without a corpus, on the packaged sample (`kvtool sample`).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
 
-DEFAULT_HAYSTACK = "paul_graham_essays"  # under <repo>/../shared/corpus
-DEFAULT_TEXT = "sherlock_holmes.txt"
+#: the input of every eval command when none is given: the packaged sample document
+DEFAULT_INPUT = str(sample_path())
 
 PoliciesOpt = Annotated[str, typer.Option("--policies", help="Comma list of policies (base[+modifier...]).")]
 BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Comma list of KV budgets per head: 256,512 or 1k.")]
-EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for passkeys and sample offsets.")]
-TextOpt = Annotated[str | None, typer.Option("--text", help="UTF-8 text file(s), comma-separated (windows are "
-                                             "spread over them), or a directory of .txt files (default: "
-                                             "../shared/corpus/sherlock_holmes.txt beside the repo).")]
+EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the secret numbers and the sample offsets.")]
+TextOpt = Annotated[str | None, typer.Option("--text", help="Document(s) in any format kvtool reads, "
+                                             "comma-separated (windows are spread over them), or a directory of "
+                                             "documents (default: the packaged sample).")]
 ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
 ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text(s) at seeded offsets "
@@ -69,15 +55,16 @@ def _finish(rep: dict[str, Any], json_out: bool, render: Any) -> None:
 
 
 @eval_app.command("needle")
+@with_settings(*NEEDLE_SETTINGS)
 def needle(
-    haystack: Annotated[str | None, typer.Option("--haystack", help="A text file or a directory of .txt files "
-                                                 "(default: ../shared/corpus/paul_graham_essays).")] = None,
+    haystack: Annotated[str | None, typer.Option("--haystack", help="A document in any format kvtool reads, or a "
+                                                 "directory of documents (default: the packaged sample).")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="Document lengths in tokens.")] = "1k,2k",
     depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1].")] = "0,0.5,1",
     policies: PoliciesOpt = "full,sink,h2o,keydiff",
     budgets: BudgetsOpt = "256",
     needle_text: Annotated[str | None, typer.Option("--needle", help="Needle sentence (default: a random "
-                                                    "pass key per trial).")] = None,
+                                                    "secret number per trial).")] = None,
     question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
     answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
     trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new secret number each).")] = 10,
@@ -89,30 +76,17 @@ def needle(
                                         "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
     resume: ResumeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
-    recall_page: RecallPageOpt = None,
-    archive_dtype: ArchiveDtypeOpt = None,
-    repetition_penalty: RepPenOpt = None,
-    block_size: BlockOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    quantize: QuantOpt = None,
-    positions: PositionsOpt = None,
-    sinks: SinksOpt = None,
-    recent: RecentOpt = None,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
     from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
     from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
 
-    grid = _grid(policies, budgets, not no_full, block_size=block_size, model=model, device=device, dtype=dtype,
-                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
-                 max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype,
-                 repetition_penalty=repetition_penalty)
-    path = resolve_input(haystack, DEFAULT_HAYSTACK, "--haystack")
+    grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
+    path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
     task = NeedleTask(
         grid=grid,
         haystack_path=path,
@@ -146,8 +120,7 @@ def _window_task(text: str | None, context: str, continuation: str, samples: int
     from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
     from kvtool.eval.ppl import WindowTask
 
-    paths = [resolve_input(p, DEFAULT_TEXT, "--text") for p in split_list(text, "--text")] if text else [
-        resolve_input(None, DEFAULT_TEXT, "--text")]
+    paths = [resolve_input(p, "", "--text") for p in split_list(text or DEFAULT_INPUT, "--text")]
     n = parse_tokens(context, "--context")
     m = parse_tokens(continuation, "--continuation")
     k = positive(samples, "--samples")
@@ -206,7 +179,7 @@ def attn_error(
 @eval_app.command("agreement")
 @with_settings(*EVAL_SETTINGS)
 def agreement(
-    doc: Annotated[str, typer.Option("--doc", help="The document to read (a text file).")],
+    doc: Annotated[str, typer.Option("--doc", help="The document to read (any format kvtool reads).")],
     questions_file: Annotated[str, typer.Option("--questions-file", help="One question per line.")],
     policies: PoliciesOpt = "sink,h2o,tova,snapkv,keydiff",
     budgets: BudgetsOpt = "256,512,1024",

@@ -466,7 +466,7 @@ class Session:
             "recall_tokens": self.recall_tokens,
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
-            "archive_path": f"{self.archive_dir} (unlinked temporary file)" if self.recall_tokens else None,
+            "archive_path": str(self.archive_dir) if self.recall_tokens else None,  # its (unlinked) files' directory
             "archive_dtype": recall.archive_dtype(cache) if cache is not None else None,
             "recall_page": self.engine_config.page_size,
             "recall_seconds": round(self.recall_seconds, 4),

@@ -42,6 +42,13 @@ ResumeOpt = Annotated[str | None, typer.Option("--resume", help="A JSONL file: f
 
 
 def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
+    """The (policy × budget) grid; settings and policy names are checked before torch is imported."""
+    from kvtool.policy_syntax import check_spec
+    from kvtool.runtime.settings import resolve_settings
+
+    resolve_settings(None, {k: v for k, v in kw.items() if v is not None})
+    for item in filter(None, (p.strip() for p in policies.split(","))):
+        check_spec(item)
     from kvtool.eval import make_grid
 
     return make_grid(policies, budgets, always_full=always_full, **kw)
@@ -82,10 +89,10 @@ def needle(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
+    grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
     from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
 
-    grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
     task = NeedleTask(
         grid=grid,
@@ -118,13 +125,14 @@ def _needle_count(needles: int, custom: str | None) -> int:
 def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any,
                  resume: str | None) -> Any:
     from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
-    from kvtool.eval.ppl import WindowTask
 
     paths = [resolve_input(p, "", "--text") for p in split_list(text or DEFAULT_INPUT, "--text")]
     n = parse_tokens(context, "--context")
     m = parse_tokens(continuation, "--continuation")
     k = positive(samples, "--samples")
     texts = [(p.name, load_text(p, "--text")) for p in paths]
+    from kvtool.eval.ppl import WindowTask  # torch: only once the input is known to be good
+
     return WindowTask(grid=grid, texts=texts, context=n, continuation=m, samples=k, resume=resume)
 
 
@@ -144,11 +152,11 @@ def ppl(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
+    task = _window_task(text, context, continuation, samples, grid, resume)
     from kvtool.eval import Reporter
     from kvtool.eval.ppl import render_ppl, run_ppl
 
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
@@ -168,11 +176,11 @@ def attn_error(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
+    task = _window_task(text, context, continuation, samples, grid, resume)
     from kvtool.eval import Reporter
     from kvtool.eval.attn_error import render_attn_error, run_attn_error
 
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
 
 
@@ -195,10 +203,10 @@ def agreement(
     """Fidelity to dense: each policy's answers vs full's (exact match, token F1, ROUGE-L, KL, top-1)."""
     from pathlib import Path
 
+    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.eval import Reporter, positive, resolve_input
     from kvtool.eval.agreement import AgreementTask, read_questions_file, render_agreement, run_agreement
 
-    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     path = resolve_input(doc, "", "--doc")
     if not path.is_file():
         from kvtool.errors import UsageError

@@ -402,7 +402,7 @@ class Session:
 
     # -- reporting ------------------------------------------------------------------------------------------
     def stats(self, read: ReadResult | None = None, peak_bytes: int | None = None) -> dict[str, Any]:
-        """The ``--json`` stats object (README documents every key)."""
+        """The ``--json`` stats object (docs/cli.md documents every key; tests/test_docs.py checks it)."""
         read = read or self.last_read
         cache = read.cache if read else None
         dec_tokens = sum(a.tokens for a in self.answers)

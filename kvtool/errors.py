@@ -1,4 +1,4 @@
-"""Errors users see: one line on stderr and a documented exit code (see README "Exit codes")."""
+"""Errors users see: one line on stderr and a documented exit code (see docs/cli.md "Exit codes")."""
 
 from __future__ import annotations
 

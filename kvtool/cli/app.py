@@ -63,6 +63,20 @@ app.command("calibrate")(calibrate.calibrate_cmd)
 app.add_typer(eval.eval_app, name="eval")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvtool {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print kvtool's version and exit."),
+) -> None:
+    """Read documents longer than memory allows: block-wise prefill under a strict KV-cache budget."""
+
+
 @app.command()
 def policies(json_out: JsonOpt = False) -> None:
     """List eviction policies and modifiers."""
@@ -87,6 +101,13 @@ def version() -> None:
     """Print kvtool's version."""
     print(__version__)
 
+
+@app.command()
+def sample() -> None:
+    """Print the path of the sample document that ships with kvtool (try: kvtool ask "$(kvtool sample)" ...)."""
+    from kvtool.data import sample_path
+
+    print(sample_path())
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:

@@ -7,6 +7,7 @@ Input is validated before the model loads (bad input fails in milliseconds), the
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,6 +20,7 @@ from kvtool.cli.options import (
     JsonOpt,
     ProfileOpt,
     QuietOpt,
+    StatsOpt,
     read_questions,
     with_settings,
 )
@@ -39,12 +41,13 @@ def ask(
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     jsonl: Annotated[bool, typer.Option("--jsonl", help="One JSON line per answer as it completes.")] = False,
+    stats: StatsOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer questions about a document read under a KV budget."""
     run_ask(file, read_questions(questions, questions_file), flags or {}, profile=profile, json_out=json_out,
-            jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format)
+            jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format, full_stats=stats)
 
 
 @with_settings(*ANSWER_SETTINGS)
@@ -55,11 +58,18 @@ def summarize(
     doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
+    stats: StatsOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Summarize a document read under a KV budget."""
-    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet, doc_format=doc_format)
+    from kvtool.errors import UsageError
+    from kvtool.runtime.prompt import SUMMARY_LENGTHS
+
+    if length not in SUMMARY_LENGTHS:  # before the document is read, not after
+        raise UsageError(f"--length must be one of {', '.join(SUMMARY_LENGTHS)} (got {length!r})")
+    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet, doc_format=doc_format,
+                  full_stats=stats)
 
 
 def _open_input(path: str, doc_format: str | None = None, quiet: bool = False) -> tuple[str, Any]:
@@ -79,7 +89,11 @@ def _run(
     quiet: bool,
     work: Callable[[Any, Any], list[Any]],
     doc_format: str | None = None,
+    full_stats: bool = False,
+    verb: str = "answered",
 ) -> tuple[Any, Any, list[Any], dict[str, Any]]:
+    """Read the input once, call ``work``, end with one summary line (or the full table with ``full_stats``)."""
+    started = time.monotonic()
     from kvtool.runtime import store
     from kvtool.runtime.settings import resolve_settings
 
@@ -98,8 +112,28 @@ def _run(
             read = store.load_cache(path, session) if kind == "kvc" else session.read(source)
             answers = work(session, read)
         stats = session.stats(read, meter.peak_bytes())
-        dash(RunSummary(stats))
+        if full_stats:
+            dash(RunSummary(stats))
+    if not (quiet or full_stats):
+        sayer(quiet)(summary_line(stats, time.monotonic() - started, verb))
     return session, read, answers, stats
+
+
+def summary_line(stats: dict[str, Any], seconds: float, verb: str = "answered") -> str:
+    """The end of a run in one line: wall time, what was read and how fast, peak memory, recall."""
+    from kvtool.runtime.memory import format_bytes
+
+    tokens = int(stats.get("document_tokens", 0)) + int(stats.get("prefix_tokens", 0))
+    if stats.get("loaded_from"):
+        read = f"{tokens:,} tokens loaded in {stats.get('cache_load_seconds', 0):.1f} s"
+    else:
+        read = f"{tokens:,} tokens read at {stats.get('prefill_tokens_per_second', 0):,.0f} tok/s"
+    peak = stats.get("peak_memory_bytes")
+    recall_tokens = int(stats.get("recall_tokens") or 0)
+    recall = (f"recall {recall_tokens} tokens/head ({stats.get('recalled_pages', 0):,} pages, "
+              f"{stats.get('recall_seconds', 0):.1f} s)" if recall_tokens else "recall off")
+    return (f"{verb} in {seconds:.1f} s · {read} · peak {format_bytes(peak) if peak else 'n/a'} · {recall} "
+            "(--stats for all figures)")
 
 
 def run_ask(
@@ -112,7 +146,9 @@ def run_ask(
     quiet: bool = False,
     cite: bool = False,
     doc_format: str | None = None,
+    full_stats: bool = False,
 ) -> None:
+    """Everything ``kvtool ask`` does after option parsing: read once, answer each question, report."""
     stream = not (json_out or jsonl)
 
     def work(session: Any, read: Any) -> list[Any]:
@@ -131,7 +167,7 @@ def run_ask(
             out.append(ans)
         return out
 
-    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format)
+    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format, full_stats)
     if json_out:
         emit_json({"answers": [{"question": a.question, "answer": a.answer, **_citations(a)} for a in answers],
                    "stats": stats})
@@ -154,14 +190,17 @@ def run_summarize(
     json_out: bool = False,
     quiet: bool = False,
     doc_format: str | None = None,
+    full_stats: bool = False,
 ) -> None:
+    """Everything ``kvtool summarize`` does after option parsing."""
+
     def work(session: Any, read: Any) -> list[Any]:
         ans = session.summarize(read, length, on_text=None if json_out else write_text)
         if not json_out:
             write_text("\n")
         return [ans]
 
-    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format)
+    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format, full_stats, "summarized")
     if json_out:
         emit_json({"summary": answers[0].answer, "length": length, "stats": stats})
     sys.stdout.flush()

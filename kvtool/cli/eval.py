@@ -1,4 +1,4 @@
-"""``kvtool eval needle | ppl | attn-error``: evaluate eviction policies over a (policy × budget) grid.
+"""``kvtool eval needle | ppl | attn-error | agreement``: evaluate eviction policies over a (policy × budget) grid.
 
 Everything is validated before the model loads; the model is loaded once per command. Progress goes to
 stderr (rich), results to stdout as rich tables, or one JSON object with ``--json`` (see kvtool/eval).
@@ -11,42 +11,28 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvtool.cli.options import (
-    EVAL_SETTINGS,
-    ArchiveDtypeOpt,
-    BlockOpt,
-    DeviceOpt,
-    DtypeOpt,
-    JsonOpt,
-    ModelOpt,
-    PositionsOpt,
-    QuantOpt,
-    QuietOpt,
-    RecallPageOpt,
-    RecentOpt,
-    RepPenOpt,
-    SinksOpt,
-    with_settings,
-)
+from kvtool.cli.options import EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
 from kvtool.cli.output import emit_json, stderr_console
+from kvtool.data import sample_path
 
 eval_app = typer.Typer(
     name="eval",
-    help="Evaluate eviction policies: needle in a haystack, perplexity, attention-output error.",
+    help="Evaluate eviction policies: needle in a haystack, perplexity, attention-output error, agreement with "
+    "the dense answers. Without a corpus, on the packaged sample (`kvtool sample`).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
 
-DEFAULT_HAYSTACK = "paul_graham_essays"  # under <repo>/../shared/corpus
-DEFAULT_TEXT = "sherlock_holmes.txt"
+#: the input of every eval command when none is given: the packaged sample document
+DEFAULT_INPUT = str(sample_path())
 
 PoliciesOpt = Annotated[str, typer.Option("--policies", help="Comma list of policies (base[+modifier...]).")]
 BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Comma list of KV budgets per head: 256,512 or 1k.")]
-EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for passkeys and sample offsets.")]
-TextOpt = Annotated[str | None, typer.Option("--text", help="UTF-8 text file(s), comma-separated (windows are "
-                                             "spread over them), or a directory of .txt files (default: "
-                                             "../shared/corpus/sherlock_holmes.txt beside the repo).")]
+EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the secret numbers and the sample offsets.")]
+TextOpt = Annotated[str | None, typer.Option("--text", help="Document(s) in any format kvtool reads, "
+                                             "comma-separated (windows are spread over them), or a directory of "
+                                             "documents (default: the packaged sample).")]
 ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
 ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text(s) at seeded offsets "
@@ -56,6 +42,13 @@ ResumeOpt = Annotated[str | None, typer.Option("--resume", help="A JSONL file: f
 
 
 def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
+    """The (policy × budget) grid; settings and policy names are checked before torch is imported."""
+    from kvtool.policy_syntax import check_spec
+    from kvtool.runtime.settings import resolve_settings
+
+    resolve_settings(None, {k: v for k, v in kw.items() if v is not None})
+    for item in filter(None, (p.strip() for p in policies.split(","))):
+        check_spec(item)
     from kvtool.eval import make_grid
 
     return make_grid(policies, budgets, always_full=always_full, **kw)
@@ -69,15 +62,16 @@ def _finish(rep: dict[str, Any], json_out: bool, render: Any) -> None:
 
 
 @eval_app.command("needle")
+@with_settings(*NEEDLE_SETTINGS)
 def needle(
-    haystack: Annotated[str | None, typer.Option("--haystack", help="A text file or a directory of .txt files "
-                                                 "(default: ../shared/corpus/paul_graham_essays).")] = None,
+    haystack: Annotated[str | None, typer.Option("--haystack", help="A document in any format kvtool reads, or a "
+                                                 "directory of documents (default: the packaged sample).")] = None,
     lengths: Annotated[str, typer.Option("--lengths", help="Document lengths in tokens.")] = "1k,2k",
     depths: Annotated[str, typer.Option("--depths", help="Needle depths in [0, 1].")] = "0,0.5,1",
     policies: PoliciesOpt = "full,sink,h2o,keydiff",
     budgets: BudgetsOpt = "256",
     needle_text: Annotated[str | None, typer.Option("--needle", help="Needle sentence (default: a random "
-                                                    "pass key per trial).")] = None,
+                                                    "secret number per trial).")] = None,
     question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
     answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
     trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new secret number each).")] = 10,
@@ -89,30 +83,17 @@ def needle(
                                         "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
     resume: ResumeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
-    recall_page: RecallPageOpt = None,
-    archive_dtype: ArchiveDtypeOpt = None,
-    repetition_penalty: RepPenOpt = None,
-    block_size: BlockOpt = None,
-    model: ModelOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    quantize: QuantOpt = None,
-    positions: PositionsOpt = None,
-    sinks: SinksOpt = None,
-    recent: RecentOpt = None,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
+    grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
     from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
 
-    grid = _grid(policies, budgets, not no_full, block_size=block_size, model=model, device=device, dtype=dtype,
-                 quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
-                 max_new_tokens=max_new_tokens, recall_page=recall_page, archive_dtype=archive_dtype,
-                 repetition_penalty=repetition_penalty)
-    path = resolve_input(haystack, DEFAULT_HAYSTACK, "--haystack")
+    path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
     task = NeedleTask(
         grid=grid,
         haystack_path=path,
@@ -144,14 +125,14 @@ def _needle_count(needles: int, custom: str | None) -> int:
 def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any,
                  resume: str | None) -> Any:
     from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
-    from kvtool.eval.ppl import WindowTask
 
-    paths = [resolve_input(p, DEFAULT_TEXT, "--text") for p in split_list(text, "--text")] if text else [
-        resolve_input(None, DEFAULT_TEXT, "--text")]
+    paths = [resolve_input(p, "", "--text") for p in split_list(text or DEFAULT_INPUT, "--text")]
     n = parse_tokens(context, "--context")
     m = parse_tokens(continuation, "--continuation")
     k = positive(samples, "--samples")
     texts = [(p.name, load_text(p, "--text")) for p in paths]
+    from kvtool.eval.ppl import WindowTask  # torch: only once the input is known to be good
+
     return WindowTask(grid=grid, texts=texts, context=n, continuation=m, samples=k, resume=resume)
 
 
@@ -171,11 +152,11 @@ def ppl(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
+    task = _window_task(text, context, continuation, samples, grid, resume)
     from kvtool.eval import Reporter
     from kvtool.eval.ppl import render_ppl, run_ppl
 
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
@@ -195,18 +176,18 @@ def attn_error(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
+    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
+    task = _window_task(text, context, continuation, samples, grid, resume)
     from kvtool.eval import Reporter
     from kvtool.eval.attn_error import render_attn_error, run_attn_error
 
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
     _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
 
 
 @eval_app.command("agreement")
 @with_settings(*EVAL_SETTINGS)
 def agreement(
-    doc: Annotated[str, typer.Option("--doc", help="The document to read (a text file).")],
+    doc: Annotated[str, typer.Option("--doc", help="The document to read (any format kvtool reads).")],
     questions_file: Annotated[str, typer.Option("--questions-file", help="One question per line.")],
     policies: PoliciesOpt = "sink,h2o,tova,snapkv,keydiff",
     budgets: BudgetsOpt = "256,512,1024",
@@ -222,10 +203,10 @@ def agreement(
     """Fidelity to dense: each policy's answers vs full's (exact match, token F1, ROUGE-L, KL, top-1)."""
     from pathlib import Path
 
+    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.eval import Reporter, positive, resolve_input
     from kvtool.eval.agreement import AgreementTask, read_questions_file, render_agreement, run_agreement
 
-    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     path = resolve_input(doc, "", "--doc")
     if not path.is_file():
         from kvtool.errors import UsageError

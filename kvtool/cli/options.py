@@ -45,11 +45,16 @@ TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling
 RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalty on the answer's own "
                                                  "repeated tokens (1 = off; default 1.1).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch (default: the cores "
-                                                 "this process may use; 1 when running several kvtool at once).")]
+                                                 "this process may use, divided among the kvtool processes "
+                                                 "running on them; a number fixes it).")]
 SeedOpt = Annotated[int | None, typer.Option("--seed", help="Sampling seed.")]
-ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile name in profiles/ or a YAML path.")]
+ProfileOpt = Annotated[str | None, typer.Option("--profile", help="A profile: a name (kvtool's profiles, "
+                                                 "./profiles, $KVTOOL_HOME/profiles) or a YAML path; options "
+                                                 "given on the command line override it.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+StatsOpt = Annotated[bool, typer.Option("--stats", help="End with the full table of run statistics on stderr "
+                                        "(default: one summary line; --json always has them).")]
 FormatOpt = Annotated[str | None, typer.Option("--format", help="Document format: auto (default: detected from the "
                                                "content), text, markdown, html, pdf, epub or docx.")]
 
@@ -76,15 +81,18 @@ SETTING_OPTIONS: dict[str, Any] = {
     "seed": SeedOpt,
     "threads": ThreadsOpt,
 }
-#: the settings of a model run without generation (prefill, profile)
+#: the settings of loading and running the model (every reading command)
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
-#: the settings of reading a document under a budget
+#: the settings of reading a document under a budget: ``ask``, ``summarize``, ``prefill``, ``profile``
 READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
                  "recall", "recall_page", "archive_dtype")
 #: reading plus generation (ask, summarize)
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
-#: what an evaluation grid fixes for every cell (policies and budgets are lists there)
+#: what an evaluation grid fixes for every cell: the reading settings that are not lists there
+#: (``--policies``, ``--budgets`` and needle's ``--recall`` are lists of values, one per cell)
 EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+#: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
+NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", "repetition_penalty")
 
 
 def with_settings(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -135,7 +143,11 @@ def parse_policy_opts(items: list[str]) -> dict[str, str]:
 
 
 def read_questions(questions: list[str] | None, questions_file: Path | None) -> list[str]:
+    """The questions from the arguments, then from ``--questions-file``; none may be empty (checked before reading)."""
     qs = list(questions or [])
+    for i, q in enumerate(qs, 1):
+        if not q.strip():
+            raise UsageError(f"question {i} is empty: ask something (e.g. \"Who is the narrator?\")")
     if questions_file is not None:
         from kvtool.documents import read_lines  # bounded: a huge file or /dev/zero is refused, not read
 

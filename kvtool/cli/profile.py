@@ -13,24 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli.options import (
-    ArchiveDtypeOpt,
-    BlockOpt,
-    BudgetOpt,
-    DeviceOpt,
-    DtypeOpt,
-    FormatOpt,
-    JsonOpt,
-    ModelOpt,
-    PolicyOpt,
-    PolicyOptOpt,
-    ProfileOpt,
-    QuantOpt,
-    QuietOpt,
-    RecallOpt,
-    RecallPageOpt,
-    overrides,
-)
+from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 
@@ -42,18 +25,8 @@ MemoryOpt = Annotated[str | None, typer.Option("--memory", help="Memory availabl
                                                "budget that fits and longest document dense transformers holds.")]
 
 
+@with_settings(*READ_SETTINGS)
 def profile(
-    model: ModelOpt = None,
-    budget: BudgetOpt = None,
-    block_size: BlockOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quantize: QuantOpt = None,
-    policy: PolicyOpt = None,
-    policy_opt: PolicyOptOpt = None,
-    recall: RecallOpt = None,
-    recall_page: RecallPageOpt = None,
-    archive_dtype: ArchiveDtypeOpt = None,
     profile_name: ProfileOpt = None,
     doc: DocOpt = None,
     doc_format: FormatOpt = None,
@@ -61,15 +34,11 @@ def profile(
     memory: MemoryOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Predicted memory plan (weights, KV, scratch, activations, peak); --doc measures a real prefill."""
-    run_profile(
-        overrides(model=model, budget=budget, block_size=block_size, dtype=dtype, device=device,
-                  quantize=quantize, policy=policy, policy_opt=policy_opt, recall=recall,
-                  recall_page=recall_page, archive_dtype=archive_dtype),
-        profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out, quiet=quiet,
-        doc_format=doc_format,
-    )
+    run_profile(flags or {}, profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out,
+                quiet=quiet, doc_format=doc_format)
 
 
 def process_rss() -> int:
@@ -91,22 +60,23 @@ def run_profile(
     doc_format: str | None = None,
 ) -> dict[str, Any]:
     """Everything ``kvtool profile`` does after flag parsing; returns the printed plan."""
-    # Everything heavy is imported first so the baseline counts the runtime, not the model.
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from rich.console import Console
-
     from kvtool.documents import open_document
-    from kvtool.runtime import profiling
-    from kvtool.runtime.session import Session
     from kvtool.runtime.settings import parse_size, resolve_settings
 
-    # Bad input fails before seconds are spent loading the model.
+    # Bad input fails before torch is imported and before seconds are spent loading the model.
     if doc_tokens is not None and doc_tokens < 1:
         raise UsageError(f"--doc-tokens must be at least 1: got {doc_tokens}")
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None
+
+    # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from rich.console import Console
+
+    from kvtool.runtime import profiling
+    from kvtool.runtime.session import Session
 
     rss_before_load = process_rss()
     say = sayer(quiet)

@@ -1,6 +1,6 @@
 """Metrics of the eval tasks: pure functions on tensors and strings (no model, no I/O).
 
-Conventions (the README documents them):
+Conventions (docs/evaluation.md documents them):
 
 * logits are ``[T, V]`` (one row per predicted position), computed in float32 whatever their dtype;
 * ``p`` is always the dense reference and ``q`` the evicted run: ``KL(p ‖ q)``;

@@ -7,12 +7,12 @@ whose ``@register`` fills the registry before anything is parsed.
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from typing import Any
 
 from kvtool.core.contract import REGISTRY, Policy, PolicyEnv
 from kvtool.errors import UsageError
+from kvtool.policy_syntax import split_spec
 
 
 def _valid_list() -> str:
@@ -58,20 +58,6 @@ def _construct(cls: type[Policy], opts: dict[str, Any], used: set[str], prefix: 
     return cls(**kwargs)
 
 
-def _split_inline(part: str) -> tuple[str, dict[str, str]]:
-    """``caote(greedy=true;objective=joint)`` → ("caote", {...}): options inside a spec, for lists of policies."""
-    m = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*(?:\((.*)\))?\s*", part)
-    if m is None:
-        raise UsageError(f"cannot parse policy component {part!r}: use name or name(key=value;key=value)")
-    opts: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in (m.group(2) or "").split(";"))):
-        if "=" not in item:
-            raise UsageError(f"policy option {item!r} in {part!r} must be key=value")
-        key, value = item.split("=", 1)
-        opts[key.strip()] = value.strip()
-    return m.group(1).lower(), opts
-
-
 def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> Policy:
     """Build ``base+mod+mod`` with options ``{"window": "32", "caote.greedy": "true"}``.
 
@@ -82,12 +68,7 @@ def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> P
     """
     options = dict(options or {})
     parts = []
-    if not spec.strip():
-        raise UsageError(f"empty policy; valid {_valid_list()}")
-    for raw in (p.strip() for p in spec.split("+")):
-        if not raw:
-            raise UsageError(f"policy {spec!r} has an empty component (a stray '+'); write base+modifier+...")
-        name, inline = _split_inline(raw)
+    for name, inline in split_spec(spec):  # the grammar, shared with the torch-free check
         parts.append(name)
         options.update({f"{name}.{k}": v for k, v in inline.items()})
     if not parts:

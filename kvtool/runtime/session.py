@@ -403,7 +403,7 @@ class Session:
 
     # -- reporting ------------------------------------------------------------------------------------------
     def stats(self, read: ReadResult | None = None, peak_bytes: int | None = None) -> dict[str, Any]:
-        """The ``--json`` stats object (README documents every key)."""
+        """The ``--json`` stats object (docs/cli.md documents every key; tests/test_docs.py checks it)."""
         read = read or self.last_read
         cache = read.cache if read else None
         dec_tokens = sum(a.tokens for a in self.answers)
@@ -467,7 +467,7 @@ class Session:
             "recall_tokens": self.recall_tokens,
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
-            "archive_path": f"{self.archive_dir} (unlinked temporary file)" if self.recall_tokens else None,
+            "archive_path": str(self.archive_dir) if self.recall_tokens else None,  # its (unlinked) files' directory
             "archive_dtype": recall.archive_dtype(cache) if cache is not None else None,
             "recall_page": self.engine_config.page_size,
             "recall_seconds": round(self.recall_seconds, 4),

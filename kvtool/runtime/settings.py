@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.errors import UsageError
+from kvtool.policy_syntax import check_spec
 
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -253,6 +254,7 @@ def _device(name: str, value: Any) -> str:
 def _policy(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise UsageError(f"{name} must be a policy name like keydiff or h2o+vatp: got {value!r}")
+    check_spec(value)  # grammar and names, before torch is imported
     return value
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.config import kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
@@ -30,7 +31,7 @@ from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
-from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, resolve_dtype, set_threads, usable_cores
+from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
@@ -151,7 +152,7 @@ class Session:
             if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
                 EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size,
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
-        self.threads = set_threads(settings.threads)
+        self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say)
         # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)

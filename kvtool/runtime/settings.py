@@ -309,9 +309,16 @@ def _repetition_penalty(name: str, value: Any) -> float:
     return float(value)
 
 
+#: torch's generators take seeds in [-2**63, 2**64)
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _seed(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"{name} must be an integer: got {value!r}")
+    low, high = _SEED_RANGE
+    if not low <= value <= high:
+        raise UsageError(f"{name} must be between {low} and {high}: got {value:.3g}")
     return value
 
 

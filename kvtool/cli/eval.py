@@ -1,7 +1,8 @@
 """``kvtool eval needle | ppl | attn-error``: evaluate eviction policies over a (policy × budget) grid.
 
 Everything is validated before the model loads; the model is loaded once per command. Progress goes to
-stderr (rich), results to stdout as rich tables, or one JSON object with ``--json`` (see kvtool/eval).
+stderr and results to stdout as rich tables (:mod:`kvtool.cli.eval_view`), or one JSON object with
+``--json`` (see kvtool/eval).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def needle(
     quiet: QuietOpt = False,
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
-    from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
-    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
+    from kvtool.cli.eval_view import RichReporter, render_needle
+    from kvtool.eval import load_text, parse_depths, parse_token_list, positive, resolve_input
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
 
     grid = _grid(policies, budgets, not no_full, block_size=block_size, model=model, device=device, dtype=dtype,
                  quantize=quantize, positions=positions, sinks=sinks, recent=recent, seed=seed,
@@ -127,7 +129,7 @@ def needle(
         resume=resume,
     )
     task.haystack = load_text(path, "--haystack")
-    _finish(run_needle(task, Reporter(quiet, "needle", stderr_console())), json_out, render_needle)
+    _finish(run_needle(task, RichReporter(quiet, "needle", stderr_console())), json_out, render_needle)
 
 
 def _needle_count(needles: int, custom: str | None) -> int:
@@ -171,12 +173,12 @@ def ppl(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
-    from kvtool.eval import Reporter
-    from kvtool.eval.ppl import render_ppl, run_ppl
+    from kvtool.cli.eval_view import RichReporter, render_ppl
+    from kvtool.eval.ppl import run_ppl
 
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid, resume)
-    _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
+    _finish(run_ppl(task, RichReporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
 @eval_app.command("attn-error")
@@ -195,12 +197,12 @@ def attn_error(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
-    from kvtool.eval import Reporter
-    from kvtool.eval.attn_error import render_attn_error, run_attn_error
+    from kvtool.cli.eval_view import RichReporter, render_attn_error
+    from kvtool.eval.attn_error import run_attn_error
 
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid, resume)
-    _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
+    _finish(run_attn_error(task, RichReporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
 
 
 @eval_app.command("agreement")
@@ -222,8 +224,9 @@ def agreement(
     """Fidelity to dense: each policy's answers vs full's (exact match, token F1, ROUGE-L, KL, top-1)."""
     from pathlib import Path
 
-    from kvtool.eval import Reporter, positive, resolve_input
-    from kvtool.eval.agreement import AgreementTask, read_questions_file, render_agreement, run_agreement
+    from kvtool.cli.eval_view import RichReporter, render_agreement
+    from kvtool.eval import positive, resolve_input
+    from kvtool.eval.agreement import AgreementTask, read_questions_file, run_agreement
 
     grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     path = resolve_input(doc, "", "--doc")
@@ -234,4 +237,4 @@ def agreement(
     task = AgreementTask(grid=grid, doc_path=path, questions=read_questions_file(Path(questions_file)),
                          first_tokens=positive(first_tokens, "--first-tokens"),
                          max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
-    _finish(run_agreement(task, Reporter(quiet, "agreement", stderr_console())), json_out, render_agreement)
+    _finish(run_agreement(task, RichReporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

@@ -96,6 +96,7 @@ def run_profile(
     import transformers  # noqa: F401
     from rich.console import Console
 
+    from kvtool.cli.plan_view import render_plan
     from kvtool.runtime import profiling
     from kvtool.runtime.document import open_document
     from kvtool.runtime.session import Session
@@ -143,5 +144,5 @@ def run_profile(
         emit_json(result)
     else:
         # a pipe or file gets a table wide enough not to wrap the descriptions
-        profiling.render(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
+        render_plan(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
     return result

@@ -157,26 +157,3 @@ def _suffix(session: Any, question: str) -> str:
     from kvtool.runtime import prompt
 
     return prompt.question_suffix(session.tokenizer, question)
-
-
-def render_agreement(rep: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    s = rep["settings"]
-    t = Table(title=f"agreement with the dense answer ({s['model']}, {s['questions']} question(s); 95% intervals; "
-                    f"KL/top-1 over the first {s['first_tokens']} dense answer tokens; * = F1 significantly "
-                    "below the best row)")
-    for col in ("policy", "budget", "exact match", "token F1", "ROUGE-L", "KL(dense‖policy)", "top-1"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
-
-    def iv(x: dict[str, float] | None, digits: int = 2) -> str:
-        if x is None:
-            return "-"
-        return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
-
-    for r in rep["results"]:
-        mark = " *" if r["significant"] else ""
-        t.add_row(r["policy"], str(r["budget"]), iv(r["exact_match"]), iv(r["f1"]) + mark, iv(r["rouge_l"]),
-                  iv(r["kl"], 3), iv(r["top1"]))
-    console.print(t)
-    console.print(f"{rep['seconds']:.1f} s", style="dim")

@@ -223,22 +223,3 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
                                                for w, x in zip(windows, dense_nll, strict=True)]}
     return report("ppl", settings, results, timer.seconds(), reference=reference)
-
-
-def render_ppl(rep: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    s = rep["settings"]
-    t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
-                    f"{s['samples']} window(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy); "
-                    "[95% bootstrap over windows]; * = gap significantly above the best row's")
-    for col in ("policy", "budget", "ppl", "gap %", "window gap % [95%]", "KL", "top-1", "seconds"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
-    for r in rep["results"]:
-        g = r["window_gap_pct"]
-        mark = " *" if r.get("significant") else ""
-        t.add_row(r["policy"], "-" if r["budget"] is None else str(r["budget"]), f"{r['ppl']:.4f}",
-                  f"{r['ppl_gap_pct']:+.2f}", f"{g['value']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]{mark}",
-                  f"{r['kl']:.5f}", f"{r['top1']:.3f}", f"{r['seconds']:.1f}")
-    console.print(t)
-    console.print(f"{rep['seconds']:.1f} s", style="dim")

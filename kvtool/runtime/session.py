@@ -30,6 +30,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.runtime.events import CalibrationProgress
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
@@ -140,10 +141,8 @@ class Session:
         listener: Listener | None = None,
         say: Callable[[str], None] | None = None,
         loaded: LoadedModel | None = None,
-        show_progress: bool = False,
     ) -> None:
         self.settings = settings
-        self.show_progress = show_progress
         self.calibration: dict[str, Any] | None = None
         self.say = say or (lambda s: None)
         self.listener = listener
@@ -223,24 +222,18 @@ class Session:
 
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
-        from rich.console import Console
-        from rich.progress import Progress
-
         from kvtool.policies.razor.calibrate import calibrate
 
-        console = Console(stderr=True)
-        with Progress(console=console, disable=not self.show_progress, transient=True) as bar:
-            task = bar.add_task("razor: calibrating retrieval heads", total=None)
-            self.calibration = calibrate(
-                self.model,
-                identity=self.loaded.identity,
-                name=self.loaded.name,
-                home=kvtool_home(),
-                induction_frac=induction_frac,
-                echo_frac=echo_frac,
-                exclude_ids=list(self.tokenizer.all_special_ids),
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
+        self.calibration = calibrate(
+            self.model,
+            identity=self.loaded.identity,
+            name=self.loaded.name,
+            home=kvtool_home(),
+            induction_frac=induction_frac,
+            echo_frac=echo_frac,
+            exclude_ids=list(self.tokenizer.all_special_ids),
+            progress=lambda done, total: self.emit(CalibrationProgress(done, total)),
+        )
         return {int(k): list(v) for k, v in self.calibration["kv_heads"].items()}
 
     # -- reading --------------------------------------------------------------------------------------

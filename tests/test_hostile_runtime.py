@@ -254,3 +254,34 @@ def test_closed_stdin_is_a_usage_error(args: tuple[str, ...], tmp_path: Path) ->
                          cwd=tmp_path, timeout=300)
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "stdin is closed" in out.stderr
+
+
+# -- one vocabulary: devices and profiles ------------------------------------------------------------
+
+
+def test_mps_is_refused_up_front() -> None:
+    from kvtool.runtime.settings import Settings
+
+    with pytest.raises(UsageError, match="device must be auto, cpu, cuda or cuda:N") as info:
+        Settings(device="mps").validate()
+    assert info.value.exit_code == EXIT_USAGE
+
+
+def test_mps_on_the_command_line_exits_2(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("hello")
+    out = _kvtool("ask", str(doc), "q", "--device", "mps", "--quiet")
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1 and "mps" in out.stderr
+
+
+def test_a_packaged_profile_is_found_by_name_outside_the_repo(tmp_path: Path, monkeypatch) -> None:
+    from kvtool.config import packaged_profiles_dir
+    from kvtool.runtime.settings import find_profile, load_profile
+
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    found = find_profile("default")
+    assert found.parent.resolve() == packaged_profiles_dir().resolve() == (REPO / "kvtool" / "profiles").resolve()
+    assert load_profile("gpu-8b-4bit")["quantize"] == "4bit"
+    assert (REPO / "profiles").resolve() == packaged_profiles_dir().resolve()  # the old path still works
+    assert 'kvtool = ["profiles/*.yaml"]' in (REPO / "pyproject.toml").read_text()  # shipped in the wheel

@@ -100,7 +100,6 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             if needs_logits[i] and rec["ids"]:
                 dense_logits[i] = dense_session.forced_logits(dense_read, q, rec["ids"])  # type: ignore[union-attr]
             reporter.advance()
-        results = []
         per_run: list[list[dict[str, Any]]] = []
         for run in runs:
             session = None
@@ -126,6 +125,16 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                 rows.append(log.get(key))
                 reporter.advance()
             per_run.append(rows)
+    results = _agreement_results(task, runs, per_run, dense)
+    return report("agreement", settings, results, timer.seconds(),
+                  reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])
+
+
+def _agreement_results(task: AgreementTask, runs: list[Run], per_run: list[list[dict[str, Any]]],
+                       dense: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result row per run: exact match, token F1, ROUGE-L, KL and top-1 against the dense answers."""
+    Q = len(task.questions)
+    results: list[dict[str, Any]] = []
     seed = task.grid.settings.seed
     f1s = [[r["f1"] for r in rows] for rows in per_run]
     budgets = [rows[0]["budget"] for rows in per_run]
@@ -149,8 +158,7 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             "answers": [{"question": q, "dense": dense[i]["answer"], "answer": rows[i]["answer"],
                          "f1": round(rows[i]["f1"], 4)} for i, q in enumerate(task.questions)],
         })
-    return report("agreement", settings, results, timer.seconds(),
-                  reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])
+    return results
 
 
 def _suffix(session: Any, question: str) -> str:

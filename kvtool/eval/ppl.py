@@ -190,7 +190,15 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
                 per_run[r].append(rec)
                 reporter.advance()
     dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
-    seed = task.grid.settings.seed
+    results = _ppl_results(runs, per_run, budgets, dense_ppl, task.grid.settings.seed, m)
+    reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
+                                               for w, x in zip(windows, dense_nll, strict=True)]}
+    return report("ppl", settings, results, timer.seconds(), reference=reference)
+
+
+def _ppl_results(runs: list[Any], per_run: list[list[dict[str, Any]]], budgets: list[int | None], dense_ppl: float,
+                 seed: int, m: int) -> list[dict[str, Any]]:
+    """One result row per run: pooled perplexity, its gap to dense with intervals, KL and top-1 agreement."""
     gaps = [[100.0 * (math.exp(x["nll"] - x["dense_nll"]) - 1.0) for x in rows] for rows in per_run]
     best = best_in_group(budgets, [sum(g) / len(g) for g in gaps], higher_is_better=False)
     results = []
@@ -220,6 +228,4 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
                 for x in rows
             ],
         })
-    reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
-                                               for w, x in zip(windows, dense_nll, strict=True)]}
-    return report("ppl", settings, results, timer.seconds(), reference=reference)
+    return results

@@ -170,31 +170,8 @@ def plan(
         "num_params": info.num_params,
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem),
     }
-    # Policy full keeps every token: its cache is the document (when its length is known).
-    cache_tokens = budget if budget is not None else doc_tokens
-    if cache_tokens is not None:
-        peak = _mem.predict_peak(
-            dims, budget_tokens=cache_tokens, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=baseline, snapshot_tokens=doc_tokens, **common,
-        )
-        peak["predicted_peak_bytes"] += weights_offset
-        peak["weights_bytes"] = weights
-    else:
-        peak = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
-                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
-                                  "predicted_peak_bytes")}
-        peak["weights_bytes"] = weights
-        peak["activation_bytes"] = _mem.activation_bytes(dims, block, elem)
-    out["kv_bytes_at_budget"] = (
-        {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
-        if peak["kv_allocated_bytes"] is not None else None
-    )
-    if cache_tokens is not None and dims.get("sliding_layers"):  # hybrid model: global vs sliding layers
-        split = _mem.layer_split(dims, cache_tokens)
-        out["kv_bytes_at_budget"]["by_layer_kind"] = {
-            kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
-            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
-        }
+    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset, common)
+    out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block)
     out.update({
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
@@ -207,23 +184,9 @@ def plan(
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
-    # Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
-    # archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
     recall_tokens = parse_recall(settings.recall) if budget is not None else 0
     if recall_tokens:
-        per_token = out["kv_bytes_per_token"]["total"]
-        heads = dims["num_kv_heads"] * dims["num_layers"]
-        out["recall_tokens"] = recall_tokens
-        out["recall_slots_bytes"] = recall_tokens * per_token
-        int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
-        archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
-            settings.archive_dtype)
-        out["archive_dtype"] = info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype
-        out["recall_page"] = settings.recall_page
-        out["archive_bytes_per_evicted_token"] = {
-            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
-            "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
-        }
+        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"]))
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
@@ -234,16 +197,79 @@ def plan(
             + weights_offset,
         }
     if limit is not None:
-        shifted = baseline + weights_offset
-        out["memory"] = {
-            "limit_bytes": limit,
-            "fits": out["predicted_peak_bytes"] <= limit if out["predicted_peak_bytes"] is not None else None,
-            "largest_budget_tokens": _mem.largest_budget(
-                limit, dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-                runtime_baseline_bytes=shifted, **common,
-            ),
-            "dense_max_tokens": _mem.dense_max_tokens(limit, dims, runtime_baseline_bytes=shifted, **common),
-        }
+        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common)
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
+
+
+def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, cache_tokens: int | None,
+                  block: int) -> dict[str, Any] | None:
+    """K/V bytes promised and allocated at the budget; a hybrid model's split into global and sliding layers."""
+    if peak["kv_allocated_bytes"] is None:
+        return None
+    out: dict[str, Any] = {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
+    if cache_tokens is not None and dims.get("sliding_layers"):
+        split = _mem.layer_split(dims, cache_tokens)
+        out["by_layer_kind"] = {
+            kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
+            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
+        }
+    return out
+
+
+def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
+            common: dict[str, Any]) -> dict[str, Any]:
+    """What fits in ``limit`` bytes: this plan, the largest budget, the longest dense document."""
+    return {
+        "limit_bytes": limit,
+        "fits": predicted <= limit if predicted is not None else None,
+        "largest_budget_tokens": _mem.largest_budget(
+            limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
+            runtime_baseline_bytes=shifted_baseline, **common,
+        ),
+        "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
+                                                  **common),
+    }
+
+
+def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, budget: int | None,
+          doc_tokens: int | None, weights: int, weights_offset: int, common: dict[str, Any]) -> dict[str, Any]:
+    """The peak's components; without a budget or a document length (policy full) only weights and activations."""
+    # Policy full keeps every token: its cache is the document (when its length is known).
+    cache_tokens = budget if budget is not None else doc_tokens
+    if cache_tokens is None:
+        peak: dict[str, Any] = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
+                                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
+                                                  "predicted_peak_bytes")}
+        peak["weights_bytes"] = weights
+        peak["activation_bytes"] = _mem.activation_bytes(dims, block, info.elem)
+        return peak
+    peak = _mem.predict_peak(
+        dims, budget_tokens=cache_tokens, block_size=block, rows=info.rows, n_fields=info.n_fields,
+        runtime_baseline_bytes=baseline, snapshot_tokens=doc_tokens, **common,
+    )
+    peak["predicted_peak_bytes"] += weights_offset
+    peak["weights_bytes"] = weights
+    return peak
+
+
+def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int,
+                 per_token: int) -> dict[str, Any]:
+    """Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
+    archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token)."""
+    elem = info.elem
+    heads = dims["num_kv_heads"] * dims["num_layers"]
+    int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
+    archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
+        settings.archive_dtype)
+    return {
+        "recall_tokens": recall_tokens,
+        "recall_slots_bytes": recall_tokens * per_token,
+        "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
+        "recall_page": settings.recall_page,
+        "archive_bytes_per_evicted_token": {
+            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
+            "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
+        },
+    }

@@ -285,3 +285,42 @@ def test_a_packaged_profile_is_found_by_name_outside_the_repo(tmp_path: Path, mo
     assert load_profile("gpu-8b-4bit")["quantize"] == "4bit"
     assert (REPO / "profiles").resolve() == packaged_profiles_dir().resolve()  # the old path still works
     assert 'kvtool = ["profiles/*.yaml"]' in (REPO / "pyproject.toml").read_text()  # shipped in the wheel
+
+
+# -- only the CLI draws ---------------------------------------------------------------------------------
+
+
+def test_calibration_progress_is_an_event_the_dashboard_draws() -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvtool.cli.dashboard import Dashboard
+    from kvtool.runtime.events import CalibrationProgress
+
+    plain = Console(file=io.StringIO(), record=True, force_terminal=False)
+    dash = Dashboard("plain", plain)
+    for done in range(5):
+        dash(CalibrationProgress(done, 4))
+    lines = plain.export_text().splitlines()
+    assert lines == ["razor: calibrating retrieval heads: started", "razor: calibrating retrieval heads: done"]
+    live = Dashboard("live", Console(file=io.StringIO(), record=True, width=120, force_terminal=True))
+    live(CalibrationProgress(2, 4))
+    rendered = Console(file=io.StringIO(), record=True, width=120)
+    rendered.print(live.render())
+    assert "2 / 4" in rendered.export_text()
+    quiet = Console(file=io.StringIO(), record=True)
+    Dashboard("quiet", quiet)(CalibrationProgress(1, 4))
+    assert quiet.export_text() == ""
+
+
+def test_eval_reporter_base_draws_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtool.eval import Reporter
+
+    reporter = Reporter()
+    reporter.say("a note")
+    with reporter.bar(3) as bar:
+        bar.doing("unit")
+        bar.advance()
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""

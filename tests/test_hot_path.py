@@ -158,11 +158,15 @@ def test_core_share_divides_the_cores_among_live_kvtool_processes(tmp_path):
         assert (tmp_path / str(os.getpid())).exists()
         share.rebalance()
         assert share.peers == 0 and share.threads == len(cores) == torch.get_num_threads()
-        peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        # Peers are real registrations (a locked entry each); "elsewhere" rewrites its cores to others.
+        code = ("import os, sys, time; from kvtool.runtime.cores import CoreShare; s = CoreShare(sys.argv[1]); "
+                "cores = sys.argv[2].encode(); os.ftruncate(s._entry_fd, 0) if cores else None; "
+                "os.pwrite(s._entry_fd, cores, 0) if cores else None; print('ready', flush=True); time.sleep(60)")
+        peer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ""], stdout=subprocess.PIPE)
+        elsewhere = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(max(cores) + 1000)],
+                                     stdout=subprocess.PIPE)
         try:
-            (tmp_path / str(peer.pid)).write_text(",".join(map(str, sorted(cores))))
-            elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            (tmp_path / str(elsewhere.pid)).write_text(str(max(cores) + 1000))  # pinned to other cores
+            assert peer.stdout.readline() == b"ready\n" and elsewhere.stdout.readline() == b"ready\n"
             share.rebalance()
             assert share.peers == 1
             assert share.threads == max(1, len(cores) // 2) == torch.get_num_threads()
@@ -171,6 +175,7 @@ def test_core_share_divides_the_cores_among_live_kvtool_processes(tmp_path):
             for p in (peer, elsewhere):
                 p.kill()
                 p.wait()
+                p.stdout.close()
         share.rebalance()  # both died: their files go, the cores come back
         assert share.peers == 0 and share.threads == len(cores) == torch.get_num_threads()
         assert sorted(p.name for p in tmp_path.iterdir()) == [str(os.getpid())]

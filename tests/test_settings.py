@@ -19,7 +19,7 @@ from kvtool.runtime.settings import (
     resolve_settings,
 )
 
-REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+REPO_PROFILES = Path(__file__).resolve().parent.parent / "kvtool" / "profiles"
 
 
 # -- budgets ------------------------------------------------------------------------------------

@@ -22,8 +22,16 @@ from typer.exceptions import TyperException
 from kvtool import __version__
 from kvtool.cli import ask, cache, calibrate, eval, profile
 from kvtool.cli.options import JsonOpt
-from kvtool.cli.output import emit_json
-from kvtool.errors import EXIT_RUNTIME, EXIT_USAGE, KvtoolError, Terminated, interrupt_exit, printable
+from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
+from kvtool.errors import (
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    KvtoolError,
+    Terminated,
+    first_line,
+    interrupt_exit,
+    printable,
+)
 
 
 class _Group(typer.core.TyperGroup):
@@ -136,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdin is None and "-" in args:  # started with stdin closed (`<&-`): nothing to read "-" from
+        print("kvtool: error: stdin is closed (the document or questions were to come from '-')", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        rc = app(args=argv, standalone_mode=False, prog_name="kvtool")
+        rc = app(args=args, standalone_mode=False, prog_name="kvtool")
+        flush_stdout()
         return rc if isinstance(rc, int) else 0
     except KvtoolError as e:  # raised outside a command (e.g. while registering)
         print(f"kvtool: error: {printable(e, one_line=True)}", file=sys.stderr)
@@ -160,18 +173,25 @@ def _main(argv: list[str] | None) -> int:
         return code
     except BrokenPipeError:
         # the reader of stdout went away (e.g. `| head`): not an error worth a message
-        try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        except OSError:
-            pass
+        discard_stdout()
+        return EXIT_RUNTIME
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            return _internal_error(e)
+        discard_stdout()  # what is still buffered would fail again at exit, with a second message
+        print(f"kvtool: error: cannot write the output: {e.strerror or first_line(e)}", file=sys.stderr)
         return EXIT_RUNTIME
     except Exception as e:  # noqa: BLE001 - last line of defence: one line, never a traceback
-        if os.environ.get("KVTOOL_DEBUG"):
-            raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"kvtool: internal error: {type(e).__name__}: {printable(msg, one_line=True)} "
-              "(set KVTOOL_DEBUG=1 for details)", file=sys.stderr)
-        return EXIT_RUNTIME
+        return _internal_error(e)
+
+
+def _internal_error(e: Exception) -> int:
+    if os.environ.get("KVTOOL_DEBUG"):
+        raise e
+    msg = first_line(e) if str(e).strip() else ""
+    print(f"kvtool: internal error: {type(e).__name__}: {printable(msg, one_line=True)} "
+          "(set KVTOOL_DEBUG=1 for details)", file=sys.stderr)
+    return EXIT_RUNTIME
 
 
 def entry() -> None:

@@ -106,7 +106,7 @@ def _run(
     from kvtool.runtime.session import Session
 
     with dashboard(quiet) as dash:
-        session = Session(settings, listener=dash, say=sayer(quiet), show_progress=not quiet)
+        session = Session(settings, listener=dash, say=sayer(quiet))
         meter = session.engine.meter
         with meter.track():
             read = store.load_cache(path, session) if kind == "kvc" else session.read(source)

@@ -27,8 +27,9 @@ def calibrate_cmd(
     """Score every attention head for echo/induction behaviour and select retrieval heads (RazorAttention §3.3)."""
     from rich.progress import Progress
 
+    from kvtool.config import kvtool_home
     from kvtool.policies.razor.calibrate import calibrate, calibration_path
-    from kvtool.runtime.model import kvtool_home, load_model
+    from kvtool.runtime.model import load_model
 
     say = sayer(quiet)
     loaded = load_model(model, device or "auto", dtype or "auto", progress=say)

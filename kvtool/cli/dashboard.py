@@ -29,6 +29,7 @@ from rich.text import Text
 
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
 from kvtool.errors import printable
+from kvtool.runtime.events import CalibrationProgress
 from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
@@ -215,6 +216,7 @@ class Dashboard:
         self._decode_reported = False
         self._decode_shown_live = False
         self._summary: dict[str, Any] | None = None
+        self._calibration: CalibrationProgress | None = None
         # Plain-mode throttling state.
         self._plain_step = -1
         self._plain_last_seconds = 0.0
@@ -277,6 +279,16 @@ class Dashboard:
             self._print_line(f"note: {event.message}", style="yellow")
         elif isinstance(event, RunSummary):
             self._on_summary(event.stats)
+        elif isinstance(event, CalibrationProgress):
+            self._on_calibration(event)
+
+    def _on_calibration(self, event: CalibrationProgress) -> None:
+        """Razor's one-time calibration: a row of the live view, or a line when it starts and ends."""
+        first = self._calibration is None
+        self._calibration = event
+        finished = event.total is not None and event.done >= event.total
+        if self.mode == "plain" and (first or finished):
+            self._plain(f"{event.what}: {'done' if finished else 'started'}")
 
     def _on_prefill(self, event: PrefillProgress) -> None:
         first = self._prefill is None
@@ -370,6 +382,10 @@ class Dashboard:
         grid = Table.grid(padding=(0, 1))
         grid.add_column(style="bold", no_wrap=True)
         grid.add_column()
+        calibration = self._calibration
+        if calibration is not None:
+            of = f" / {calibration.total:,}" if calibration.total else ""
+            grid.add_row("razor", Text(f"{calibration.what}: {calibration.done:,}{of}"))
         if prefill is None:
             grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
             return grid

@@ -1,7 +1,8 @@
 """``kvtool eval needle | ppl | attn-error | agreement``: evaluate eviction policies over a (policy × budget) grid.
 
 Everything is validated before the model loads; the model is loaded once per command. Progress goes to
-stderr (rich), results to stdout as rich tables, or one JSON object with ``--json`` (see kvtool/eval).
+stderr and results to stdout as rich tables (:mod:`kvtool.cli.eval_view`), or one JSON object with
+``--json`` (see kvtool/eval).
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ def needle(
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
     grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
-    from kvtool.eval import Reporter, load_text, parse_depths, parse_token_list, positive, resolve_input
-    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, render_needle, run_needle
+    from kvtool.cli.eval_view import RichReporter, render_needle
+    from kvtool.eval import load_text, parse_depths, parse_token_list, positive, resolve_input
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
 
     path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
     task = NeedleTask(
@@ -108,7 +110,7 @@ def needle(
         resume=resume,
     )
     task.haystack = load_text(path, "--haystack")
-    _finish(run_needle(task, Reporter(quiet, "needle", stderr_console())), json_out, render_needle)
+    _finish(run_needle(task, RichReporter(quiet, "needle", stderr_console())), json_out, render_needle)
 
 
 def _needle_count(needles: int, custom: str | None) -> int:
@@ -154,10 +156,10 @@ def ppl(
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid, resume)
-    from kvtool.eval import Reporter
-    from kvtool.eval.ppl import render_ppl, run_ppl
+    from kvtool.cli.eval_view import RichReporter, render_ppl
+    from kvtool.eval.ppl import run_ppl
 
-    _finish(run_ppl(task, Reporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
+    _finish(run_ppl(task, RichReporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
 
 
 @eval_app.command("attn-error")
@@ -178,10 +180,10 @@ def attn_error(
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
     grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
     task = _window_task(text, context, continuation, samples, grid, resume)
-    from kvtool.eval import Reporter
-    from kvtool.eval.attn_error import render_attn_error, run_attn_error
+    from kvtool.cli.eval_view import RichReporter, render_attn_error
+    from kvtool.eval.attn_error import run_attn_error
 
-    _finish(run_attn_error(task, Reporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
+    _finish(run_attn_error(task, RichReporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
 
 
 @eval_app.command("agreement")
@@ -204,8 +206,9 @@ def agreement(
     from pathlib import Path
 
     grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
-    from kvtool.eval import Reporter, positive, resolve_input
-    from kvtool.eval.agreement import AgreementTask, read_questions_file, render_agreement, run_agreement
+    from kvtool.cli.eval_view import RichReporter, render_agreement
+    from kvtool.eval import positive, resolve_input
+    from kvtool.eval.agreement import AgreementTask, read_questions_file, run_agreement
 
     path = resolve_input(doc, "", "--doc")
     if not path.is_file():
@@ -215,4 +218,4 @@ def agreement(
     task = AgreementTask(grid=grid, doc_path=path, questions=read_questions_file(Path(questions_file)),
                          first_tokens=positive(first_tokens, "--first-tokens"),
                          max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
-    _finish(run_agreement(task, Reporter(quiet, "agreement", stderr_console())), json_out, render_agreement)
+    _finish(run_agreement(task, RichReporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

@@ -5,7 +5,10 @@ Shared by every command, so that "stdout stays clean for pipelines" is decided i
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +41,10 @@ def dashboard(quiet: bool) -> Iterator[Any]:
         yield dash
 
 
+#: errors of a write to stdout that are the destination's fault (full disk, quota, I/O error), not kvtool's
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
 def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
     sys.stdout.flush()
@@ -46,3 +53,21 @@ def emit_json(obj: Any) -> None:
 def write_text(piece: str) -> None:
     sys.stdout.write(piece)
     sys.stdout.flush()
+
+
+def flush_stdout() -> None:
+    """Flush stdout now, inside the error handling, rather than at interpreter exit (where a failure
+    would be a traceback-like "Exception ignored" message)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+
+
+def discard_stdout() -> None:
+    """Point stdout's descriptor at /dev/null after a failed write, so that the exit-time flush of what is
+    still buffered succeeds quietly instead of failing a second time."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)

@@ -75,6 +75,7 @@ def run_profile(
     import transformers  # noqa: F401
     from rich.console import Console
 
+    from kvtool.cli.plan_view import render_plan
     from kvtool.runtime import profiling
     from kvtool.runtime.session import Session
 
@@ -113,5 +114,5 @@ def run_profile(
         emit_json(result)
     else:
         # a pipe or file gets a table wide enough not to wrap the descriptions
-        profiling.render(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
+        render_plan(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
     return result

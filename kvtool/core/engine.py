@@ -13,6 +13,7 @@ models are laid out by ``core/families.py`` instead (window eviction, no policy,
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -136,6 +137,7 @@ class Engine:
         config.validate()
         check_supported(model, config.positions)
         self.model = model
+        self.cache_keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.policy = policy
         self.config = config
         self.listener = listener
@@ -222,7 +224,7 @@ class Engine:
         out = self.model(
             input_ids=ids.view(1, m).to(self.device),
             position_ids=rotary.view(1, m),
-            past_key_values=cache,
+            **{self.cache_keyword: cache},  # the name this transformers' forward takes
             use_cache=True,
             logits_to_keep=logits_rows,
             kvtool_cache=cache,

@@ -3,7 +3,7 @@
 Every task runs a grid of (policy, budget) *runs* over the same inputs with one model loaded once:
 
     parse + validate options (no model)  →  load_model once  →  one Session per run (``loaded=``)
-    →  task loop with a progress bar on stderr  →  rich tables on stdout, or one JSON object (--json)
+    →  task loop reporting progress to a Reporter  →  data the CLI draws as tables, or one JSON object
 
 ``full`` ignores budgets, so it is one run (budget ``null``) however many budgets are given.
 
@@ -288,52 +288,26 @@ def text_document(text: str, name: str) -> Document:
 
 
 class Reporter:
-    """A rich progress bar on stderr (nothing when quiet); ``say`` prints above it."""
+    """Where a task reports while it runs: notes, and progress over its units of work.
 
-    def __init__(self, quiet: bool, title: str, console: Any) -> None:
-        """``console``: the caller's rich console for stderr (the CLI owns the terminal)."""
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.quiet = quiet
-        self.title = title
-        self.console = console
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=self.console,
-            disable=quiet,
-            transient=False,
-        )
-        self.task: Any = None
+    This base reports nothing (a library caller, a test); the CLI passes a subclass that draws a bar on
+    stderr. Tasks call ``say`` for a note, ``bar(total)`` around their loop, ``doing`` when they start a
+    unit and ``advance`` when they finish one.
+    """
 
     def say(self, msg: str) -> None:
-        if not self.quiet:
-            self.console.print(msg, highlight=False, markup=False)
+        """A one-line note for the user."""
 
     @contextmanager
     def bar(self, total: int) -> Iterator[Reporter]:
-        self.task = self.progress.add_task(self.title, total=total)
-        with self.progress:
-            yield self
+        """Progress over ``total`` units for the duration of the ``with`` block."""
+        yield self
 
     def doing(self, what: str) -> None:
-        if self.task is not None:
-            self.progress.update(self.task, description=f"{self.title}: {what}")
+        """The unit of work now running."""
 
     def advance(self, n: int = 1) -> None:
-        if self.task is not None:
-            self.progress.advance(self.task, n)
+        """``n`` more units done."""
 
 
 class Timer:

@@ -97,7 +97,6 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             if needs_logits[i] and rec["ids"]:
                 dense_logits[i] = dense_session.forced_logits(dense_read, q, rec["ids"])  # type: ignore[union-attr]
             reporter.advance()
-        results = []
         per_run: list[list[dict[str, Any]]] = []
         for run in runs:
             session = None
@@ -123,6 +122,16 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                 rows.append(log.get(key))
                 reporter.advance()
             per_run.append(rows)
+    results = _agreement_results(task, runs, per_run, dense)
+    return report("agreement", settings, results, timer.seconds(),
+                  reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])
+
+
+def _agreement_results(task: AgreementTask, runs: list[Run], per_run: list[list[dict[str, Any]]],
+                       dense: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result row per run: exact match, token F1, ROUGE-L, KL and top-1 against the dense answers."""
+    Q = len(task.questions)
+    results: list[dict[str, Any]] = []
     seed = task.grid.settings.seed
     f1s = [[r["f1"] for r in rows] for rows in per_run]
     budgets = [rows[0]["budget"] for rows in per_run]
@@ -146,34 +155,10 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             "answers": [{"question": q, "dense": dense[i]["answer"], "answer": rows[i]["answer"],
                          "f1": round(rows[i]["f1"], 4)} for i, q in enumerate(task.questions)],
         })
-    return report("agreement", settings, results, timer.seconds(),
-                  reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])
+    return results
 
 
 def _suffix(session: Any, question: str) -> str:
     from kvtool.runtime import prompt
 
     return prompt.question_suffix(session.tokenizer, question)
-
-
-def render_agreement(rep: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    s = rep["settings"]
-    t = Table(title=f"agreement with the dense answer ({s['model']}, {s['questions']} question(s); 95% intervals; "
-                    f"KL/top-1 over the first {s['first_tokens']} dense answer tokens; * = F1 significantly "
-                    "below the best row)")
-    for col in ("policy", "budget", "exact match", "token F1", "ROUGE-L", "KL(dense‖policy)", "top-1"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
-
-    def iv(x: dict[str, float] | None, digits: int = 2) -> str:
-        if x is None:
-            return "-"
-        return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
-
-    for r in rep["results"]:
-        mark = " *" if r["significant"] else ""
-        t.add_row(r["policy"], str(r["budget"]), iv(r["exact_match"]), iv(r["f1"]) + mark, iv(r["rouge_l"]),
-                  iv(r["kl"], 3), iv(r["top1"]))
-    console.print(t)
-    console.print(f"{rep['seconds']:.1f} s", style="dim")

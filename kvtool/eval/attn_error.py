@@ -145,23 +145,3 @@ def run_attn_error(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
         })
     settings["num_layers"] = num_layers
     return report("attn-error", settings, results, timer.seconds())
-
-
-def render_attn_error(rep: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    s = rep["settings"]
-    t = Table(title=f"attention-output error ‖o_dense − o‖/‖o_dense‖ per layer, mean over heads "
-                    f"({s['model']}, {s['continuation']} tokens after {s['context']}, {s['samples']} sample(s))")
-    t.add_column("layer", justify="right")
-    results = rep["results"]
-    for r in results:
-        t.add_column(r["policy"] if r["budget"] is None else f"{r['policy']} @ {r['budget']}", justify="right")
-    for i in range(s["num_layers"]):
-        t.add_row(str(i), *[f"{r['layers'][i]:.4f}" for r in results])
-    t.add_section()
-    t.add_row("mean", *[f"{r['mean']:.4f}" for r in results], style="bold")
-    t.add_row("95% (windows)", *[f"[{r['mean_interval']['low']:.4f}, {r['mean_interval']['high']:.4f}]"
-                                 for r in results], style="dim")
-    console.print(t)
-    console.print(f"{rep['seconds']:.1f} s", style="dim")

@@ -190,7 +190,15 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
                 per_run[r].append(rec)
                 reporter.advance()
     dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
-    seed = task.grid.settings.seed
+    results = _ppl_results(runs, per_run, budgets, dense_ppl, task.grid.settings.seed, m)
+    reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
+                                               for w, x in zip(windows, dense_nll, strict=True)]}
+    return report("ppl", settings, results, timer.seconds(), reference=reference)
+
+
+def _ppl_results(runs: list[Any], per_run: list[list[dict[str, Any]]], budgets: list[int | None], dense_ppl: float,
+                 seed: int, m: int) -> list[dict[str, Any]]:
+    """One result row per run: pooled perplexity, its gap to dense with intervals, KL and top-1 agreement."""
     gaps = [[100.0 * (math.exp(x["nll"] - x["dense_nll"]) - 1.0) for x in rows] for rows in per_run]
     best = best_in_group(budgets, [sum(g) / len(g) for g in gaps], higher_is_better=False)
     results = []
@@ -220,25 +228,4 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
                 for x in rows
             ],
         })
-    reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}
-                                               for w, x in zip(windows, dense_nll, strict=True)]}
-    return report("ppl", settings, results, timer.seconds(), reference=reference)
-
-
-def render_ppl(rep: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    s = rep["settings"]
-    t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
-                    f"{s['samples']} window(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy); "
-                    "[95% bootstrap over windows]; * = gap significantly above the best row's")
-    for col in ("policy", "budget", "ppl", "gap %", "window gap % [95%]", "KL", "top-1", "seconds"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
-    for r in rep["results"]:
-        g = r["window_gap_pct"]
-        mark = " *" if r.get("significant") else ""
-        t.add_row(r["policy"], "-" if r["budget"] is None else str(r["budget"]), f"{r['ppl']:.4f}",
-                  f"{r['ppl_gap_pct']:+.2f}", f"{g['value']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]{mark}",
-                  f"{r['kl']:.5f}", f"{r['top1']:.3f}", f"{r['seconds']:.1f}")
-    console.print(t)
-    console.print(f"{rep['seconds']:.1f} s", style="dim")
+    return results

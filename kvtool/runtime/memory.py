@@ -16,10 +16,12 @@ Hybrid models (Gemma 2/3, Mistral and Phi-3 configs with a sliding window) add `
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kvtool.config import DTYPE_BYTES, QUANT_BYTES_PER_PARAM, dtype_name
 from kvtool.core.layout import layer_kinds, window_capacity
 
 DIM_KEYS: tuple[str, ...] = (
@@ -42,11 +44,6 @@ INTERMEDIATE_TENSORS = 3
 LOGITS_BYTES = 4
 #: Attention probabilities a policy asks for are float32: scores plus their softmax.
 PROBS_COPIES = 2
-#: Bytes per parameter of quantized linear weights. bitsandbytes LLM.int8 stores 1 byte plus a
-#: per-row scale (negligible); NF4 stores half a byte plus one float32 absmax per 64-weight block
-#: (4 / 64 = 0.0625 byte) when double quantization is off, which we assume to stay on the safe side.
-QUANT_BYTES_PER_PARAM: dict[str, float] = {"8bit": 1.0, "4bit": 0.5 + 4 / 64}
-
 Dims = Mapping[str, int]
 
 
@@ -62,9 +59,8 @@ def dtype_bytes(dtype: Any) -> int:
     if isinstance(itemsize, int):
         return itemsize
     if isinstance(dtype, str):
-        names = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
-        if dtype.lower() in names:
-            return names[dtype.lower()]
+        with contextlib.suppress(ValueError):
+            return DTYPE_BYTES[dtype_name(dtype.lower())]
     raise TypeError(f"not a dtype: {dtype!r}")
 
 

@@ -170,31 +170,8 @@ def plan(
         "num_params": info.num_params,
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem),
     }
-    # Policy full keeps every token: its cache is the document (when its length is known).
-    cache_tokens = budget if budget is not None else doc_tokens
-    if cache_tokens is not None:
-        peak = _mem.predict_peak(
-            dims, budget_tokens=cache_tokens, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=baseline, snapshot_tokens=doc_tokens, **common,
-        )
-        peak["predicted_peak_bytes"] += weights_offset
-        peak["weights_bytes"] = weights
-    else:
-        peak = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
-                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
-                                  "predicted_peak_bytes")}
-        peak["weights_bytes"] = weights
-        peak["activation_bytes"] = _mem.activation_bytes(dims, block, elem)
-    out["kv_bytes_at_budget"] = (
-        {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
-        if peak["kv_allocated_bytes"] is not None else None
-    )
-    if cache_tokens is not None and dims.get("sliding_layers"):  # hybrid model: global vs sliding layers
-        split = _mem.layer_split(dims, cache_tokens)
-        out["kv_bytes_at_budget"]["by_layer_kind"] = {
-            kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
-            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
-        }
+    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset, common)
+    out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block)
     out.update({
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
@@ -207,23 +184,9 @@ def plan(
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
-    # Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
-    # archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
     recall_tokens = parse_recall(settings.recall) if budget is not None else 0
     if recall_tokens:
-        per_token = out["kv_bytes_per_token"]["total"]
-        heads = dims["num_kv_heads"] * dims["num_layers"]
-        out["recall_tokens"] = recall_tokens
-        out["recall_slots_bytes"] = recall_tokens * per_token
-        int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
-        archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
-            settings.archive_dtype)
-        out["archive_dtype"] = info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype
-        out["recall_page"] = settings.recall_page
-        out["archive_bytes_per_evicted_token"] = {
-            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
-            "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
-        }
+        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"]))
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
@@ -234,151 +197,79 @@ def plan(
             + weights_offset,
         }
     if limit is not None:
-        shifted = baseline + weights_offset
-        out["memory"] = {
-            "limit_bytes": limit,
-            "fits": out["predicted_peak_bytes"] <= limit if out["predicted_peak_bytes"] is not None else None,
-            "largest_budget_tokens": _mem.largest_budget(
-                limit, dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-                runtime_baseline_bytes=shifted, **common,
-            ),
-            "dense_max_tokens": _mem.dense_max_tokens(limit, dims, runtime_baseline_bytes=shifted, **common),
-        }
+        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common)
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# text report
-# ---------------------------------------------------------------------------------------------
-
-_F = _mem.format_bytes
-
-
-def _b(n: int | None) -> str:
-    return "n/a" if n is None else _F(n)
-
-
-def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """(component, bytes, how it is computed) for the text table."""
-    kv = p["kv_bytes_per_token"]
-    at = p["kv_bytes_at_budget"]
-    budget = p["budget_tokens"]
-    block = p["block_size"]
-    keys = f"{budget} + {block}" if budget is not None else f"doc + {block}"
-    rows: list[tuple[str, str, str]] = [
-        ("runtime baseline", _b(p["runtime_baseline_bytes"]),
-         "measured RSS before weights load" if p["device"] == "cpu" else "0 on CUDA (allocator figures)"),
-        ("weights", _b(p["weights_bytes"]), f"{p['num_params']:,} parameters ({p['dtype']}, {p['quantize']})"),
-        ("KV per token, per layer per head", _b(kv["per_layer_per_head"]), "K + V x head_dim x element"),
-        ("KV per token, per layer", _b(kv["per_layer"]), "x KV heads"),
-        ("KV per token, total", _b(kv["total"]), "x layers"),
-    ]
-    if at is not None:
-        rows += [
-            ("KV at budget (promised)", _b(at["promised"]),
-             f"{budget if budget is not None else 'doc'} tokens per KV head"),
-            ("KV allocated", _b(at["allocated"]), f"({keys}) tokens: capacity + one block"),
-        ]
-        for kind, v in (at.get("by_layer_kind") or {}).items():
-            rows.append((f"  of which {kind} layers", _b(v["allocated"]),
-                         f"{v['layers']} layers x {v['tokens_per_head']} tokens per KV head (+ one block)"
-                         + (" = the window" if kind == "sliding" else "")))
-    rows += [
-        ("attention scratch (policy)", _b(p["attention_scratch_bytes"]),
-         f"{p['attention_rows']} rows x ({keys}) keys, float32 x 2"),
-        ("SDPA scratch", _b(p["sdpa_scratch_bytes"]), f"block x ({keys}) keys, one layer"),
-        ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
-        ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
-        ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),
-    ]
-    if p.get("recall_tokens"):
-        arch = p["archive_bytes_per_evicted_token"]
-        rows += [
-            ("recall slots", _b(p["recall_slots_bytes"]),
-             f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
-            ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['index'])}",
-             f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
-             f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),
-        ]
-    rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
-                 "sum of the above (KV promised is inside allocated)"))
-    return rows
+def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, cache_tokens: int | None,
+                  block: int) -> dict[str, Any] | None:
+    """K/V bytes promised and allocated at the budget; a hybrid model's split into global and sliding layers."""
+    if peak["kv_allocated_bytes"] is None:
+        return None
+    out: dict[str, Any] = {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
+    if cache_tokens is not None and dims.get("sliding_layers"):
+        split = _mem.layer_split(dims, cache_tokens)
+        out["by_layer_kind"] = {
+            kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
+            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
+        }
+    return out
 
 
-def render(p: Mapping[str, Any], console: Any) -> None:
-    """Print the plan (and measurement, dense and memory comparisons, razor split) with rich."""
-    from rich.table import Table
-
-    budget = p["budget_tokens"]
-    head = f"{p['model']}  {p['dtype']} on {p['device']}  policy {p['policy']}  block {p['block_size']}  "
-    head += f"budget {budget} tokens per KV head" if budget is not None else "no budget (full cache)"
-    console.print(head)
-    if p.get("budget_conversion"):
-        console.print(p["budget_conversion"])
-    table = Table(title="predicted memory plan")
-    for col, justify in (("component", "left"), ("bytes", "right"), ("how", "left")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for row in component_rows(p):
-        table.add_row(*row)
-    console.print(table)
-    m = p.get("measured")
-    if m:
-        console.print(
-            f"measured peak {_F(m['peak_bytes'])} ({m['metric']}) vs predicted {_b(m['predicted_peak_bytes'])}: "
-            f"ratio {m['ratio']:.3f}  ({m['document_tokens']} document tokens in {m['seconds']:.2f} s; "
-            f"KV allocated {_F(m['kv_allocated_bytes'])})"
-        )
-    d = p.get("dense")
-    if d:
-        console.print(
-            f"dense (no eviction), {d['doc_tokens']} tokens: KV {_F(d['kv_bytes'])}, "
-            f"predicted peak {_F(d['predicted_peak_bytes'])}"
-        )
-    mem = p.get("memory")
-    if mem:
-        fits = "" if mem["fits"] is None else (" (this plan fits)" if mem["fits"] else " (this plan does NOT fit)")
-        console.print(
-            f"in {_F(mem['limit_bytes'])}{fits}: largest budget {mem['largest_budget_tokens']} tokens per KV head; "
-            f"dense transformers holds at most {mem['dense_max_tokens']} tokens"
-        )
-    split = p.get("budget_split")
-    if split:
-        render_split(split, console)
+def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
+            common: dict[str, Any]) -> dict[str, Any]:
+    """What fits in ``limit`` bytes: this plan, the largest budget, the longest dense document."""
+    return {
+        "limit_bytes": limit,
+        "fits": predicted <= limit if predicted is not None else None,
+        "largest_budget_tokens": _mem.largest_budget(
+            limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
+            runtime_baseline_bytes=shifted_baseline, **common,
+        ),
+        "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
+                                                  **common),
+    }
 
 
-def render_split(split: list[Mapping[str, Any]], console: Any) -> None:
-    """Razor's per-layer budget split as a table (whatever keys the policy reports)."""
-    from rich.table import Table
-
-    keys: list[str] = []
-    for row in split:
-        for k in row:
-            if k not in keys:
-                keys.append(k)
-    table = Table(title="razor budget split (tokens per layer: retrieval heads keep most of the budget)")
-    for k in keys:
-        table.add_column(_SPLIT_HEADERS.get(k, str(k)), no_wrap=True)
-    for row in split:
-        table.add_row(*(_cell(row.get(k)) for k in keys))
-    console.print(table)
-
-
-_SPLIT_HEADERS = {
-    "retrieval_heads": "retrieval heads",
-    "retrieval_capacity": "each keeps",
-    "other_heads": "other heads",
-    "other_capacity": "each keeps",
-    "total_tokens": "used",
-    "budget_tokens": "budget",
-    "unused_tokens": "unused",
-}
+def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, budget: int | None,
+          doc_tokens: int | None, weights: int, weights_offset: int, common: dict[str, Any]) -> dict[str, Any]:
+    """The peak's components; without a budget or a document length (policy full) only weights and activations."""
+    # Policy full keeps every token: its cache is the document (when its length is known).
+    cache_tokens = budget if budget is not None else doc_tokens
+    if cache_tokens is None:
+        peak: dict[str, Any] = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
+                                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
+                                                  "predicted_peak_bytes")}
+        peak["weights_bytes"] = weights
+        peak["activation_bytes"] = _mem.activation_bytes(dims, block, info.elem)
+        return peak
+    peak = _mem.predict_peak(
+        dims, budget_tokens=cache_tokens, block_size=block, rows=info.rows, n_fields=info.n_fields,
+        runtime_baseline_bytes=baseline, snapshot_tokens=doc_tokens, **common,
+    )
+    peak["predicted_peak_bytes"] += weights_offset
+    peak["weights_bytes"] = weights
+    return peak
 
 
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v)
-    return str(v)
+def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int,
+                 per_token: int) -> dict[str, Any]:
+    """Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
+    archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token)."""
+    elem = info.elem
+    heads = dims["num_kv_heads"] * dims["num_layers"]
+    int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
+    archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
+        settings.archive_dtype)
+    return {
+        "recall_tokens": recall_tokens,
+        "recall_slots_bytes": recall_tokens * per_token,
+        "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
+        "recall_page": settings.recall_page,
+        "archive_bytes_per_evicted_token": {
+            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
+            "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
+        },
+    }

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.config import kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
@@ -29,9 +30,10 @@ from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
-from kvtool.runtime.document import estimate_tokens, iter_token_blocks
+from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.runtime.events import CalibrationProgress
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
-from kvtool.runtime.model import LoadedModel, kvtool_home, load_model, resolve_dtype, set_threads, usable_cores
+from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
@@ -140,10 +142,8 @@ class Session:
         listener: Listener | None = None,
         say: Callable[[str], None] | None = None,
         loaded: LoadedModel | None = None,
-        show_progress: bool = False,
     ) -> None:
         self.settings = settings
-        self.show_progress = show_progress
         self.calibration: dict[str, Any] | None = None
         self.say = say or (lambda s: None)
         self.listener = listener
@@ -152,7 +152,7 @@ class Session:
             if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
                 EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size,
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
-        self.threads = set_threads(settings.threads)
+        self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say)
         # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)
@@ -223,24 +223,18 @@ class Session:
 
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
-        from rich.console import Console
-        from rich.progress import Progress
-
         from kvtool.policies.razor.calibrate import calibrate
 
-        console = Console(stderr=True)
-        with Progress(console=console, disable=not self.show_progress, transient=True) as bar:
-            task = bar.add_task("razor: calibrating retrieval heads", total=None)
-            self.calibration = calibrate(
-                self.model,
-                identity=self.loaded.identity,
-                name=self.loaded.name,
-                home=kvtool_home(),
-                induction_frac=induction_frac,
-                echo_frac=echo_frac,
-                exclude_ids=list(self.tokenizer.all_special_ids),
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
+        self.calibration = calibrate(
+            self.model,
+            identity=self.loaded.identity,
+            name=self.loaded.name,
+            home=kvtool_home(),
+            induction_frac=induction_frac,
+            echo_frac=echo_frac,
+            exclude_ids=list(self.tokenizer.all_special_ids),
+            progress=lambda done, total: self.emit(CalibrationProgress(done, total)),
+        )
         return {int(k): list(v) for k, v in self.calibration["kv_heads"].items()}
 
     # -- reading --------------------------------------------------------------------------------------

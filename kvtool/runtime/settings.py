@@ -18,14 +18,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, QUANTIZE, profile_dirs
 from kvtool.errors import UsageError
 from kvtool.policy_syntax import check_spec
 
-DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZE = ("none", "8bit", "4bit")
 POSITIONS = ("absolute", "compact", "auto")
-ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # auto: the model's dtype
 
 
 @dataclass
@@ -247,7 +244,7 @@ def _model(name: str, value: Any) -> str | None:
 
 def _device(name: str, value: Any) -> str:
     if not isinstance(value, str) or not DEVICE_RE.match(value):
-        raise UsageError(f"{name} must be auto, cpu, cuda, cuda:N or mps: got {value!r}")
+        raise UsageError(f"{name} must be {DEVICE_HELP}: got {value!r}")
     return value
 
 
@@ -314,9 +311,16 @@ def _repetition_penalty(name: str, value: Any) -> float:
     return float(value)
 
 
+#: torch's generators take seeds in [-2**63, 2**64)
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def _seed(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UsageError(f"{name} must be an integer: got {value!r}")
+    low, high = _SEED_RANGE
+    if not low <= value <= high:
+        raise UsageError(f"{name} must be between {low} and {high}: got {value:.3g}")
     return value
 
 
@@ -355,32 +359,6 @@ PROFILE_KEYS: tuple[str, ...] = (
 # ---------------------------------------------------------------------------------------------
 # profiles
 # ---------------------------------------------------------------------------------------------
-
-
-def kvtool_home() -> Path:
-    """Per-user directory for kvtool files: ``$KVTOOL_HOME`` or ``~/.cache/kvtool``."""
-    home = os.environ.get("KVTOOL_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "kvtool"
-
-
-def profile_dirs() -> list[Path]:
-    """Where profiles are looked up by name, in order: ./profiles, the repository's profiles/ next
-    to the installed package, then $KVTOOL_HOME/profiles (duplicates removed)."""
-    import kvtool
-
-    candidates = [
-        Path.cwd() / "profiles",
-        Path(kvtool.__file__).resolve().parent.parent / "profiles",
-        kvtool_home() / "profiles",
-    ]
-    out: list[Path] = []
-    seen: set[Path] = set()
-    for d in candidates:
-        key = d.resolve() if d.exists() else d
-        if key not in seen:
-            seen.add(key)
-            out.append(d)
-    return out
 
 
 def find_profile(name_or_path: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,137 @@
+"""``kvtool profile``'s text report: the memory plan :func:`kvtool.runtime.profiling.plan` returns, drawn
+as rich tables (the runtime computes, the CLI draws)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.table import Table
+
+from kvtool.runtime.memory import format_bytes
+
+_F = format_bytes
+
+
+def _b(n: int | None) -> str:
+    return "n/a" if n is None else _F(n)
+
+
+def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(component, bytes, how it is computed) for the text table."""
+    kv = p["kv_bytes_per_token"]
+    at = p["kv_bytes_at_budget"]
+    budget = p["budget_tokens"]
+    block = p["block_size"]
+    keys = f"{budget} + {block}" if budget is not None else f"doc + {block}"
+    rows: list[tuple[str, str, str]] = [
+        ("runtime baseline", _b(p["runtime_baseline_bytes"]),
+         "measured RSS before weights load" if p["device"] == "cpu" else "0 on CUDA (allocator figures)"),
+        ("weights", _b(p["weights_bytes"]), f"{p['num_params']:,} parameters ({p['dtype']}, {p['quantize']})"),
+        ("KV per token, per layer per head", _b(kv["per_layer_per_head"]), "K + V x head_dim x element"),
+        ("KV per token, per layer", _b(kv["per_layer"]), "x KV heads"),
+        ("KV per token, total", _b(kv["total"]), "x layers"),
+    ]
+    if at is not None:
+        rows += [
+            ("KV at budget (promised)", _b(at["promised"]),
+             f"{budget if budget is not None else 'doc'} tokens per KV head"),
+            ("KV allocated", _b(at["allocated"]), f"({keys}) tokens: capacity + one block"),
+        ]
+        for kind, v in (at.get("by_layer_kind") or {}).items():
+            rows.append((f"  of which {kind} layers", _b(v["allocated"]),
+                         f"{v['layers']} layers x {v['tokens_per_head']} tokens per KV head (+ one block)"
+                         + (" = the window" if kind == "sliding" else "")))
+    rows += [
+        ("attention scratch (policy)", _b(p["attention_scratch_bytes"]),
+         f"{p['attention_rows']} rows x ({keys}) keys, float32 x 2"),
+        ("SDPA scratch", _b(p["sdpa_scratch_bytes"]), f"block x ({keys}) keys, one layer"),
+        ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
+        ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
+        ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),
+    ]
+    if p.get("recall_tokens"):
+        arch = p["archive_bytes_per_evicted_token"]
+        rows += [
+            ("recall slots", _b(p["recall_slots_bytes"]),
+             f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
+            ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['index'])}",
+             f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
+             f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),
+        ]
+    rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
+                 "sum of the above (KV promised is inside allocated)"))
+    return rows
+
+
+def render_plan(p: Mapping[str, Any], console: Any) -> None:
+    """Print the plan (and measurement, dense and memory comparisons, razor split) with rich."""
+    budget = p["budget_tokens"]
+    head = f"{p['model']}  {p['dtype']} on {p['device']}  policy {p['policy']}  block {p['block_size']}  "
+    head += f"budget {budget} tokens per KV head" if budget is not None else "no budget (full cache)"
+    console.print(head)
+    if p.get("budget_conversion"):
+        console.print(p["budget_conversion"])
+    table = Table(title="predicted memory plan")
+    for col, justify in (("component", "left"), ("bytes", "right"), ("how", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for row in component_rows(p):
+        table.add_row(*row)
+    console.print(table)
+    m = p.get("measured")
+    if m:
+        console.print(
+            f"measured peak {_F(m['peak_bytes'])} ({m['metric']}) vs predicted {_b(m['predicted_peak_bytes'])}: "
+            f"ratio {m['ratio']:.3f}  ({m['document_tokens']} document tokens in {m['seconds']:.2f} s; "
+            f"KV allocated {_F(m['kv_allocated_bytes'])})"
+        )
+    d = p.get("dense")
+    if d:
+        console.print(
+            f"dense (no eviction), {d['doc_tokens']} tokens: KV {_F(d['kv_bytes'])}, "
+            f"predicted peak {_F(d['predicted_peak_bytes'])}"
+        )
+    mem = p.get("memory")
+    if mem:
+        fits = "" if mem["fits"] is None else (" (this plan fits)" if mem["fits"] else " (this plan does NOT fit)")
+        console.print(
+            f"in {_F(mem['limit_bytes'])}{fits}: largest budget {mem['largest_budget_tokens']} tokens per KV head; "
+            f"dense transformers holds at most {mem['dense_max_tokens']} tokens"
+        )
+    split = p.get("budget_split")
+    if split:
+        render_split(split, console)
+
+
+def render_split(split: list[Mapping[str, Any]], console: Any) -> None:
+    """Razor's per-layer budget split as a table (whatever keys the policy reports)."""
+    keys: list[str] = []
+    for row in split:
+        for k in row:
+            if k not in keys:
+                keys.append(k)
+    table = Table(title="razor budget split (tokens per layer: retrieval heads keep most of the budget)")
+    for k in keys:
+        table.add_column(_SPLIT_HEADERS.get(k, str(k)), no_wrap=True)
+    for row in split:
+        table.add_row(*(_cell(row.get(k)) for k in keys))
+    console.print(table)
+
+
+_SPLIT_HEADERS = {
+    "retrieval_heads": "retrieval heads",
+    "retrieval_capacity": "each keeps",
+    "other_heads": "other heads",
+    "other_capacity": "each keeps",
+    "total_tokens": "used",
+    "budget_tokens": "budget",
+    "unused_tokens": "unused",
+}
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)

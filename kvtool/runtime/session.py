@@ -30,7 +30,7 @@ from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
-from kvtool.runtime.document import Document, estimate_tokens, iter_token_blocks
+from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores

@@ -141,12 +141,24 @@ def test_source_map_bomb_is_refused_without_inflating_it(env, tmp_path, capsys):
 
 # -- b. the archive name is confined to the cache's directory, regular files only ------------------------------------
 def test_archive_name_outside_the_directory_is_not_followed(env, tmp_path, capsys):
-    secret = tmp_path / "outside" / "shadow"
-    secret.parent.mkdir()
-    secret.write_bytes(b"SECRET!!" + b"x" * 100)
+    import tempfile
+
+    (tmp_path / "outside").mkdir()
+    fd, short = tempfile.mkstemp(dir="/tmp", prefix="s")  # a short absolute path, like /etc/shadow
+    os.write(fd, b"SECRET!!" + b"x" * 100)
+    os.close(fd)
+    secret = Path(short)
     kvc, _ = copy_pair(env, tmp_path / "outside")  # a pair elsewhere, then only the .kvc is moved here
     os.replace(kvc, tmp_path / "c.kvc")
+    shutil.copyfile(secret, tmp_path / "outside" / "shadow")
     leaked = str(int.from_bytes(b"SECRET!!", "little"))
+    try:
+        _never_followed(env, tmp_path, capsys, secret, leaked)
+    finally:
+        secret.unlink()
+
+
+def _never_followed(env, tmp_path: Path, capsys, secret: Path, leaked: str) -> None:
     for name in (str(secret), "../outside/shadow", "sub/x.archive", ""):
         bad = rewrite(tmp_path / "c.kvc", tmp_path / "named.kvc", lambda m, n=name: m["archive"].update(file=n))
         rc, data, err = ask(env, capsys, bad, "--recall", "64")

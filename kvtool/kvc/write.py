@@ -34,6 +34,8 @@ from kvtool.kvc.format import (
     FORMAT,
     FORMAT_VERSION,
     META_KEY,
+    ST_BYTES,
+    ST_NAMES,
     TensorDigest,
     is_archive_name,
     jsonable,
@@ -65,8 +67,6 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        from kvtool.kvc.format import ST_BYTES
-
         n = ST_BYTES[self.code]
         for s in self.shape:
             n *= int(s)
@@ -103,8 +103,6 @@ def check_output(path: str | os.PathLike[str], force: bool = False, source: str 
 # -- tensors -> entries ---------------------------------------------------------------------------------------------
 def st_code(dtype: Any) -> str:
     """The safetensors code of a torch dtype."""
-    from kvtool.kvc.format import ST_NAMES
-
     name = str(dtype).removeprefix("torch.")
     for code, n in ST_NAMES.items():
         if n == name:
@@ -189,7 +187,8 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
             os.fsync(fd)
         finally:
             os.close(fd)
-        _place(tmp, path, force, directory)
+        archive = meta.get("archive")
+        _place(tmp, path, force, directory, archive.get("file") if isinstance(archive, dict) else None)
     except KvtoolError:
         raise
     except OSError as e:
@@ -247,8 +246,9 @@ def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _place(tmp: str, path: str, force: bool, directory: str) -> None:
-    """Move the finished temp file to ``path``; replacing a cache removes the archive it named (not ours)."""
+def _place(tmp: str, path: str, force: bool, directory: str, ours: str | None) -> None:
+    """Move the finished temp file to ``path``; replacing a cache removes the archive it named, unless it is
+    ``ours`` (the archive the new file names)."""
     with _dir_lock(directory):
         old_archive = _archive_of(path) if force else None
         if force:
@@ -265,7 +265,7 @@ def _place(tmp: str, path: str, force: bool, directory: str) -> None:
                     raise
                 os.replace(tmp, path)
         fsync_dir(directory)
-        if old_archive and old_archive != _archive_of(path):
+        if old_archive and old_archive != ours:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, old_archive))
 

@@ -148,7 +148,9 @@ def test_cli_cite_json_and_text(model_dir, tmp_path):
 
 
 def test_cite_from_a_kvc_and_an_old_kvc_without_source_map(model_dir, tmp_path):
-    from kvtool.runtime import store
+    from kvtool.kvc import format as kvc_format
+    from kvtool.kvc import load as kvc_load
+    from kvtool.kvc import write as kvc_write
 
     doc = tmp_path / "d.txt"
     doc.write_text("the cache is small. " * 30 + "the pass key is 12345.", encoding="utf-8")
@@ -162,12 +164,12 @@ def test_cite_from_a_kvc_and_an_old_kvc_without_source_map(model_dir, tmp_path):
     assert loaded.exit_code == 0, loaded.output
     assert json.loads(loaded.stdout)["answers"] == json.loads(direct.stdout)["answers"]  # same citations
     # a cache written before citations existed: no source_map in its metadata
-    header = store.read_header(kvc)
-    tensors = store.load_tensors(header)
+    header = kvc_format.read_header(kvc)
+    tensors = kvc_load.load_tensors(header)
     meta = dict(header.meta)
     meta["document"] = {k: v for k, v in meta["document"].items() if k not in ("source_map", "format")}
     old = tmp_path / "old.kvc"
-    store.write_kvc(old, tensors, meta)
+    kvc_write.write_kvc(old, tensors, meta)
     r = runner.invoke(app, ["ask", str(old), "What is the pass key?", "--model", model_dir, *BASE])
     assert r.exit_code == 0, r.output  # still loads
     r = runner.invoke(app, ["ask", str(old), "What is the pass key?", "--cite", "--model", model_dir, *BASE])

@@ -23,6 +23,8 @@ import torch
 from kvtool.cli.app import main
 from kvtool.core import cache as cache_mod
 from kvtool.errors import UsageError, printable
+from kvtool.kvc import format as kvc_format
+from kvtool.kvc import write as kvc_write
 from kvtool.runtime import store
 from tests.helpers import VOCAB, make_engine, masking_reference_logits, record_visibility, tiny_checkpoint, tiny_llama
 
@@ -57,7 +59,7 @@ def _rewrite_meta(src: Path, dst: Path, edit, rehash: bool = True) -> Path:
     meta = json.loads(md["kvtool"])
     edit(meta)
     if rehash:
-        meta["meta_sha256"] = store.meta_digest(meta)
+        meta["meta_sha256"] = kvc_format.meta_digest(meta)
     md["kvtool"] = json.dumps(meta)
     save_file(load_file(str(src)), str(dst), metadata=md)
     return dst
@@ -222,7 +224,7 @@ def test_sigterm_during_write_cleans_up_and_exits_143(env, tmp_path, capsys, mon
         real_fsync(fd)
         os.kill(os.getpid(), signal.SIGTERM)  # arrives during the final write, after the temp file exists
 
-    monkeypatch.setattr(store.os, "fsync", fsync_then_term)
+    monkeypatch.setattr(kvc_write.os, "fsync", fsync_then_term)
     rc = main(["prefill", str(env.doc), "-o", str(tmp_path / "out.kvc"), "--model", env.model, *READ])
     err = capsys.readouterr().err
     assert rc == 143

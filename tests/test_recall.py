@@ -503,13 +503,14 @@ def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
     rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
                          "--recall", "64", "-q")
     assert rc == 0, err
-    assert (tmp_path / "doc.kvc.archive").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtool-archive-")] == []  # temp: unlinked
     rc, info, _ = run_cli(capsys, "inspect", out, "--json")
     arch = json.loads(info)["archive"]
-    assert arch["file"] == "doc.kvc.archive" and arch["tokens"] == doc_stats["archived_tokens"] and arch["pages"] > 0
+    archive = tmp_path / arch["file"]  # doc.kvc.<unique id>.archive: a cache and its archive belong together
+    assert archive.is_file() and arch["file"].startswith("doc.kvc.") and arch["file"].endswith(".archive")
+    assert arch["tokens"] == doc_stats["archived_tokens"] and arch["pages"] > 0
     rc, text, _ = run_cli(capsys, "inspect", out)
-    assert "doc.kvc.archive" in text and "pages of 32 tokens" in text
+    assert arch["file"] in text and "pages of 32 tokens" in text
 
     kvc_args = ["--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "6", "--json", "-q"]
     rc, from_kvc, err = run_cli(capsys, "ask", out, *q, *kvc_args)
@@ -519,16 +520,16 @@ def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
     assert a_kvc["stats"]["recalled_pages"] == doc_stats["recalled_pages"]
 
     # a truncated archive, then a missing one: answers without recall and a warning, exit 0
-    no_recall = ["--model", kvenv["model"], "--max-new-tokens", "6", "--json", "-q"]
+    no_recall = ["--model", kvenv["model"], "--recall", "off", "--max-new-tokens", "6", "--json", "-q"]
     rc, plain, _ = run_cli(capsys, "ask", out, *q, *no_recall)
-    data = (tmp_path / "doc.kvc.archive").read_bytes()
-    (tmp_path / "doc.kvc.archive").write_bytes(data[: len(data) // 2])
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])
     rc, damaged, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
     assert rc == 0, err
     assert "missing or damaged" in err and "Traceback" not in err
     assert json.loads(damaged)["answers"] == json.loads(plain)["answers"]
     assert json.loads(damaged)["stats"]["recalled_pages"] == 0
-    (tmp_path / "doc.kvc.archive").unlink()
+    archive.unlink()
     rc, missing, err = run_cli(capsys, "ask", out, *q, *kvc_args[:-2], "--json")
     assert rc == 0 and "missing or damaged" in err
     assert json.loads(missing)["answers"] == json.loads(plain)["answers"]
@@ -619,7 +620,7 @@ def test_kvc_archive_in_another_dtype_answers_without_recall(kvenv, tmp_path, ca
     rc, same, err = run_cli(capsys, *ask, "--archive-dtype", "float16")
     assert rc == 0 and "answering without recall" not in err, err
     assert json.loads(same)["stats"]["recalled_pages"] > 0 and json.loads(same)["stats"]["archive_dtype"] == "float16"
-    rc, other, err = run_cli(capsys, *ask)
+    rc, other, err = run_cli(capsys, *ask, "--archive-dtype", "float32")  # the file's dtype is the default
     assert rc == 0 and "stores keys/values in float16" in err and "--archive-dtype float16" in err
     assert json.loads(other)["stats"]["recalled_pages"] == 0
 

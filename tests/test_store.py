@@ -19,6 +19,9 @@ import transformers
 
 from kvtool.cli.app import main
 from kvtool.errors import KvtoolError, UsageError
+from kvtool.kvc import format as kvc_format
+from kvtool.kvc import load as kvc_load
+from kvtool.kvc import write as kvc_write
 from kvtool.runtime import store
 from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
 
@@ -29,10 +32,10 @@ from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
 def _through_file(tmp_path: Path, engine, cache, name: str = "c.kvc"):
     tensors, scalars = cache.snapshot()
     path = tmp_path / name
-    store.write_kvc(path, tensors, {"cache": scalars})
-    header = store.read_header(path)
+    kvc_write.write_kvc(path, tensors, {"cache": scalars})
+    header = kvc_format.read_header(path)
     loaded = engine.new_cache()
-    loaded.load(store.load_tensors(header), header.meta["cache"])
+    loaded.load(kvc_load.load_tensors(header), header.meta["cache"])
     return loaded, header
 
 
@@ -108,23 +111,23 @@ def test_is_kvc_by_content_not_name(tmp_path):
     _, cache = stream_logits(engine, torch.arange(40) % VOCAB)
     tensors, scalars = cache.snapshot()
     odd_name = tmp_path / "notes.txt"
-    store.write_kvc(odd_name, tensors, {"cache": scalars})
-    assert store.is_kvc(odd_name)
+    kvc_write.write_kvc(odd_name, tensors, {"cache": scalars})
+    assert kvc_format.is_kvc(odd_name)
 
     text = tmp_path / "doc.kvc"
     text.write_text("just a document that happens to be called .kvc\n" * 50)
-    assert not store.is_kvc(text)
+    assert not kvc_format.is_kvc(text)
     (tmp_path / "empty").write_bytes(b"")
-    assert not store.is_kvc(tmp_path / "empty")
-    assert not store.is_kvc(tmp_path / "missing")
-    assert not store.is_kvc(tmp_path)
+    assert not kvc_format.is_kvc(tmp_path / "empty")
+    assert not kvc_format.is_kvc(tmp_path / "missing")
+    assert not kvc_format.is_kvc(tmp_path)
     other = tmp_path / "other.safetensors"
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(3)}, str(other), metadata={"format": "pt"})
-    assert not store.is_kvc(other)
+    assert not kvc_format.is_kvc(other)
     with pytest.raises(UsageError, match="not a kvtool cache"):
-        store.read_header(other)
+        kvc_format.read_header(other)
 
 
 def test_write_is_atomic_and_never_clobbers(tmp_path, monkeypatch):
@@ -134,36 +137,36 @@ def test_write_is_atomic_and_never_clobbers(tmp_path, monkeypatch):
     out = tmp_path / "c.kvc"
     out.write_bytes(b"precious")
     with pytest.raises(UsageError, match="already exists; use --force"):
-        store.write_kvc(out, tensors, {"cache": scalars})
+        kvc_write.write_kvc(out, tensors, {"cache": scalars})
 
-    import safetensors.torch
+    real_pwrite = os.pwrite
 
-    def boom(*args, **kwargs):
-        Path(args[1]).write_bytes(b"half a file")
+    def boom(fd, data, offset):
+        real_pwrite(fd, b"half a file", offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(kvc_write.os, "pwrite", boom)
     with pytest.raises(KvtoolError, match="No space left"):
-        store.write_kvc(out, tensors, {"cache": scalars}, force=True)
+        kvc_write.write_kvc(out, tensors, {"cache": scalars}, force=True)
     assert out.read_bytes() == b"precious"  # the old file is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvc"]  # no temp file left behind
     monkeypatch.undo()
-    size = store.write_kvc(out, tensors, {"cache": scalars}, force=True)
-    assert size == out.stat().st_size and store.is_kvc(out)
+    size = kvc_write.write_kvc(out, tensors, {"cache": scalars}, force=True)
+    assert size == out.stat().st_size and kvc_format.is_kvc(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.kvc"]
 
 
 def test_unwritable_destinations(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="does not exist"):
-        store.check_output(tmp_path / "no" / "such" / "dir.kvc")
+        kvc_write.check_output(tmp_path / "no" / "such" / "dir.kvc")
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="not a directory"):
-        store.check_output(tmp_path / "file" / "c.kvc")
+        kvc_write.check_output(tmp_path / "file" / "c.kvc")
     with pytest.raises(UsageError, match="is a directory"):
-        store.check_output(tmp_path, force=True)
+        kvc_write.check_output(tmp_path, force=True)
     monkeypatch.setattr(os, "access", lambda *a, **k: False)
     with pytest.raises(UsageError, match="not writable"):
-        store.check_output(tmp_path / "c.kvc")
+        kvc_write.check_output(tmp_path / "c.kvc")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ def test_prefill_inspect_ask_same_answers_as_document(env, tmp_path, capsys):
     assert rc == 0, err
     desc = json.loads(stdout)
     meta = desc["metadata"]
-    assert meta["format"] == "kvtool-kvc" and meta["format_version"] == store.FORMAT_VERSION
+    assert meta["format"] == "kvtool-kvc" and meta["format_version"] == kvc_format.FORMAT_VERSION
     assert meta["kvtool_version"] and meta["model"]["name"] == "tiny" and len(meta["model"]["identity"]) == 64
     assert meta["dtype"] == "float32"
     assert meta["policy"]["spec"] == "h2o" and meta["settings"]["budget_tokens"] == 40
@@ -330,7 +333,7 @@ def test_output_exists_needs_force(env, kvc, tmp_path, capsys):
     assert out.read_bytes() == before
     rc, _, err = cli(capsys, *args, "--force")
     assert rc == 0, err
-    assert store.read_header(out).meta["document"]["tokens"] == 300
+    assert kvc_format.read_header(out).meta["document"]["tokens"] == 300
 
 
 def test_unwritable_output(env, tmp_path, capsys):
@@ -442,7 +445,7 @@ def test_incompatible_version(env, kvc, tmp_path, capsys):
     save_file(load_file(str(kvc)), str(bad), metadata=md)
     for args in (["ask", bad, "q", "--model", env["model"], "-q"], ["inspect", bad]):
         line = assert_usage_error(cli(capsys, *args), "kvtool 9.9.0", "kvc format 99", "kvc format 1")
-        assert f"this kvtool {store.__version__}" in line
+        assert f"this kvtool {kvc_format.__version__}" in line
 
 
 def test_conflicting_settings_on_ask(env, kvc, capsys):
@@ -457,7 +460,7 @@ def test_conflicting_settings_on_ask(env, kvc, capsys):
 
 
 def test_settings_overrides_fills_fixed_settings(kvc):
-    header = store.read_header(kvc)
+    header = kvc_format.read_header(kvc)
     got = store.settings_overrides(header, {"model": "m", "temperature": 0.5, "dtype": "auto", "budget": "40"})
     assert got["model"] == "m" and got["temperature"] == 0.5
     assert got["policy"] == "h2o" and got["budget"] == "40" and got["block_size"] == 16

@@ -75,10 +75,10 @@ def summarize(
 def _open_input(path: str, doc_format: str | None = None, quiet: bool = False) -> tuple[str, Any]:
     """('kvc', header) for a saved cache (detected by content), else ('document', Document)."""
     from kvtool.documents import open_document
-    from kvtool.runtime import store
+    from kvtool.kvc.format import is_kvc, read_header
 
-    if path != "-" and store.is_kvc(path) and doc_format in (None, "auto"):
-        return "kvc", store.read_header(path)
+    if path != "-" and is_kvc(path) and doc_format in (None, "auto"):
+        return "kvc", read_header(path)
     return "document", open_document(path, doc_format, notify=sayer(quiet))
 
 

@@ -1,7 +1,7 @@
 """``kvtool prefill`` (read a document once, save the compressed cache) and ``kvtool inspect`` (show one).
 
 ``ask`` and ``summarize`` accept the ``.kvc`` file in place of the document (kvtool/cli/ask.py); the file
-format is in kvtool/runtime/store.py and docs/kvc-format.md.
+format is in kvtool/kvc/ and docs/kvc-format.md.
 """
 
 from __future__ import annotations
@@ -31,15 +31,17 @@ def prefill(
 ) -> None:
     """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
     from kvtool.documents import open_document
+    from kvtool.kvc.format import is_kvc
+    from kvtool.kvc.write import check_output
     from kvtool.runtime import store
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before the model loads.
     if not output:
         raise UsageError("prefill needs an output file: -o/--output OUT.kvc")
-    if file != "-" and doc_format in (None, "auto") and store.is_kvc(file):
+    if file != "-" and doc_format in (None, "auto") and is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
-    store.check_output(output, force, source=file)
+    check_output(output, force, source=file)
     doc = open_document(file, doc_format, notify=sayer(quiet))
     settings = resolve_settings(profile, flags or {})
     from kvtool.runtime.session import Session  # torch loads only once the input is known to be good
@@ -63,26 +65,31 @@ def inspect(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a saved cache: metadata, per-layer cache lengths, size on disk (the model is not loaded)."""
-    from kvtool.runtime import store
+    from kvtool.kvc.format import describe, is_kvc, read_header
 
     if not os.path.exists(file):
         raise UsageError(f"no such file: {file}")
     if os.path.isdir(file):
         raise UsageError(f"{file} is a directory, not a .kvc file")
-    if not store.is_kvc(file):
+    if not is_kvc(file):
         raise UsageError(f"{file} is not a kvtool cache (.kvc); make one with `kvtool prefill`")
-    info = store.describe(store.read_header(file))
+    info = describe(read_header(file))
     if json_out:
         emit_json(info)
         return
     _print_inspect(info)
 
 
-def _archive_text(arch: dict[str, Any] | None) -> str:
+def _archive_rows(arch: dict[str, Any] | None) -> list[tuple[str, str]]:
     if not arch:
-        return "none (questions are answered without recall)"
-    return (f"{arch.get('file')}: {format_bytes(int(arch.get('bytes', 0)))}, {arch.get('pages', 0):,} pages of "
-            f"{arch.get('page_size')} tokens ({arch.get('tokens', 0):,} token-heads evicted)")
+        return [("archive", "none (questions are answered without recall)")]
+    recall = arch.get("recall")
+    return [
+        ("archive", f"{arch.get('file')} ({format_bytes(int(arch.get('bytes', 0)))})"),
+        ("archive pages", f"{arch.get('pages', 0):,} pages of {arch.get('page_size')} tokens, {arch.get('dtype')}"),
+        ("archived", f"{arch.get('tokens', 0):,} token-heads evicted"
+                     + (f"; asking recalls {recall} tokens per KV head" if recall else "")),
+    ]
 
 
 def _print_inspect(info: dict[str, Any]) -> None:
@@ -125,7 +132,7 @@ def _print_inspect(info: dict[str, Any]) -> None:
         ("document", f"{doc.get('name')} ({doc.get('tokens', 0):,} tokens)"),
         ("document sha256", str(doc.get("sha256"))),
         ("chat prefix", f"{(meta.get('prompt') or {}).get('prefix_tokens')} tokens"),
-        ("archive", _archive_text(info.get("archive"))),
+        *_archive_rows(info.get("archive")),
     ]
     console = Console(highlight=False)
     table = Table(title="kvtool cache", show_header=False)

@@ -126,11 +126,10 @@ class SourceMap:
         """The inverse of :meth:`meta`; raises ValueError/KeyError/TypeError on damaged input."""
         m = cls(int(meta["first_position"]))
         m.count = int(meta.get("tokens", 0))
-        m.positions = _unpack(meta["positions"])
-        m.spans = _unpack(meta["spans"]).view(-1, 2)
-        m.ids = _unpack(meta["ids"])
-        if not m.positions.numel() == m.spans.shape[0] == m.ids.numel():
-            raise ValueError("source map arrays differ in length")
+        entries = int(meta["entries"])
+        m.positions = _unpack(meta["positions"], entries)
+        m.spans = _unpack(meta["spans"], 2 * entries).view(-1, 2)
+        m.ids = _unpack(meta["ids"], entries)
         m.sections = [Section(int(a), p, c, t) for a, p, c, t in meta.get("sections", [])]
         return m
 
@@ -144,13 +143,25 @@ def _pack(t: Tensor) -> str:
     return base64.b64encode(zlib.compress(t.to(torch.int32).numpy().astype("<i4").tobytes(), 6)).decode("ascii")
 
 
-def _unpack(text: str) -> Tensor:
+def _unpack(text: str, count: int) -> Tensor:
+    """``count`` int32 packed by :func:`_pack`; ValueError unless the data inflates to exactly that many.
+
+    Decompression stops at the size ``count`` implies (a small header cannot inflate to gigabytes).
+    """
     import numpy as np
 
+    if count < 0:
+        raise ValueError("negative entry count")
+    want = 4 * count
     try:
-        raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(text.encode("ascii"), validate=True), want)
+        # the rest of the stream (its end marker and checksum) may yield nothing: one byte more is damage
+        extra = b"" if inflater.eof else inflater.decompress(inflater.unconsumed_tail, 1)
     except (zlib.error, binascii.Error) as e:
         raise ValueError(str(e)) from None
+    if len(raw) != want or extra or not inflater.eof:
+        raise ValueError(f"a packed array does not hold the {count} entries the source map says")
     return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int64))
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvtool.cli.app import main
-from kvtool.core import cache as cache_mod
+from kvtool.core import storage as cache_mod
 from kvtool.errors import UsageError, printable
 from kvtool.kvc import format as kvc_format
 from kvtool.kvc import write as kvc_write
@@ -280,7 +280,7 @@ def test_cache_buffers_start_small_and_refuse_growth_beyond_free_memory(monkeypa
     engine.feed(cache, [ids], progress=False)  # grows 8 -> 16 -> 32 -> 64 slots as tokens arrive
     assert all(g.length == 48 and g.slots == 64 for g in cache.groups())
     monkeypatch.setattr(cache_mod, "free_device_bytes", lambda device: 100)
-    with pytest.raises(UsageError, match="GiB free; lower --budget"):
+    with pytest.raises(UsageError, match="GiB free; lower the budget"):
         engine.feed(cache, [ids], progress=False)
 
 

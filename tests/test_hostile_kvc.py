@@ -196,8 +196,8 @@ def test_archive_that_is_a_fifo_does_not_hang(env, tmp_path, capsys):
 
 # -- c. two writers racing for one output keep a cache and its own archive together -------------------------------
 def test_concurrent_prefills_to_one_output_keep_the_pair_together(env, tmp_path, monkeypatch):
-    from kvtool.runtime import store
     from kvtool.documents import open_document
+    from kvtool.runtime import store
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 

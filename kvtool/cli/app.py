@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,10 +29,34 @@ from kvtool.errors import (
     EXIT_USAGE,
     KvtoolError,
     Terminated,
+    UsageError,
     first_line,
     interrupt_exit,
     printable,
 )
+
+#: how an error raised below the CLI (``UsageError.field``) names its setting, and the flag's spelling
+FIELD_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "budget": ((r"^budget (?=\d)", "--budget "), ("raise the budget", "raise --budget"),
+               ("lower the budget or the block size", "lower --budget or --block-size"),
+               ("a KV budget", "a KV budget (--budget)")),
+    "block_size": ((r"^block size", "--block-size"),),
+    "sinks": ((r"^sinks and recent", "--sinks and --recent"),),
+    "positions": ((r"^positions must", "--positions must"), (r"^compact positions", "--positions compact"),
+                  ("use absolute positions", "use --positions absolute")),
+    "recall": ((r"^recall must", "--recall must"), ("turn recall off", "use --recall off")),
+    "page_size": ((r"^archive page size", "--recall-page"),),
+    "policy_opt": (("policy option ", "--policy-opt "),),
+}
+
+
+def error_line(e: BaseException) -> str:
+    """The one line printed for ``e``: a ``UsageError``'s setting named by its command-line flag."""
+    text = str(e)
+    field = e.field if isinstance(e, UsageError) else None
+    for pattern, flag in FIELD_FLAGS.get(field or "", ()):
+        text = re.sub(pattern if pattern.startswith("^") else re.escape(pattern), flag, text, count=1)
+    return printable(text, one_line=True)
 
 
 class _Group(typer.core.TyperGroup):
@@ -44,7 +69,7 @@ class _Group(typer.core.TyperGroup):
         try:
             return super().invoke(ctx)
         except KvtoolError as e:
-            print(f"kvtool: error: {printable(e, one_line=True)}", file=sys.stderr)
+            print(f"kvtool: error: {error_line(e)}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
             msg, code = interrupt_exit(e)
@@ -153,7 +178,7 @@ def _main(argv: list[str] | None) -> int:
         flush_stdout()
         return rc if isinstance(rc, int) else 0
     except KvtoolError as e:  # raised outside a command (e.g. while registering)
-        print(f"kvtool: error: {printable(e, one_line=True)}", file=sys.stderr)
+        print(f"kvtool: error: {error_line(e)}", file=sys.stderr)
         return e.exit_code
     except typer.Exit as e:
         return int(e.exit_code or 0)

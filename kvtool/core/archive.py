@@ -16,9 +16,10 @@ two matrix products score every page of a head against every query row.
 
 The backing store is pluggable: :class:`MemoryStore` (a growing host tensor, tests) or
 :class:`FileStore` (an unlinked temporary file written with ``pwrite`` and read through a short-lived
-``mmap``): the process RSS stays flat however long the document (measured at 32K tokens: holding
-positions and summaries in host memory instead cost 34 MB, 3.5% of the run's peak), and the file vanishes with the
-process, even on Ctrl-C, SIGTERM or SIGKILL, because it has no name after it is created.
+``mmap``): the process RSS stays flat however long the document (positions and summaries live in
+the files too, not in host memory), and the file vanishes with the process, even on Ctrl-C, SIGTERM
+or SIGKILL, because it has no name after it is created. The owner closes the descriptors when its
+cache is released (``recall.attach`` registers the close).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import errno
 import mmap
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -42,8 +44,7 @@ SUMMARY_DTYPE = torch.float16
 #: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
 #: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
 #: positions every token is, in two passes (the bound's summaries sit at original positions, the
-#: question at compact ones: at 32K with 8,192 the bound dropped the needle's page in most heads and
-#: the needle was missed; scoring all 32,768 found it, in 2.9 s of a 120 s ask, docs/results.md)
+#: question at compact ones, so the bound does not hold across the two frames)
 SCAN = 32768
 #: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
 #: question holds fewer tokens' scores rather than allocate more than this
@@ -107,6 +108,7 @@ class FileStore:
             raise UsageError(f"cannot create the recall archive in {directory}: {e.strerror or e}") from None
         os.unlink(path)  # the descriptor keeps the data; the name is gone before anything is written
         self.fd: int | None = fd
+        self._release = weakref.finalize(self, os.close, fd)  # a store dropped unclosed still closes its file
 
     def append(self, rows: Tensor) -> None:
         assert self.fd is not None
@@ -119,7 +121,7 @@ class FileStore:
         except OSError as e:
             reason = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
             raise UsageError(f"cannot write the recall archive in {self.where}: {reason} "
-                             "(use --recall off or free some space)") from None
+                             "(turn recall off or free some space)", field="recall") from None
         self.rows += rows.shape[0]
 
     def read(self, index: Tensor) -> Tensor:
@@ -134,7 +136,7 @@ class FileStore:
 
     def close(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)
+            self._release()  # closes the descriptor once, whoever asks first
             self.fd = None
         self.rows = 0
 

@@ -53,19 +53,20 @@ class EngineConfig:
 
     def validate(self) -> None:
         if self.block_size < 1:
-            raise UsageError(f"--block-size must be at least 1 (got {self.block_size})")
+            raise UsageError(f"block size must be at least 1 (got {self.block_size})", field="block_size")
         if self.sinks < 0 or self.recent < 0:
-            raise UsageError("--sinks and --recent must be non-negative")
+            raise UsageError("sinks and recent must be non-negative", field="sinks")
         if self.budget is not None and self.budget < self.sinks + self.recent + 1:
             raise UsageError(
-                f"--budget {self.budget} is too small: it must exceed sinks + recent = {self.sinks + self.recent}"
-            )
+                f"budget {self.budget} is too small: it must exceed sinks + recent = {self.sinks + self.recent}",
+                field="budget")
         if self.positions not in POSITION_MODES:
-            raise UsageError(f"--positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})")
+            raise UsageError(f"positions must be one of {', '.join(POSITION_MODES)} (got {self.positions!r})",
+                             field="positions")
         if self.recall < 0:
-            raise UsageError(f"--recall must be non-negative (got {self.recall})")
+            raise UsageError(f"recall must be non-negative (got {self.recall})", field="recall")
         if self.page_size < 1:
-            raise UsageError(f"archive page size must be at least 1 (got {self.page_size})")
+            raise UsageError(f"archive page size must be at least 1 (got {self.page_size})", field="page_size")
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -254,8 +255,8 @@ class Engine:
                 raise UsageError(
                     f"the question ({length} tokens with the chat template) does not fit the budget: a head group "
                     f"holds {g.capacity} tokens and must keep {self.config.sinks} sinks, a {window}-token recent "
-                    f"window and the question while answering; raise --budget to at least {need} or shorten it"
-                )
+                    f"window and the question while answering; raise the budget to at least {need} or shorten it",
+                    field="budget")
         cache.pin_start = cache.seen
         cache.pin_end = cache.seen + length  # the answer is not pinned: it may outgrow the budget
 

@@ -8,9 +8,11 @@ multiplies cos/sin once at the original rotation and must not be applied again, 
 rotation is built from ``inv_freq`` and not from the module's cos/sin output.
 
 Chosen over "store un-rotated keys and rotate at attention time": rotating by δ touches only the keys
-whose slot moved, once per re-pack (see ``BoundedCache.compact_group``), while rotate-at-attention
+whose slot moved, once per re-pack (see ``CompactPositions.after_evict``), while rotate-at-attention
 re-rotates the whole cache in every layer for every block and decoded token; ``bench/positions.py``
-prints both costs.
+prints both costs. A 16-bit cache keeps each key at its original position too (``HeadGroup.origin``)
+and rotates from it, so a key is rounded once however many re-packs it lives through; angles are
+computed in float64 (positions past 2^24 are exact, and ``δ · θ`` keeps its low bits).
 
 Models with one RoPE per layer type (Gemma 3: base 10 000 on local layers, 1 000 000 with linear
 scaling on global ones) get one rotator per type; ``Rotator.for_layer`` hands each layer its own, so
@@ -18,6 +20,8 @@ a re-pack rotates every key with the frequencies it was rotated with in the firs
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -43,10 +47,11 @@ class Rotator:
     def __init__(self, inv_freq: Tensor, head_dim: int) -> None:
         if inv_freq.numel() * 2 != head_dim:
             raise UsageError(
-                f"--positions compact supports full-dimension RoPE only (rotary dim {inv_freq.numel() * 2} "
-                f"!= head dim {head_dim}); use --positions absolute"
-            )
+                f"compact positions support full-dimension RoPE only (rotary dim {inv_freq.numel() * 2} "
+                f"!= head dim {head_dim}); use absolute positions", field="positions")
         self.inv_freq = inv_freq.detach().float()
+        self._inv64: Tensor | None = None
+        self.calls = 0  # rotations performed (tests count them)
         self.layers: list[Rotator] | None = None  # per-layer rotators when layer types use different RoPEs
 
     def for_layer(self, layer_idx: int) -> Rotator:
@@ -66,9 +71,8 @@ class Rotator:
                 break
         if rope is None:
             raise UsageError(
-                f"--positions compact needs a RoPE model; {type(model).__name__} has no rotary embedding "
-                "(use --positions absolute)"
-            )
+                f"compact positions need a RoPE model; {type(model).__name__} has no rotary embedding "
+                "(use absolute positions)", field="positions")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if hasattr(rope, "inv_freq"):
             _check_static(_rope_type(config))
@@ -79,13 +83,13 @@ class Rotator:
         for t in dict.fromkeys(types):
             inv = getattr(rope, f"{t}_inv_freq", None)
             if not isinstance(inv, Tensor):
-                raise UsageError(f"--positions compact: no RoPE frequencies for layer type {t!r}; "
-                                 "use --positions absolute")
+                raise UsageError(f"compact positions: no RoPE frequencies for layer type {t!r}; "
+                                 "use absolute positions", field="positions")
             _check_static(_rope_type(config, t))
             per_type[t] = cls(inv, head_dim)
         if not per_type:
-            raise UsageError("--positions compact: the rotary embedding has no plain inv_freq and the model no "
-                             "layer types; use --positions absolute")
+            raise UsageError("compact positions: the rotary embedding has no plain inv_freq and the model no "
+                             "layer types; use absolute positions", field="positions")
         first = per_type[types[0]]
         out = cls(first.inv_freq, head_dim)
         out.layers = [per_type[t] for t in types[: config.num_hidden_layers]]
@@ -93,9 +97,11 @@ class Rotator:
 
     def rotate(self, keys: Tensor, delta: Tensor) -> Tensor:
         """keys [h, n, d] rotated by delta [h, n] (or [n]) positions, returned in keys' dtype."""
-        inv = self.inv_freq.to(keys.device)
-        angles = delta.to(torch.float32).unsqueeze(-1) * inv  # [h, n, d/2]: each angle serves both halves
-        cos, sin = angles.cos(), angles.sin()
+        self.calls += 1
+        if self._inv64 is None or self._inv64.device != keys.device:
+            self._inv64 = self.inv_freq.to(keys.device, torch.float64)
+        angles = delta.to(torch.float64).unsqueeze(-1) * self._inv64  # [h, n, d/2]: each angle serves both halves
+        cos, sin = angles.cos().float(), angles.sin().float()
         k = keys.float()
         half = k.shape[-1] // 2
         k1, k2 = k[..., :half], k[..., half:]
@@ -108,6 +114,196 @@ class Rotator:
 def _check_static(rtype: str) -> None:
     if rtype not in STATIC_ROPE_TYPES:
         raise UsageError(
-            f"--positions compact does not support rope type {rtype!r} (frequencies depend on length); "
-            "use --positions absolute"
-        )
+            f"compact positions do not support rope type {rtype!r} (frequencies depend on length); "
+            "use absolute positions", field="positions")
+
+
+class Packable(Protocol):
+    """What compact re-packing needs from a head group (``kvtool/core/storage.py``'s ``HeadGroup``)."""
+
+    length: int
+    num_heads: int
+    rotary_floor: int
+    window: int | None
+    rotator: Rotator | None
+
+    @property
+    def positions(self) -> Tensor: ...
+
+    @property
+    def rotary(self) -> Tensor: ...
+
+    @property
+    def origin(self) -> Tensor | None: ...
+
+    def stored_keys(self) -> Tensor: ...
+
+    def keep_origin(self) -> None: ...
+
+    def rotate_compensation(self, rotator: Rotator | None, delta: int) -> None: ...
+
+
+class CompactPositions:
+    """The position counter of compact mode and the re-packing of stored keys.
+
+    Every key records the RoPE position it holds (``HeadGroup.rotary``). The query position advances
+    with every block like an absolute one, so an eviction only leaves holes; a group is re-packed —
+    its keys moved to ``next − len + r`` for rank r, right up to the next query — once its holes
+    exceed one block (the slack). So no query ever sees a distance above capacity + 2 blocks, and a
+    re-pack rotates only the keys older than the newest hole (with a sink + window policy: just the
+    sinks). During decoding, one-token holes accumulate for a block's worth of steps before one
+    re-pack. When the next block would pass the model's range, everything shifts down at once
+    (``renormalize``): once every (range − capacity) tokens. A sliding-window group holds contiguous
+    keys already packed, so it is never rotated except by a renormalisation.
+    """
+
+    def __init__(self, mode: str, max_positions: int | None, block_size: int, device: torch.device) -> None:
+        self.mode = mode  # "absolute" | "compact" | "auto"
+        self.compact = mode == "compact"  # whether keys are currently at compact positions
+        self.since: int | None = 0 if self.compact else None
+        self.max_positions = max_positions
+        self.block_size = block_size
+        self.device = device
+        self.next = 0  # compact mode: rotary position of the next token
+        # Whether re-packing may read tensor data on the host: free on CPU (no device queue to wait
+        # for), a pipeline stall per layer on an accelerator (see ``rotate``).
+        self.host_reads = device.type == "cpu"
+
+    @property
+    def limit(self) -> int:
+        """Compact rotary positions stay below this (the trained range; 32K if the model does not say)."""
+        return self.max_positions or 32768
+
+    @property
+    def lazy_limit(self) -> int:
+        """Most tokens a group may hold while decoding lazily: with compact positions the next query
+        must stay inside the model's range after a renormalisation."""
+        return self.limit - 1 if self.mode != "absolute" else 1 << 62
+
+    def begin(self, groups: list[Packable], seen: int, m: int) -> Tensor:
+        """Rotary position ids for a block of ``m`` tokens starting at stream position ``seen``."""
+        if not self.compact and self.mode == "auto" and self.max_positions is not None:
+            if seen + m > self.max_positions:
+                self.switch(groups, seen)
+        if self.compact:
+            if self.next + m > self.limit:
+                self.renormalize(groups)
+            return torch.arange(self.next, self.next + m, device=self.device)
+        return torch.arange(seen, seen + m, device=self.device)
+
+    def first_rotary(self, seen: int) -> int:
+        """The rotary position the next appended token gets."""
+        return self.next if self.compact else seen
+
+    def switch(self, groups: list[Packable], seen: int) -> None:
+        """Re-rotate every stored key from its original position to a packed compact position."""
+        if not groups or groups[0].rotator is None:
+            raise RuntimeError("compact positions need a RoPE rotator")
+        P = max(g.length for g in groups)
+        for g in groups:
+            g.keep_origin()
+            self.pack(g, P)
+            g.rotate_compensation(g.rotator, P - seen)  # same frame shift as the query
+        self.next = P
+        self.compact = True
+        self.since = seen
+
+    def start(self, groups: list[Packable]) -> None:
+        """An empty cache in compact mode from the first token: keep keys' originals (16-bit caches)."""
+        if self.compact:
+            for g in groups:
+                g.keep_origin()
+
+    def renormalize(self, groups: list[Packable]) -> None:
+        """Shift every rotary position down so the next query sits at the longest group's length."""
+        shift = max(g.length for g in groups) - self.next
+        if shift == 0:
+            return
+        for g in groups:
+            n = g.length
+            if n:
+                self.rotate(g, torch.full((g.num_heads, n), shift, device=self.device))
+                g.rotary[:, :n] += shift
+            g.rotary_floor += shift
+            g.rotate_compensation(g.rotator, shift)
+        self.next += shift
+
+    def after_evict(self, g: Packable, evicted: bool, m: int) -> None:
+        """After a block's eviction step (compact mode): re-pack the group if its holes exceed the slack.
+
+        The compensation token moves with the query, keeping its dropped keys at the distance they
+        had when dropped.
+        """
+        if not self.compact:
+            return
+        g.rotate_compensation(g.rotator, m)
+        if not evicted or g.length == 0:
+            return
+        next_q = self.next + m  # the block's first rotary position is ``next`` (a Python int)
+        if g.window is not None:  # the newest tokens, contiguous: already packed, the floor is exact
+            g.rotary_floor = next_q - g.length
+            return
+        if next_q - g.rotary_floor > g.length + self.block_size:
+            self.pack(g, next_q)
+
+    def settle(self, g: Packable) -> None:
+        """Compact mode: pack a group whose tokens were merged at their original positions (recall)."""
+        if self.compact:
+            self.pack(g, self.next)
+
+    def pack(self, g: Packable, next_q: int) -> None:
+        """Move the group's keys to ``next_q − len + r`` (rank r)."""
+        n = g.length
+        if n == 0:
+            return
+        target = (next_q - n) + torch.arange(n, device=self.device)
+        self.rotate(g, target.unsqueeze(0) - g.rotary[:, :n], target)
+        g.rotary[:, :n] = target
+        g.rotary_floor = next_q - n
+
+    def rotate(self, g: Packable, delta: Tensor, target: Tensor | None = None) -> None:
+        """Rotate stored keys by ``delta`` [h, n] (a zero delta leaves a key bit-identical).
+
+        With ``g.origin`` the keys are rotated from their original positions to ``rotary + delta``
+        (rounded once). With ``host_reads`` (CPU: reading host tensors stalls no device queue) only
+        the prefix up to the last moved key is rotated — for a sink + window policy just the sinks.
+        On an accelerator every stored key is rotated instead: finding the last moved one would be a
+        host sync in every layer, and a re-pack happens at most once per block.
+        """
+        assert g.rotator is not None
+        end = delta.shape[1]
+        if self.host_reads:
+            moved = (delta != 0).any(0).nonzero()
+            if moved.numel() == 0:
+                return
+            end = int(moved[-1]) + 1
+        keys = g.stored_keys()[:, :end]
+        origin = g.origin
+        if origin is None:
+            keys.copy_(g.rotator.rotate(keys, delta[:, :end]))
+            return
+        to = (g.rotary[:, :end] + delta[:, :end]) if target is None else target[:end]
+        keys.copy_(g.rotator.rotate(origin[:, :end], to - g.positions[:, :end]))
+
+    def original_keys(self, g: Packable, idx: Tensor) -> Tensor:
+        """Keys of stored tokens ``idx`` [h, k] at their original positions (what the archive holds)."""
+        expand = idx.unsqueeze(-1).expand(-1, -1, g.stored_keys().shape[-1])
+        origin = g.origin
+        if origin is not None:
+            return origin[:, : g.length].gather(1, expand)
+        keys = g.stored_keys().gather(1, expand)
+        if not self.compact:
+            return keys
+        assert g.rotator is not None
+        n = g.length
+        return g.rotator.rotate(keys, g.positions[:, :n].gather(1, idx) - g.rotary[:, :n].gather(1, idx))
+
+    def state(self) -> dict[str, object]:
+        return {"rotary_next": self.next, "compact": self.compact, "compact_since": self.since,
+                "positions_mode": self.mode}
+
+    def load(self, scalars: dict[str, object], groups: list[Packable]) -> None:
+        self.next = int(scalars.get("rotary_next", 0) or 0)  # type: ignore[call-overload]
+        self.compact = bool(scalars["compact"])
+        self.since = scalars.get("compact_since")  # type: ignore[assignment]
+        self.start(groups)

@@ -16,6 +16,7 @@ lowered again by the next restore (``HeadGroup.load_state_dict``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -51,21 +52,14 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
         if g.capacity is None:
             continue
         dt = dtype or g.keys.dtype
-        g.archive = GroupArchive(g.num_heads, g.keys.shape[-1], dt, page_size, store)
-        if g.max_slots is not None:
-            g.max_slots += recall
-        _reserve(g, g.slots + recall)
+        g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store)
+        g.reserve(recall)
+    weakref.finalize(cache, _close_all, archives(cache))  # released cache → its archive files closed
 
 
-def _reserve(g: HeadGroup, slots: int) -> None:
-    """Reallocate an empty group's buffers with ``slots`` token slots (done once, before the first block)."""
-    assert g.length == 0
-    h, d, dev = g.num_heads, g.keys.shape[-1], g.keys.device
-    g.keys = torch.zeros(1, h, g.off + slots, d, dtype=g.keys.dtype, device=dev)
-    g.values = torch.zeros_like(g.keys)
-    g.positions = torch.zeros(h, slots, dtype=torch.long, device=dev)
-    g.rotary = torch.zeros_like(g.positions)
-    g.state = torch.zeros(g.state.shape[0], h, slots, dtype=torch.float32, device=dev)
+def _close_all(items: list[GroupArchive]) -> None:
+    for a in items:
+        a.close()
 
 
 def archives(cache: BoundedCache) -> list[GroupArchive]:
@@ -87,8 +81,11 @@ def archived_tokens(cache: BoundedCache) -> int:
 
 
 def close(cache: BoundedCache) -> None:
-    for a in archives(cache):
-        a.close()
+    """Close every archive of ``cache`` now (its files' descriptors); recall is off for it afterwards."""
+    for g in cache.groups():
+        if g.archive is not None:
+            g.archive.close()
+            g.archive = None
 
 
 def _group_queries(g: HeadGroup, queries: list[Tensor], rows: slice) -> Tensor:
@@ -102,7 +99,7 @@ def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] 
 
     The question's queries sit at compact positions, the archived keys at their original ones; on
     a document past the model's trained range, scoring them there would put relative distances
-    out of range (measured: at 32K the needle did not rank at all). A recalled key is packed in
+    out of range, where RoPE's scores mean nothing. A recalled key is packed in
     position order among the kept tokens, so it lands near ``rotary_floor + rank`` — score it there.
     """
     if not compact:
@@ -119,30 +116,7 @@ def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] 
 
 def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor) -> None:
     """Merge recalled tokens ([h, T, d] keys at original positions) with the kept ones, in position order."""
-    n, o, T = g.length, g.off, keys.shape[1]
-    if T == 0:
-        return
-    dev = g.keys.device
-    pos = torch.cat((g.positions[:, :n], positions.to(dev)), dim=1)
-    order = torch.argsort(pos, dim=1, stable=True)
-    d = g.keys.shape[-1]
-    idx = order.unsqueeze(-1).expand(-1, -1, d)
-    k = torch.cat((g.keys[0, :, o : o + n], keys.to(dev, g.keys.dtype)), dim=1).gather(1, idx)
-    v = torch.cat((g.values[0, :, o : o + n], values.to(dev, g.values.dtype)), dim=1).gather(1, idx)
-    rot = torch.cat((g.rotary[:, :n], positions.to(dev)), dim=1).gather(1, order)
-    g.keys[0, :, o : o + n + T] = k
-    g.values[0, :, o : o + n + T] = v
-    g.positions[:, : n + T] = pos.gather(1, order)
-    g.rotary[:, : n + T] = rot
-    if g.state.shape[0]:
-        fresh = torch.zeros(g.state.shape[0], g.num_heads, T, device=dev)
-        fresh[:] = g.new_state(keys.to(dev, g.keys.dtype), values.to(dev, g.values.dtype))  # recalled: constants again
-        st = torch.cat((g.state[:, :, :n], fresh), dim=2)
-        g.state[:, :, : n + T] = st.gather(2, order.unsqueeze(0).expand(g.state.shape[0], -1, -1))
-    g.length = n + T
-    if g.capacity is not None:
-        g.capacity = g.capacity + T
-    g.recalled = torch.sort(positions.to(dev), dim=1).values  # protected until the next restore
+    g.insert(keys, values, positions)
 
 
 @torch.inference_mode()
@@ -163,10 +137,8 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
     its archived tokens at the most relevant positions.
 
     Why one ranking for all heads: a needle is usually pointed at by a few retrieval heads, but
-    copying it out takes the needle's tokens in the other layers too. Measured on the embedded
-    model (2K haystack, h2o@256 + recall 256, depth 0.5): with each head choosing by its own scores
-    only 11–16 of 90 KV heads held all five digits and 3 of 4 trials failed; with the shared ranking
-    90 of 90 did and 2 of those 3 were answered (docs/results.md).
+    copying it out takes the needle's tokens in the other layers too; with each head choosing by its
+    own scores most heads miss part of the passage.
     """
     t0 = cache.clock()
     by_layer: dict[int, list[Tensor]] = {}
@@ -200,8 +172,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
         idx = a.top_by_position(ranking, T)
         keys, values, pos = a.read(idx)
         insert(g, keys, values, pos)
-        if cache.compact:
-            cache._pack(g, cache.rotary_next)
+        cache.rope.settle(g)
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
     out.seconds = cache.clock() - t0

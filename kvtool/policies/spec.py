@@ -95,8 +95,8 @@ def build_policy(spec: str, options: dict[str, Any] | None, env: PolicyEnv) -> P
         if policy.own_layout and not modifier.forwards_layout:
             raise UsageError(
                 f"modifier {name!r} cannot wrap {policy.spec!r}: it lays out its own head groups, which {name!r} "
-                f"would lose; put the modifier on its fallback instead (--policy-opt fallback=h2o+{name})"
-            )
+                f"would lose; put the modifier on its fallback instead (policy option fallback=h2o+{name})",
+                field="policy_opt")
         if not policy.needs_attention:
             attn = sorted(n for n, c in REGISTRY.bases.items() if c().needs_attention)
             raise UsageError(

@@ -130,7 +130,7 @@ class Razor(Policy):
     def _split(self, layer_idx: int, env: PolicyEnv) -> dict[str, Any]:
         B = env.budget
         if B is None:
-            raise UsageError("razor needs a KV budget (--budget): it splits B × KV heads tokens per layer")
+            raise UsageError("razor needs a KV budget: it splits B × KV heads tokens per layer", field="budget")
         hkv = env.num_kv_heads
         ret = [h for h in self.retrieval_heads(env).get(layer_idx, []) if h < hkv]
         other = [h for h in range(hkv) if h not in ret]

@@ -1,0 +1,468 @@
+"""Head-group storage: one registry of per-token buffers, moved together by append, gather, permute, grow.
+
+Layout (one ``HeadGroup`` per group of KV heads of a layer that share a capacity)::
+
+    buffers (TokenBuffers: name -> tensor, token axis, leading fixed slots)
+      keys, values   [h, off + slots, d]   post-RoPE keys (off = 1: RazorAttention's compensation slot)
+      positions      [h, slots]            int64, original stream position of each token
+      rotary         [h, slots]            int64, the RoPE position each stored key holds now
+      state          [F, h, slots]         float32, the policy's per-token running state
+      mass           [h, slots]            float32, attention received while citing (registered on demand)
+      origin         [h, slots, d]         keys at their original position (compact positions, 16-bit only)
+
+Every per-token tensor lives in the registry, so eviction, recall's merge, growth and ``.kvc`` loading
+move all of them with the same index; a new per-token buffer is one ``add`` call. Within a group every
+head holds the same number of tokens, so no ragged masks are needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvtool.core.archive import GroupArchive, dropped_indices
+from kvtool.core.contract import GroupSpec, Policy
+from kvtool.core.positions import Rotator
+from kvtool.errors import UsageError
+
+#: a head group whose full buffers would exceed this starts small and grows (see ``HeadGroup.__init__``)
+LAZY_GROUP_BYTES = 256 * 1024 * 1024
+LAZY_START_SLOTS = 4096
+#: buffers a ``.kvc`` file and a snapshot hold (the others are derived or transient)
+PERSISTED = ("keys", "values", "positions", "rotary", "state")
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Memory the device can still give (CUDA: free memory; CPU: MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass
+class TokenBuffer:
+    """One per-token tensor: ``data`` with its token axis (the head axis precedes it) and fixed leading slots."""
+
+    data: Tensor
+    axis: int
+    lead: int = 0
+
+    def tokens(self, start: int, stop: int) -> Tensor:
+        """The view of tokens ``start`` … ``stop`` − 1 (the leading slots excluded)."""
+        return self.data.narrow(self.axis, self.lead + start, stop - start)
+
+    def index(self, idx: Tensor) -> Tensor:
+        """``idx`` [h, c] shaped and expanded to gather this buffer's tokens along its axis."""
+        shape = [1] * self.data.dim()
+        shape[self.axis - 1], shape[self.axis] = idx.shape
+        size = list(self.data.shape)
+        size[self.axis] = idx.shape[1]
+        return idx.view(shape).expand(size)
+
+
+class TokenBuffers:
+    """A registry of per-token buffers sharing one slot count; every operation applies to all of them."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.items: dict[str, TokenBuffer] = {}
+
+    def add(self, name: str, head_shape: tuple[int, ...], tail: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device, lead: int = 0) -> Tensor:
+        """Register a zeroed buffer ``[*head_shape, lead + slots, *tail]`` (``head_shape`` ends with the heads)."""
+        data = torch.zeros(*head_shape, lead + self.slots, *tail, dtype=dtype, device=device)
+        self.items[name] = TokenBuffer(data, len(head_shape), lead)
+        return data
+
+    def remove(self, name: str) -> None:
+        self.items.pop(name, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.items
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.items[name].data
+
+    def bytes_per_slot(self) -> int:
+        return sum(b.data.numel() // max(1, b.data.shape[b.axis]) * b.data.element_size()
+                   for b in self.items.values())
+
+    def resize(self, slots: int, keep: int) -> None:
+        """Reallocate every buffer with ``slots`` slots, keeping the first ``keep`` tokens (and leading slots)."""
+        for b in self.items.values():
+            shape = list(b.data.shape)
+            shape[b.axis] = b.lead + slots
+            data = torch.zeros(shape, dtype=b.data.dtype, device=b.data.device)
+            n = b.lead + keep
+            data.narrow(b.axis, 0, n).copy_(b.data.narrow(b.axis, 0, n))
+            b.data = data
+        self.slots = slots
+
+    def write(self, start: int, values: dict[str, Tensor | float]) -> int:
+        """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros.
+
+        Returns m, taken from the first tensor value.
+        """
+        m = next(v.shape[self.items[k].axis] for k, v in values.items() if isinstance(v, Tensor))
+        for name, b in self.items.items():
+            dst = b.tokens(start, start + m)
+            v = values.get(name, 0.0)
+            if isinstance(v, Tensor):
+                dst.copy_(v)
+            else:
+                dst.fill_(v)
+        return m
+
+    def gather(self, keep: Tensor, n: int) -> None:
+        """Keep tokens ``keep`` [h, c] (indices into the first ``n``) as tokens 0 … c − 1 of every buffer."""
+        c = keep.shape[1]
+        for b in self.items.values():
+            if b.data.numel() == 0:
+                continue
+            b.tokens(0, c).copy_(b.tokens(0, n).gather(b.axis, b.index(keep)))
+
+    def permute(self, order: Tensor) -> None:
+        """Reorder the first ``order.shape[1]`` tokens of every buffer by ``order`` [h, n] (a permutation)."""
+        self.gather(order, order.shape[1])
+
+    def saved(self, name: str, n: int) -> Tensor:
+        """The leading slots and first ``n`` tokens of a buffer, contiguous (snapshots, ``.kvc``)."""
+        b = self.items[name]
+        return b.data.narrow(b.axis, 0, b.lead + n).contiguous()
+
+    def load(self, name: str, t: Tensor, n: int) -> None:
+        b = self.items[name]
+        b.data.narrow(b.axis, 0, b.lead + n).copy_(t)
+
+
+def _check_free(g: HeadGroup, new_slots: int) -> None:
+    need = (new_slots - g.slots) * g.buffers.bytes_per_slot()
+    free = free_device_bytes(g.device)
+    if free is not None and need > free:
+        raise UsageError(
+            f"the KV cache needs {need / 2**30:.1f} GiB more for {new_slots:,} tokens per head, but "
+            f"{g.device} has {free / 2**30:.1f} GiB free; lower the budget or the block size", field="budget")
+
+
+class HeadGroup:
+    """Storage for the KV heads of one layer that share a capacity and a policy."""
+
+    def __init__(self, spec: GroupSpec, num_kv_heads: int, q_per_kv: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.heads = list(spec.heads)
+        self.capacity = spec.capacity
+        self.base_capacity = spec.capacity  # recall raises ``capacity`` for one answer; restore lowers it
+        # Positions [h, T] (ascending) recalled for the current answer: kept until the next restore, so the
+        # question and the answer displace the policy's own tokens, as without recall (core/recall.py)
+        self.recalled: Tensor | None = None
+        self.archive: GroupArchive | None = None  # where evicted tokens go (kvtool/core/archive.py)
+        self.policy: Policy = spec.policy
+        self.compensation = spec.compensation
+        self.off = 1 if spec.compensation else 0
+        self.window = spec.window  # sliding-window layer: tokens stay contiguous, masked by distance
+        self.rotator: Rotator | None = None  # the layer's own RoPE (compact positions), set by BoundedCache
+        self.all_heads = self.heads == list(range(num_kv_heads))
+        self.kv_index = torch.tensor(self.heads, dtype=torch.long, device=device)
+        q_idx = [h * q_per_kv + j for h in self.heads for j in range(q_per_kv)]
+        self.q_index = torch.tensor(q_idx, dtype=torch.long, device=device)
+        self.q_per_kv = q_per_kv
+        self.state_fields: tuple[str, ...] = tuple(self.policy.state_fields)
+        self.device = device
+        self.head_dim = head_dim
+        h = len(self.heads)
+        # What the run may need is capacity + one block; buffers start there unless that is large, then they
+        # start small and double up to it as tokens arrive: a budget or block far above the document's length
+        # allocates only what the document fills (growth happens a few times per run, never per token).
+        self.max_slots = None if self.capacity is None else self.capacity + block_size
+        per_slot = h * (2 * head_dim * torch.empty((), dtype=dtype).element_size() + 16 + 4 * len(self.state_fields))
+        slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
+        if slots * per_slot > LAZY_GROUP_BYTES:
+            slots = min(slots, LAZY_START_SLOTS)
+        self.buffers = TokenBuffers(slots)
+        self.buffers.add("keys", (h,), (head_dim,), dtype, device, lead=self.off)
+        self.buffers.add("values", (h,), (head_dim,), dtype, device, lead=self.off)
+        self.buffers.add("positions", (h,), (), torch.long, device)
+        self.buffers.add("rotary", (h,), (), torch.long, device)
+        self.buffers.add("state", (len(self.state_fields), h), (), torch.float32, device)
+        self.length = 0
+        # Lowest RoPE position any stored key holds, as a Python int (compact re-packing reads it on
+        # every step; reading it from ``rotary`` would be a host sync per layer). Exact while the
+        # first token is a sink; a lower bound otherwise (which only re-packs earlier).
+        self.rotary_floor = 0
+        # compensation token (RazorAttention eq. 4): running sums of dropped keys/values in float32
+        self.comp_key_sum = torch.zeros(h, head_dim, dtype=torch.float32, device=device) if self.off else None
+        self.comp_value_sum = torch.zeros_like(self.comp_key_sum) if self.off else None
+        self.comp_count = 0
+
+    # -- buffer views (the registry's tensors; keys/values with a leading batch axis) --------------
+    @property
+    def keys(self) -> Tensor:
+        return self.buffers["keys"].unsqueeze(0)
+
+    @property
+    def values(self) -> Tensor:
+        return self.buffers["values"].unsqueeze(0)
+
+    @property
+    def positions(self) -> Tensor:
+        return self.buffers["positions"]
+
+    @property
+    def rotary(self) -> Tensor:
+        return self.buffers["rotary"]
+
+    @property
+    def state(self) -> Tensor:
+        return self.buffers["state"]
+
+    @property
+    def mass(self) -> Tensor | None:
+        """Attention mass per stored token while an answer is decoded with citations (None: not citing)."""
+        return self.buffers["mass"] if "mass" in self.buffers else None
+
+    @property
+    def origin(self) -> Tensor | None:
+        """Keys at their original positions [h, slots, d] (compact positions in 16 bits), else None."""
+        return self.buffers["origin"] if "origin" in self.buffers else None
+
+    def start_mass(self) -> None:
+        """Register (or zero) the citation-mass buffer."""
+        if "mass" in self.buffers:
+            self.buffers["mass"].zero_()
+        else:
+            self.buffers.add("mass", (self.num_heads,), (), torch.float32, self.device)
+
+    def stop_mass(self) -> None:
+        self.buffers.remove("mass")
+
+    def keep_origin(self) -> None:
+        """Keep each key at its original position beside the rotated one (a 16-bit cache in compact mode),
+        so a re-pack rotates from the model's own key and rounds once, not once per re-pack."""
+        if "origin" in self.buffers or self.buffers["keys"].element_size() >= 4:
+            return
+        self.buffers.add("origin", (self.num_heads,), (self.head_dim,), self.buffers["keys"].dtype, self.device)
+        n = self.length
+        if n:
+            keys = self.buffers.items["keys"].tokens(0, n)
+            if self.rotator is not None:
+                keys = self.rotator.rotate(keys, self.positions[:, :n] - self.rotary[:, :n])
+            self.buffers.items["origin"].tokens(0, n).copy_(keys)
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def slots(self) -> int:
+        return self.buffers.slots
+
+    def allocated_bytes(self) -> int:
+        return 2 * self.buffers["keys"].numel() * self.buffers["keys"].element_size()
+
+    def promised_tokens(self) -> int | None:
+        """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""
+        return None if self.base_capacity is None else self.base_capacity + self.off
+
+    def stored_bytes(self) -> int:
+        """Bytes of K/V actually held (stored tokens and the compensation slot)."""
+        per_token = 2 * self.head_dim * self.buffers["keys"].element_size() * self.num_heads
+        return (self.length + self.off) * per_token
+
+    # -- appending ----------------------------------------------------------------------------
+    def grow(self, needed: int) -> None:
+        """Enlarge the buffers (double, to at most ``max_slots``): the unbounded ``full`` group, or a large one.
+
+        Before allocating, the new size is checked against the device's free memory: a plan that cannot fit
+        is a one-line usage error with the figure, not an allocator failure or the OOM killer.
+        """
+        new_slots = max(needed, 2 * self.slots)
+        if self.max_slots is not None:
+            new_slots = min(new_slots, self.max_slots)
+        _check_free(self, new_slots)
+        self.buffers.resize(new_slots, self.length)
+
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` more tokens per head, allocated now (recall's slots, before the first block)."""
+        if self.max_slots is not None:
+            self.max_slots += extra
+        _check_free(self, self.slots + extra)
+        self.buffers.resize(self.slots + extra, self.length)
+
+    def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor, rotary: Tensor | None = None) -> None:
+        """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""
+        m = key_states.shape[2]
+        if self.length + m > self.slots:
+            if self.max_slots is not None and self.length + m > self.max_slots:
+                raise RuntimeError(f"block of {m} tokens does not fit: capacity {self.capacity}, slots {self.slots}")
+            self.grow(self.length + m)
+        if not self.all_heads:
+            key_states = key_states.index_select(1, self.kv_index)
+            value_states = value_states.index_select(1, self.kv_index)
+        keys, values = key_states[0], value_states[0]
+        self._write(keys, values, positions.expand(self.num_heads, m),
+                    (positions if rotary is None else rotary).expand(self.num_heads, m), original=keys)
+
+    def _write(self, keys: Tensor, values: Tensor, positions: Tensor, rotary: Tensor, original: Tensor) -> None:
+        """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions."""
+        row: dict[str, Tensor | float] = {"keys": keys, "values": values, "positions": positions, "rotary": rotary,
+                                          "state": self.new_state(keys, values)}
+        if "origin" in self.buffers:
+            row["origin"] = original
+        self.length += self.buffers.write(self.length, row)
+
+    def insert(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
+        """Merge tokens ([h, T, d] keys at their original ``positions`` [h, T]) with the stored ones, in
+        position order; they count on top of the capacity until the next restore (recall's one entry)."""
+        n, T = self.length, keys.shape[1]
+        if T == 0:
+            return
+        if n + T > self.slots:
+            raise RuntimeError(f"{T} recalled tokens do not fit: {n} stored, {self.slots} slots")
+        dt = self.buffers["keys"].dtype
+        keys, values, positions = keys.to(self.device, dt), values.to(self.device, dt), positions.to(self.device)
+        self._write(keys, values, positions, positions, original=keys)
+        order = torch.argsort(self.positions[:, : n + T], dim=1, stable=True)
+        self.buffers.permute(order)
+        if self.capacity is not None:
+            self.capacity += T
+        self.recalled = torch.sort(positions, dim=1).values  # protected until the next restore
+
+    def new_state(self, keys: Tensor, values: Tensor) -> Tensor | float:
+        """Policy state of tokens being stored ([h, m, d] keys/values) → ``[F, h, m]``.
+
+        Running fields (H2O's sums) start at 0; per-token constants (``Policy.constants``: KeyDiff's
+        inverse key norm, VATP's ‖v‖₁) are computed here, once per token, so scoring never recomputes
+        them over the whole cache. A plain 0 when there are none.
+        """
+        consts = self.policy.constants(keys, values) if self.state_fields else {}
+        if not consts:
+            return 0.0
+        out = torch.zeros(len(self.state_fields), keys.shape[0], keys.shape[1], dtype=torch.float32,
+                          device=keys.device)
+        for name, value in consts.items():
+            out[self.state_fields.index(name)] = value
+        return out
+
+    def evicts_now(self, lazy: bool, lazy_limit: int) -> bool:
+        """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
+        block region is full (one gather per block of generated tokens instead of one per token) or
+        it holds ``lazy_limit`` tokens (compact positions must stay inside the model's range)."""
+        if self.capacity is None or self.length <= self.capacity:
+            return False
+        return not lazy or self.length >= min(self.usable_slots, lazy_limit)
+
+    @property
+    def usable_slots(self) -> int:
+        """Slots the group may fill: capacity + one block (its buffers may still be smaller and grow)."""
+        return self.slots if self.max_slots is None else self.max_slots
+
+    def room(self) -> int:
+        """Tokens the group can still append without evicting (unbounded groups grow: no limit)."""
+        return 1 << 62 if self.capacity is None else self.usable_slots - self.length
+
+    # -- views ----------------------------------------------------------------------------------
+    def kv(self) -> tuple[Tensor, Tensor]:
+        """Keys/values the block's queries attend to: [1, h, off + length, d]."""
+        end = self.off + self.length
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def stored_keys(self) -> Tensor:
+        """The stored keys [h, length, d] (a view, compensation slot excluded)."""
+        return self.buffers.items["keys"].tokens(0, self.length)
+
+    def comp_bias(self) -> float:
+        """Logit bias of the compensation slot: log N_d (RazorAttention eq. 5), −inf when empty."""
+        return math.log(self.comp_count) if self.comp_count > 0 else float("-inf")
+
+    def rotate_compensation(self, rotator: Rotator | None, delta: int) -> None:
+        """Move the compensation token by ``delta`` positions (compact mode keeps it near the window)."""
+        if self.comp_key_sum is None or self.comp_count == 0 or delta == 0 or rotator is None:
+            return
+        d = torch.full((self.num_heads, 1), delta, device=self.comp_key_sum.device)
+        self.comp_key_sum.copy_(rotator.rotate(self.comp_key_sum.unsqueeze(1), d).squeeze(1))
+        self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
+
+    def state_views(self) -> dict[str, Tensor]:
+        n = self.length
+        return {name: self.state[i, :, :n] for i, name in enumerate(self.state_fields)}
+
+    # -- eviction -------------------------------------------------------------------------------
+    def gather(self, keep: Tensor) -> None:
+        """Keep tokens ``keep`` ([h, c] sorted indices into the stored tokens), in place.
+
+        One index per head moves every per-token buffer together; the dropped tokens feed the
+        compensation token when the group has one.
+        """
+        c, n = keep.shape[1], self.length
+        if self.comp_key_sum is not None and n > c:
+            self._compensate(dropped_indices(keep, n))
+        self.buffers.gather(keep, n)
+        self.length = c
+
+    def _compensate(self, dropped: Tensor) -> None:
+        """Add the dropped tokens to the compensation sums, in float32 (eq. 4 as a running mean): "all
+        minus kept" would subtract two large sums and lose the small difference to cancellation."""
+        assert self.comp_key_sum is not None and self.comp_value_sum is not None
+        n = self.length
+        idx = dropped.unsqueeze(-1).expand(-1, -1, self.head_dim)
+        self.comp_key_sum += self.stored_keys().gather(1, idx).float().sum(1)
+        self.comp_value_sum += self.buffers.items["values"].tokens(0, n).gather(1, idx).float().sum(1)
+        self.comp_count += dropped.shape[1]
+        self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
+        self.values[0, :, 0] = (self.comp_value_sum / self.comp_count).to(self.values.dtype)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.comp_count = 0
+        if self.comp_key_sum is not None and self.comp_value_sum is not None:
+            self.comp_key_sum.zero_()
+            self.comp_value_sum.zero_()
+
+    # -- persistence -----------------------------------------------------------------------------
+    def state_dict(self, prefix: str) -> dict[str, Tensor]:
+        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in PERSISTED}
+        if self.comp_key_sum is not None and self.comp_value_sum is not None:
+            out[f"{prefix}.comp_key_sum"] = self.comp_key_sum.clone()
+            out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
+            out[f"{prefix}.comp_count"] = torch.tensor([self.comp_count], dtype=torch.long)
+        return out
+
+    def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
+        keys = tensors[f"{prefix}.keys"]
+        self.capacity = self.base_capacity
+        self.recalled = None
+        n = keys.shape[1] - self.off
+        if keys.shape[0] != self.num_heads or keys.shape[-1] != self.head_dim:
+            raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
+        if n > self.slots:
+            if self.capacity is not None and n > self.capacity:
+                raise ValueError(f"{prefix}: {n} tokens exceed the capacity {self.capacity}")
+            self.grow(n)
+        st = tensors[f"{prefix}.state"]
+        if st.shape[0] != self.state.shape[0]:
+            raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
+        for name in PERSISTED:
+            b = self.buffers[name]
+            self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)
+        self.length = n
+        if "mass" in self.buffers:
+            self.buffers.items["mass"].tokens(0, n).zero_()
+        if "origin" in self.buffers:  # back to the original frame: one rounding, not one per re-pack
+            self.buffers.remove("origin")
+            self.keep_origin()
+        self.rotary_floor = int(self.rotary[:, 0].min()) if n else 0
+        if self.comp_key_sum is not None and self.comp_value_sum is not None:
+            self.comp_key_sum.copy_(tensors[f"{prefix}.comp_key_sum"])
+            self.comp_value_sum.copy_(tensors[f"{prefix}.comp_value_sum"])
+            self.comp_count = int(tensors[f"{prefix}.comp_count"][0])

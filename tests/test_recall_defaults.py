@@ -1,0 +1,67 @@
+"""Recall's defaults and limits: descriptors closed with their cache, global groups only, slots sized
+by what the document can fill."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from kvtool.core import recall
+from kvtool.core.engine import Engine, EngineConfig, model_env
+from kvtool.policies import build_policy
+from tests.helpers import VOCAB, tiny_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recall_engine(model, policy: str, budget: int | None, rec: int, positions: str = "absolute",
+                  block_size: int = 16, archive_dir: str | None = None, retrieval=None) -> Engine:
+    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=rec, archive_dir=archive_dir)
+    env = model_env(model, cfg, retrieval_heads=retrieval)
+    return Engine(model, build_policy(policy, {}, env), cfg, env=env)
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_archive_descriptors_close_with_their_cache_under_a_low_fd_limit(tmp_path):
+    """Fifteen reads with a file-backed archive in one process under ``ulimit -n 64``: each read opens
+    three files per bounded group; the count of open descriptors stays flat."""
+    script = textwrap.dedent(f"""
+        import os, resource, sys, torch
+        sys.path.insert(0, {ROOT!r})
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        from tests.test_recall_defaults import recall_engine, ids_of
+        from tests.helpers import tiny_llama
+        engine = recall_engine(tiny_llama(), "h2o", 32, 16, archive_dir={str(tmp_path)!r})
+        def fds():
+            return len(os.listdir("/proc/self/fd"))
+        counts = []
+        for i in range(15):
+            cache = engine.new_cache()
+            engine.feed(cache, [ids_of(64, i)], progress=False)
+            snap = cache.snapshot()
+            engine.feed_question(cache, ids_of(6, 99), lambda: cache.restore(snap))
+            del cache, snap
+            counts.append(fds())
+        print(counts[0], counts[-1])
+        assert counts[-1] <= counts[0], counts
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_explicit_close_releases_the_files(tmp_path):
+    engine = recall_engine(tiny_llama(), "sink", 32, 16, archive_dir=str(tmp_path))
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(80, 1)], progress=False)
+    stores = [st for a in recall.archives(cache) for st in (a.store, a.index, a.summaries)]
+    assert stores and all(st.fd is not None for st in stores)
+    recall.close(cache)
+    assert all(st.fd is None for st in stores) and recall.archives(cache) == []

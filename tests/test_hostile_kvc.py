@@ -309,7 +309,7 @@ def test_metadata_without_its_checksum_is_refused(env, tmp_path, capsys):
 
 # -- f. invalid archive settings: a warning, never a crash -----------------------------------------------------------
 @pytest.mark.parametrize("edit", [{"page_size": 0}, {"page_size": -3}, {"page_size": "32"}, {"page_size": 2**40},
-                                  {"dtype": "int4"}, {"file": 7}])
+                                  {"dtype": "int4"}, {"file": 7}, {"recall": 2**40}])
 def test_invalid_archive_settings_answer_without_recall(env, tmp_path, capsys, edit):
     kvc, _ = copy_pair(env, tmp_path)
     bad = rewrite(kvc, tmp_path / "bad.kvc", lambda m: m["archive"].update(edit))

@@ -107,11 +107,12 @@ def remove(cache_path: str, info: dict[str, Any] | None) -> None:
 
 
 # -- loading ------------------------------------------------------------------------------------------------------
-def settings_of(info: Any) -> tuple[str, int, str | None, int | None]:
+def settings_of(info: Any, seen: int | None = None) -> tuple[str, int, str | None, int | None]:
     """(file name, page size, dtype or None, recall size or None) of the ``archive`` metadata, checked.
 
     Raises ``ArchiveUnusable`` for anything a loader cannot use: a name with a directory part, a page size
-    outside 1..``MAX_PAGE_SIZE``, an unknown dtype, a missing checksum.
+    outside 1..``MAX_PAGE_SIZE``, an unknown dtype, a recall size above the ``seen`` tokens (it sizes the
+    cache's buffers), a missing checksum.
     """
     if not isinstance(info, dict):
         raise ArchiveUnusable("its archive metadata is not an object")
@@ -124,7 +125,7 @@ def settings_of(info: Any) -> tuple[str, int, str | None, int | None]:
         raise ArchiveUnusable("its archive page size is invalid")
     if dtype is not None and (dtype not in ARCHIVE_DTYPES or dtype == "auto"):
         raise ArchiveUnusable("its archive dtype is invalid")
-    if recall is not None and not is_int(recall, 1):
+    if recall is not None and not is_int(recall, 1, seen if seen is not None else MAX_PAGE_SIZE):
         raise ArchiveUnusable("its recall size is invalid")
     if not isinstance(info.get("tensors_sha256"), str):
         raise ArchiveUnusable("its archive has no checksum")
@@ -142,7 +143,7 @@ def load_archive(path: str, meta: dict[str, Any], cache: BoundedCache) -> str | 
         detach(cache)
         return f"{path} has no archive of evicted tokens: answering without recall (prefill with --recall)"
     try:
-        name, page_size, saved, _ = settings_of(info)
+        name, page_size, saved, _ = settings_of(info, (meta.get("cache") or {}).get("seen"))
     except ArchiveUnusable as e:
         detach(cache)
         return f"{path}: {e}: answering without recall"

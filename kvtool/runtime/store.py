@@ -73,21 +73,22 @@ def settings_overrides(header: KvcHeader, overrides: dict[str, Any]) -> dict[str
             out[key] = stored[key]
     if overrides.get("quantize") is None and stored.get("quantize"):
         out["quantize"] = stored["quantize"]
-    out.update(_archive_defaults(meta.get("archive"), overrides))
+    out.update(_archive_defaults(meta, overrides))
     return out
 
 
-def _archive_defaults(info: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+def _archive_defaults(meta: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """What the file's archive records (recall size, page size, dtype) for the settings not given.
 
     A ``.kvc`` with an archive recalls by default, as its prefill did; an explicit flag wins (a conflicting
     ``--archive-dtype`` or ``--recall-page`` is then a warning at load time). Unusable archive metadata
     fills nothing: loading says why it answers without recall.
     """
+    info = meta.get("archive")
     if not info:
         return {}
     try:
-        _, page, dtype, recall = archive.settings_of(info)
+        _, page, dtype, recall = archive.settings_of(info, (meta.get("cache") or {}).get("seen"))
     except archive.ArchiveUnusable:
         return {}
     out: dict[str, Any] = {}

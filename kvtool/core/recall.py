@@ -49,7 +49,7 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
     back to the cache's dtype, so a narrower archive costs only its rounding (``--archive-dtype``).
     """
     for g in cache.groups():
-        if g.capacity is None:
+        if not recallable(g):
             continue
         dt = dtype or g.keys.dtype
         g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store)
@@ -60,6 +60,18 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
 def _close_all(items: list[GroupArchive]) -> None:
     for a in items:
         a.close()
+
+
+def recallable(g: HeadGroup) -> bool:
+    """Whether a group archives and recalls: global, budgeted, uncompensated groups only.
+
+    A sliding-window layer's queries never see a key past its window, so what leaves the window is
+    gone by the model's own definition (archiving it would only cost disk, and recalling into it
+    would show a local layer keys it must not see; with no archive its queries do not vote either).
+    A compensated group (RazorAttention's non-retrieval heads) already holds the mean of every
+    dropped token in its compensation slot: a recalled token would count there and again itself.
+    """
+    return g.capacity is not None and g.window is None and not g.compensation
 
 
 def archives(cache: BoundedCache) -> list[GroupArchive]:

@@ -13,6 +13,7 @@ import torch
 
 from kvtool.core import recall
 from kvtool.core.engine import Engine, EngineConfig, model_env
+from kvtool.errors import UsageError
 from kvtool.policies import build_policy
 from tests.helpers import VOCAB, dense_logits, tiny_family, tiny_llama
 
@@ -93,3 +94,31 @@ def test_razor_compensated_heads_do_not_recall():
     assert any(g.compensation for g in cache.groups())
     assert all(g.archive is None for g in cache.groups() if g.compensation)
     assert any(g.archive is not None for g in cache.groups())
+
+
+def test_a_huge_recall_allocates_only_what_the_document_archived():
+    """recall = 10M tokens per head: nothing is allocated for it up front; at the question the slots grow
+    by what was archived (the document's evicted tokens), not by the setting."""
+    model = tiny_llama()
+    engine = recall_engine(model, "sink", 32, 10_000_000)
+    cache = engine.new_cache()
+    assert all(g.slots <= 32 + 16 for g in cache.groups())
+    engine.feed(cache, [ids_of(120, 5)], progress=False)
+    snap = cache.snapshot()
+    archived = max(a.length for a in recall.archives(cache))
+    _, res = engine.feed_question(cache, ids_of(6, 6), lambda: cache.restore(snap))
+    assert res is not None and res.tokens == archived
+    assert all(g.slots <= 32 + 16 + archived for g in cache.groups())
+
+
+def test_recall_beyond_free_memory_is_a_usage_error_with_the_figure(monkeypatch):
+    from kvtool.core import storage
+
+    engine = recall_engine(tiny_llama(), "sink", 32, 64)
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(120, 5)], progress=False)
+    snap = cache.snapshot()
+    monkeypatch.setattr(storage, "free_device_bytes", lambda device: 100)
+    with pytest.raises(UsageError, match="GiB free; lower the recall") as e:
+        engine.feed_question(cache, ids_of(6, 6), lambda: cache.restore(snap))
+    assert e.value.field == "recall"

@@ -27,7 +27,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.core.contract import GroupSpec, ScoreContext
-from kvtool.core.evict import evict_step
+from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
 from kvtool.core.storage import LAZY_GROUP_BYTES, LAZY_START_SLOTS, HeadGroup, free_device_bytes
 
@@ -125,6 +125,7 @@ class BoundedLayer(CacheLayerMixin):
         keys, values = g.kv()
         pos = g.positions[:, :n]
         cap = g.capacity if g.capacity is not None else n
+        protected, priority = owner.protection(pos, g)
         return ScoreContext(
             layer_idx=self.layer_idx,
             heads=g.heads,
@@ -134,7 +135,8 @@ class BoundedLayer(CacheLayerMixin):
             query_positions=owner.step_original_positions,
             probs=probs,
             state=g.state_views(),
-            protected=owner.protected_mask(pos, g),
+            protected=protected,
+            priority=priority,
             capacity=cap,
             block_len=owner.step_len,
             seen=owner.seen,
@@ -257,17 +259,30 @@ class BoundedCache(Cache):
     # -- protection --------------------------------------------------------------------------------
     def protected_mask(self, pos: Tensor, g: HeadGroup) -> Tensor:
         """Sinks, the recent window (engine's and the policy's), and pinned tokens."""
+        return self.protection(pos, g)[0]
+
+    def protection(self, pos: Tensor, g: HeadGroup) -> tuple[Tensor, Tensor]:
+        """The protected tokens [h, n] and their priority [h, n] int64 (see ``keep_top``).
+
+        Grades, highest kept first when protected tokens exceed a head's capacity: sinks (oldest
+        first), the pinned question and recalled tokens, the recent window (engine's and the
+        policy's ``protected_recent``), then what the policy protects itself (``extra_protected``,
+        graded in ``evict.evict_step``); within a grade the newest first. Distinct per head.
+        """
         cap = g.capacity if g.capacity is not None else g.length
         recent = max(self.recent, g.policy.protected_recent(cap))
         end = self.seen + self.step.length  # tokens seen once this block is in
-        mask = (pos < self.sinks) | (pos >= end - recent)
+        sinks = pos < self.sinks
+        newest = pos >= end - recent
+        pinned = torch.zeros_like(sinks)
         if self.pin_start is not None:
             pinned = pos >= self.pin_start
-            mask |= pinned if self.pin_end is None else pinned & (pos < self.pin_end)
+            pinned = pinned if self.pin_end is None else pinned & (pos < self.pin_end)
         if g.recalled is not None:  # recalled for this answer: a sorted search per head, no host sync
             at = torch.searchsorted(g.recalled, pos.contiguous()).clamp_(max=g.recalled.shape[1] - 1)
-            mask |= g.recalled.gather(1, at) == pos
-        return mask
+            pinned = pinned | (g.recalled.gather(1, at) == pos)
+        mask = sinks | newest | pinned
+        return mask, protection_rank(pos, sinks, pinned, newest)
 
     @property
     def lazy_limit(self) -> int:

@@ -45,6 +45,9 @@ class ScoreContext:
     capacity: int  # tokens the group keeps after eviction
     block_len: int  # m
     seen: int = 0  # tokens seen before this block (position counter)
+    # [h, n] int64 rank among protected tokens when they exceed the capacity (higher kept first:
+    # sinks, then the pinned question and recalled tokens, then recent, then the policy's own)
+    priority: Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -168,7 +171,7 @@ class Policy:
         choice is not a fixed ranking (CAOTE's greedy joint eviction) override this.
         """
         scores = self.score(ctx).float()
-        return keep_top(scores, ctx.protected, ctx.capacity)
+        return keep_top(scores, ctx.protected, ctx.capacity, ctx.priority)
 
     # -- persistence of non-per-token state -----------------------------------------------------
     def options(self) -> dict[str, Any]:
@@ -257,11 +260,20 @@ class Modifier(Policy):
         return f"{self.base.spec}+{self.name}"
 
 
-def keep_top(scores: Tensor, protected: Tensor, capacity: int) -> Tensor:
-    """Indices [h, capacity], ascending, of the protected tokens plus the best-scored others."""
-    forced = scores.masked_fill(protected, float("inf"))
+def keep_top(scores: Tensor, protected: Tensor, capacity: int, priority: Tensor | None = None) -> Tensor:
+    """Indices [h, capacity], ascending, of the protected tokens plus the best-scored others.
+
+    ``priority`` ([h, n] int64, distinct per head among protected tokens) orders the protected tokens
+    when more of them than ``capacity`` exist, so which are kept is defined (the same on every
+    device) rather than topk's tie-break among equal +inf keys.
+    """
     # nan scores (e.g. 0/0) are treated as "least worth keeping", never as keep-me.
-    forced = torch.nan_to_num(forced, nan=float("-inf"), posinf=float("inf"))
+    if priority is not None:  # float64: every finite float32 score < 1e100 ≤ any protected key
+        keyed = torch.nan_to_num(scores.double(), nan=float("-inf"), posinf=1e99)
+        forced = torch.where(protected, (priority.double() + 1.0) * 1e100, keyed)
+    else:
+        forced = scores.masked_fill(protected, float("inf"))
+        forced = torch.nan_to_num(forced, nan=float("-inf"), posinf=float("inf"))
     idx = torch.topk(forced, capacity, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values
 

@@ -11,11 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from kvtool.core.archive import dropped_indices
 from kvtool.core.contract import ScoreContext
 from kvtool.core.storage import HeadGroup
+
+#: protection grades (higher kept first); a token's rank is grade · SPAN + its order within the grade
+GRADE_SINK, GRADE_PINNED, GRADE_RECENT, GRADE_POLICY = 4, 3, 2, 1
+SPAN = 1 << 40
+
+
+def protection_rank(pos: Tensor, sinks: Tensor, pinned: Tensor, recent: Tensor) -> Tensor:
+    """[h, n] int64 ranks: the highest grade a token has, then newest first (sinks: oldest first)."""
+    grade = torch.where(sinks, GRADE_SINK, torch.where(pinned, GRADE_PINNED, torch.where(recent, GRADE_RECENT, 0)))
+    order = torch.where(sinks, SPAN - 1 - pos, pos)
+    return grade * SPAN + order
+
 
 #: archives the dropped tokens of a group: (group, dropped indices [h, n − c])
 Archiver = Callable[[HeadGroup, Tensor], None]
@@ -30,6 +43,8 @@ def evict_step(g: HeadGroup, ctx: ScoreContext, evicting: bool, archive: Archive
     t0 = clock()
     extra = g.policy.extra_protected(ctx)
     if extra is not None:
+        if ctx.priority is not None:  # the policy's own protection ranks below the engine's
+            ctx.priority = torch.where(ctx.protected, ctx.priority, GRADE_POLICY * SPAN + ctx.positions)
         ctx.protected = ctx.protected | extra
     g.policy.observe(ctx)
     keep = g.policy.select(ctx) if evicting else None

@@ -9,9 +9,11 @@
                              (compact mode re-packs them)
     feed(question) again     the question's own hidden states now see what was recalled
 
-A group holds at most ``capacity + recall + block`` tokens per head during an answer (its slots are
-allocated once, at ``attach``); ``capacity`` is raised by the recalled count for that answer only and
-lowered again by the next restore (``HeadGroup.load_state_dict``).
+A group holds at most ``capacity + recalled + block`` tokens per head during an answer, where
+``recalled`` ≤ min(recall, archived tokens): its slots grow once, at the first recall, by what the
+archive can give (``HeadGroup.make_room``); ``capacity`` is raised by the recalled count for that answer
+only and lowered again by the next restore (``HeadGroup.load_state_dict``). Only global, budgeted,
+uncompensated groups archive and recall (``recallable``).
 """
 
 from __future__ import annotations
@@ -43,23 +45,35 @@ class RecallResult:
 
 
 def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype | None, store: StoreFactory) -> None:
-    """Give every bounded group an archive and room for ``recall`` more tokens per head (cache still empty).
+    """Give every recallable group an archive (cache still empty); slots for recalled tokens are added at
+    recall time, sized by what was archived (``HeadGroup.make_room``).
 
     ``dtype``: how archived K/V are stored (None: as the cache holds them); recalled tokens are cast
     back to the cache's dtype, so a narrower archive costs only its rounding (``--archive-dtype``).
     """
     for g in cache.groups():
-        if g.capacity is None:
+        if not recallable(g):
             continue
         dt = dtype or g.keys.dtype
         g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store)
-        g.reserve(recall)
     weakref.finalize(cache, _close_all, archives(cache))  # released cache → its archive files closed
 
 
 def _close_all(items: list[GroupArchive]) -> None:
     for a in items:
         a.close()
+
+
+def recallable(g: HeadGroup) -> bool:
+    """Whether a group archives and recalls: global, budgeted, uncompensated groups only.
+
+    A sliding-window layer's queries never see a key past its window, so what leaves the window is
+    gone by the model's own definition (archiving it would only cost disk, and recalling into it
+    would show a local layer keys it must not see; with no archive its queries do not vote either).
+    A compensated group (RazorAttention's non-retrieval heads) already holds the mean of every
+    dropped token in its compensation slot: a recalled token would count there and again itself.
+    """
+    return g.capacity is not None and g.window is None and not g.compensation
 
 
 def archives(cache: BoundedCache) -> list[GroupArchive]:
@@ -161,7 +175,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
             place = _landing(g, cache.compact)
             for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold):
                 relevance.scatter_add_(0, positions.flatten(), probs.flatten())
-            chosen.append((g, min(tokens, g.usable_slots - g.length - cache.block_size)))
+            chosen.append((g, min(tokens, a.length)))
     before, after = SPAN
     best = F.max_pool1d(F.pad(relevance.view(1, 1, -1), (after, before)), before + after + 1, stride=1).view(-1)
     ranking = best + TIE * relevance  # inside one span, the matching tokens themselves first
@@ -169,6 +183,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
     for g, T in chosen:
         a = g.archive
         assert a is not None
+        g.make_room(T)
         idx = a.top_by_position(ranking, T)
         keys, values, pos = a.read(idx)
         insert(g, keys, values, pos)

@@ -145,10 +145,14 @@ class TokenBuffers:
         b.data.narrow(b.axis, 0, b.lead + n).copy_(t)
 
 
-def _check_free(g: HeadGroup, new_slots: int) -> None:
+def _check_free(g: HeadGroup, new_slots: int, recalled: int = 0) -> None:
     need = (new_slots - g.slots) * g.buffers.bytes_per_slot()
     free = free_device_bytes(g.device)
     if free is not None and need > free:
+        if recalled:
+            raise UsageError(
+                f"recalling {recalled:,} tokens per head needs {need / 2**30:.1f} GiB more, but {g.device} has "
+                f"{free / 2**30:.1f} GiB free; lower the recall", field="recall")
         raise UsageError(
             f"the KV cache needs {need / 2**30:.1f} GiB more for {new_slots:,} tokens per head, but "
             f"{g.device} has {free / 2**30:.1f} GiB free; lower the budget or the block size", field="budget")
@@ -184,6 +188,7 @@ class HeadGroup:
         # start small and double up to it as tokens arrive: a budget or block far above the document's length
         # allocates only what the document fills (growth happens a few times per run, never per token).
         self.max_slots = None if self.capacity is None else self.capacity + block_size
+        self.block_size = block_size
         per_slot = h * (2 * head_dim * torch.empty((), dtype=dtype).element_size() + 16 + 4 * len(self.state_fields))
         slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
         if slots * per_slot > LAZY_GROUP_BYTES:
@@ -292,12 +297,20 @@ class HeadGroup:
         _check_free(self, new_slots)
         self.buffers.resize(new_slots, self.length)
 
-    def reserve(self, extra: int) -> None:
-        """Room for ``extra`` more tokens per head, allocated now (recall's slots, before the first block)."""
-        if self.max_slots is not None:
-            self.max_slots += extra
-        _check_free(self, self.slots + extra)
-        self.buffers.resize(self.slots + extra, self.length)
+    def make_room(self, extra: int) -> None:
+        """Slots for ``extra`` recalled tokens per head on top of capacity + block, grown when first needed.
+
+        Recall sizes this by what the archive holds, never by the recall setting alone, so a recall far
+        above the document allocates only what the document filled; a size the device cannot hold is
+        a usage error with the figure.
+        """
+        if self.max_slots is None:
+            return
+        need = max(self.max_slots, (self.base_capacity or 0) + self.block_size + extra)
+        self.max_slots = need
+        if self.slots < need:
+            _check_free(self, need, recalled=extra)
+            self.buffers.resize(need, self.length)
 
     def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor, rotary: Tensor | None = None) -> None:
         """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""

@@ -109,7 +109,7 @@ def test_the_sample_ships_with_the_package_and_is_evals_default() -> None:
     r = CliRunner().invoke(app, ["sample"])
     assert r.exit_code == 0 and Path(r.stdout.strip()) == path
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'kvtool = ["data/*.txt"]' in pyproject  # installed as package data
+    assert '"data/*.txt"' in pyproject  # installed as package data
 
 
 def test_policy_names_known_without_torch_are_the_registry() -> None:

@@ -108,10 +108,15 @@ def _run(
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash, say=sayer(quiet))
         meter = session.engine.meter
-        with meter.track():
-            read = store.load_cache(path, session) if kind == "kvc" else session.read(source)
-            answers = work(session, read)
-        stats = session.stats(read, meter.peak_bytes())
+        read = None
+        try:
+            with meter.track():
+                read = store.load_cache(path, session) if kind == "kvc" else session.read(source)
+                answers = work(session, read)
+            stats = session.stats(read, meter.peak_bytes())
+        finally:
+            if read is not None:
+                read.close()  # the recall archive's files go now, not when the read is collected
         if full_stats:
             dash(RunSummary(stats))
     if not (quiet or full_stats):

@@ -52,8 +52,9 @@ def prefill(
         meter = session.engine.meter
         with meter.track():
             read = session.read(doc)
-        nbytes = store.save_cache(output, session, read, force=force)
-        stats = session.stats(read, meter.peak_bytes())
+        with read:  # the recall archive's files are closed once saved
+            nbytes = store.save_cache(output, session, read, force=force)
+            stats = session.stats(read, meter.peak_bytes())
     tokens = max(read.cache.lengths())
     say(f"wrote {output} ({format_bytes(nbytes)}, {tokens} tokens/head, {session.dims['num_layers']} layers)")
     if json_out:

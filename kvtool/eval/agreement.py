@@ -122,6 +122,8 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                 rows.append(log.get(key))
                 reporter.advance()
             per_run.append(rows)
+            if read is not None:
+                read.close()  # one run's archive files go before the next run reads
     results = _agreement_results(task, runs, per_run, dense)
     return report("agreement", settings, results, timer.seconds(),
                   reference=[{"question": q, "answer": dense[i]["answer"]} for i, q in enumerate(task.questions)])

@@ -277,6 +277,7 @@ def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length
                         "document_tokens": read.document_tokens, "needle_token": needle_token}
     finally:
         session.engine.config.recall = top
+        read.close()
     return out
 
 

@@ -87,6 +87,18 @@ class ReadResult:
     fmt: str = "text"
     notes: list[str] = field(default_factory=list)
 
+    def close(self) -> None:
+        """Release the read's files now (its recall archive's descriptors and disk blocks); the cache's
+        stored tokens stay usable for stats, but recall is off for it afterwards. Releasing the read
+        does the same later; callers that are done with a read call this so nothing waits on the GC."""
+        recall.close(self.cache)
+
+    def __enter__(self) -> ReadResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Detokenizer:
     """Turns a growing list of token ids into newly printable text (multi-byte safe), incrementally.

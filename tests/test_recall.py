@@ -18,7 +18,7 @@ from kvtool.core import recall
 from kvtool.core.archive import FileStore, GroupArchive, MemoryStore, dropped_indices
 from kvtool.core.cache import BoundedLayer
 from kvtool.core.engine import Engine, EngineConfig, model_env
-from kvtool.errors import UsageError
+from kvtool.errors import KvtoolError, UsageError
 from kvtool.policies import build_policy
 from tests.helpers import VOCAB, dense_logits, tiny_llama, tiny_qwen2
 
@@ -568,8 +568,9 @@ def test_disk_full_while_archiving_is_a_clear_error(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full)
-    with pytest.raises(UsageError, match="the disk is full"):
+    with pytest.raises(KvtoolError, match="the disk is full") as err:  # exit 1, as for a .kvc on a full disk
         store.append(torch.zeros(2, 8, dtype=torch.uint8))
+    assert err.value.exit_code == 1 and "MiB free" in str(err.value)
     store.close()
     assert os.listdir(tmp_path) == []
 

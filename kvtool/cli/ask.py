@@ -25,6 +25,7 @@ from kvtool.cli.options import (
     with_settings,
 )
 from kvtool.cli.output import dashboard, emit_json, sayer, write_text
+from kvtool.errors import printable
 
 CiteOpt = Annotated[bool, typer.Option("--cite", help="Under each answer, the document spans (page, chapter or "
                                        "section) it drew on, found from its attention.")]
@@ -165,7 +166,7 @@ def run_ask(
             if stream:
                 write_text("\n")
                 for c in ans.citations or []:
-                    write_text(f"  {c.line()}\n")
+                    write_text(f"  {printable(c.line(), one_line=True)}\n")  # document text: never obeyed
             if jsonl:
                 emit_json({"question": ans.question, "answer": ans.answer, "tokens": ans.tokens,
                            "decode_tokens_per_second": round(ans.tokens_per_second, 2), **_citations(ans)})

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvtool.errors import UsageError
+from kvtool.errors import KvtoolError, UsageError
 
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
@@ -95,6 +95,45 @@ class MemoryStore:
         self.rows = 0
 
 
+def _free(directory: str) -> str:
+    """Free space of ``directory``'s filesystem, as text ("unknown" when it cannot be read)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return f"{st.f_bavail * st.f_frsize / 2**20:,.0f} MiB"
+
+
+#: files a group's archive keeps open with ``FileStore``: rows, their positions, page summaries
+FILES_PER_GROUP = 3
+#: descriptors left free for the rest of a run (model files, /proc reads, output) beside the archive's
+DESCRIPTOR_MARGIN = 16
+
+
+def reserve_descriptors(needed: int) -> None:
+    """Make sure ``needed`` more files can be opened for the archive, or refuse with the figures.
+
+    The soft ``RLIMIT_NOFILE`` is raised towards the hard limit when that is all it takes (what a
+    shell's ``ulimit -n`` can do too); past the hard limit the run stops before reading, with one line
+    that says how many files recall keeps open, instead of failing mid-read on whatever opens next.
+    """
+    import resource
+
+    fd_dir = "/proc/self/fd"
+    if not os.path.isdir(fd_dir):
+        return
+    in_use = len(os.listdir(fd_dir))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = in_use + needed + DESCRIPTOR_MARGIN
+    if soft == resource.RLIM_INFINITY or want <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and want > hard:
+        raise UsageError(f"recall keeps {needed} archive files open ({FILES_PER_GROUP} per layer), but only "
+                         f"{max(0, hard - in_use - DESCRIPTOR_MARGIN)} more may be opened (open-file limit "
+                         f"{hard}, ulimit -n): raise the limit or turn recall off", field="recall")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 class FileStore:
     """Rows appended to an unlinked temporary file in ``directory`` (nothing is left behind, ever)."""
 
@@ -119,9 +158,11 @@ class FileStore:
             while written < len(data):
                 written += os.pwrite(self.fd, data[written:], offset + written)
         except OSError as e:
-            reason = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise UsageError(f"cannot write the recall archive in {self.where}: {reason} "
-                             "(turn recall off or free some space)", field="recall") from None
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk is a runtime condition (exit 1)
+                raise KvtoolError(f"cannot write the recall archive in {self.where}: the disk is full "
+                                  f"({_free(self.where)} free; free some space or turn recall off)") from None
+            raise UsageError(f"cannot write the recall archive in {self.where}: {e.strerror or e} "
+                             "(turn recall off or choose another temp directory)", field="recall") from None
         self.rows += rows.shape[0]
 
     def read(self, index: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from kvtool.core import attention, recall
-from kvtool.core.archive import DEFAULT_PAGE_SIZE, FileStore, MemoryStore
+from kvtool.core.archive import DEFAULT_PAGE_SIZE, FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
@@ -192,6 +192,8 @@ class Engine:
         )
         if self.config.recall > 0:
             where = self.config.archive_dir
+            if where is not None:
+                reserve_descriptors(FILES_PER_GROUP * sum(recall.recallable(g) for g in cache.groups()))
             recall.attach(cache, self.config.recall, self.config.page_size, self.config.archive_dtype,
                           MemoryStore if where is None else lambda rb: FileStore(rb, where))
         return cache

@@ -10,7 +10,7 @@ from kvtool.errors import UsageError
 from kvtool.policies import PolicyEnv, build_policy
 from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama
 
-LAYERS = ["kvtool.core", "kvtool.policies", "kvtool.runtime", "kvtool.eval", "kvtool.cli"]
+LAYERS = ["kvtool.documents", "kvtool.core", "kvtool.policies", "kvtool.kvc", "kvtool.runtime", "kvtool.eval", "kvtool.cli"]
 
 
 def test_no_import_cycles_and_no_back_imports() -> None:
@@ -40,3 +40,20 @@ def test_modifier_refuses_a_base_with_its_own_head_layout() -> None:
     with pytest.raises(UsageError, match="lays out its own head groups"):
         build_policy("razor+caote", {"fallback": "h2o"}, env)
     build_policy("razor", {"fallback": "h2o+caote"}, env)  # the modifier on the fallback is the way
+
+
+def test_modules_and_functions_stay_small():
+    """One job per room: no module over 600 lines, no function over 80 (docs/architecture.md)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "kvtool"
+    too_long = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 600:
+            too_long.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                too_long.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    assert not too_long, too_long

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from types import TracebackType
 from typing import Any
@@ -29,7 +30,7 @@ from rich.text import Text
 
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
 from kvtool.errors import printable
-from kvtool.runtime.events import CalibrationProgress
+from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
@@ -196,9 +197,10 @@ class Dashboard:
     ) -> None:
         """``live_during_decode``: keep redrawing while tokens are generated.
 
-        By default only when stdout is not a terminal: when the answer streams to the same terminal, a
-        live view on stderr would move the cursor over it, so the view is frozen when decoding starts
-        and the decode rate is printed as a line at the end instead.
+        By default only when stdout is not the terminal this view draws on: when the answer streams to
+        the same terminal, a redraw on stderr would move the cursor over it, so the view is stopped when
+        decoding starts (:class:`DecodeStarting`, before the first token is written) and the decode rate
+        is printed as a line at the end instead.
         """
         if mode not in MODES:
             raise ValueError(f"unknown dashboard mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -206,7 +208,7 @@ class Dashboard:
         self.console = console if console is not None else Console(stderr=True)
         self.refresh_per_second = refresh_per_second
         if live_during_decode is None:
-            live_during_decode = not _stdout_is_tty()
+            live_during_decode = not _shares_terminal(self.console)
         self.live_during_decode = live_during_decode
 
         self._live: Live | None = None
@@ -275,6 +277,8 @@ class Dashboard:
             self._on_prefill(event)
         elif isinstance(event, DecodeProgress):
             self._on_decode(event)
+        elif isinstance(event, DecodeStarting):
+            self._on_decode_starting()
         elif isinstance(event, Note):
             self._print_line(f"note: {event.message}", style="yellow")
         elif isinstance(event, RunSummary):
@@ -316,6 +320,12 @@ class Dashboard:
             f"{format_rate(_rate(event.tokens_done, event.seconds))}, "
             f"cache max {event.cache_max:,} tokens/head, evicted {event.evicted_total:,}"
         )
+
+    def _on_decode_starting(self) -> None:
+        """An answer is about to stream: stop the view now if it shares the answer's terminal."""
+        self._finish_prefill()
+        if self._live is not None and not self.live_during_decode:
+            self._stop_live()  # returns after the last redraw: nothing is drawn over the answer
 
     def _on_decode(self, event: DecodeProgress) -> None:
         self._finish_prefill()
@@ -471,8 +481,17 @@ def _memory_text(memory: MemorySample) -> str:
     return text
 
 
-def _stdout_is_tty() -> bool:
+def _shares_terminal(console: Console) -> bool:
+    """Whether stdout is a terminal that ``console`` draws on too (same device), so a live view would
+    redraw over the answer. A console without a descriptor (a test's buffer) counts as shared."""
     try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):  # closed or replaced stdout
+        if not sys.stdout.isatty():
+            return False
+        out = os.fstat(sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError):  # closed or replaced stdout
         return False
+    try:
+        err = os.fstat(console.file.fileno())
+    except (AttributeError, ValueError, OSError):
+        return True
+    return out.st_rdev == err.st_rdev  # the same terminal device, whichever descriptor reaches it

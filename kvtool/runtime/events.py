@@ -15,3 +15,13 @@ class CalibrationProgress:
     done: int
     total: int | None
     what: str = "razor: calibrating retrieval heads"
+
+
+@dataclass
+class DecodeStarting:
+    """Sent right before an answer's first token is handed to the caller (nothing of it is written yet).
+
+    A live view on the terminal the answer streams to stops here, so that no redraw lands on the answer.
+    """
+
+    label: str = ""

@@ -31,7 +31,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
-from kvtool.runtime.events import CalibrationProgress
+from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
@@ -339,6 +339,7 @@ class Session:
         sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty)
         if cite_spans:
             cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
+        self.emit(DecodeStarting(label))
         try:
             ids, seconds = self.engine.generate(
                 cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token

@@ -7,6 +7,7 @@ so the buffer holds exactly what a person would see scroll by, in order.
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import pytest
@@ -108,3 +109,129 @@ def test_session_announces_decoding_before_the_first_token_is_written(model_dir,
     answer = "".join(pieces)
     assert answer.strip() == ans.answer
     assert screen.getvalue()[first[0]:].startswith(answer)  # nothing drawn inside the answer
+
+
+# -- 2. progress for the slow steps outside prefill ----------------------------------------------------------------
+
+
+def _check_phase(events: list, name: str, unit: str) -> None:
+    """One step's events: start at 0, never going back, finished exactly once, at the end, at its total."""
+    mine = [e for e in events if e.name == name]
+    assert mine, f"no events for {name!r} in {[e.name for e in events]}"
+    assert mine[0].done == 0 and all(e.unit == unit for e in mine)
+    assert [e.done for e in mine] == sorted(e.done for e in mine)
+    assert len({e.total for e in mine}) == 1 and mine[-1].total is not None
+    assert [e.finished for e in mine] == [False] * (len(mine) - 1) + [True]
+
+
+def test_model_load_reports_a_phase(model_dir) -> None:
+    from kvtool.runtime.events import PhaseProgress
+    from kvtool.runtime.model import load_model
+
+    said: list[str] = []
+    events: list[PhaseProgress] = []
+    load_model(model_dir, device="cpu", progress=said.append, phase=events.append)
+    assert [(e.done, e.total) for e in events] == [(0, 1), (1, 1)]
+    assert events[0].name.startswith("loading tiny (") and not said  # the event replaces the line
+    _check_phase(events, events[0].name, "steps")
+
+
+def test_embedded_conversion_reports_its_steps(tmp_path, monkeypatch) -> None:
+    """The one-time GGUF conversion, with transformers' GGUF reader replaced by a tiny model."""
+    import transformers
+
+    from kvtool.runtime.events import PhaseProgress
+    from kvtool.runtime.model import convert as kconv
+    from tests.helpers import tiny_llama, tiny_tokenizer
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(kconv, "embedded_gguf_path", lambda: gguf)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_llama())
+    events: list[PhaseProgress] = []
+    target = kconv.embedded_checkpoint(lambda s: None, events.append)
+    assert [(e.done, e.total) for e in events] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    _check_phase(events, "converting embedded model (one time)", "steps")
+    assert (target / kconv.CONVERSION_MARKER).is_file()
+    events.clear()
+    kconv.embedded_checkpoint(lambda s: None, events.append)
+    assert events == []  # converted already: no step at all
+
+
+def test_kvc_save_and_load_report_bytes_in_order(model_dir, tmp_path) -> None:
+    from kvtool.documents import open_document
+    from kvtool.runtime import store
+    from kvtool.runtime.events import PhaseProgress
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
+    settings = {"model": model_dir, "policy": "h2o", "budget": "160", "block_size": 32, "device": "cpu",
+                "recall": "64"}
+    events: list[PhaseProgress] = []
+
+    def listen(e: object) -> None:
+        if isinstance(e, PhaseProgress):
+            events.append(e)
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cache is small and the pass key is 12345 hello world. " * 40, encoding="utf-8")
+    s = Session(resolve_settings(None, settings), listener=listen)
+    read = s.read(open_document(str(doc)))
+    events.clear()
+    path = tmp_path / "doc.kvc"
+    size = store.save_cache(str(path), s, read)
+    read.close()
+    names = list(dict.fromkeys(e.name for e in events))
+    assert names == ["writing doc.kvc's archive", "writing doc.kvc"]  # the archive first, then the cache
+    for name in names:
+        _check_phase(events, name, "bytes")
+    assert 0 < events[-1].total < size  # the tensor bytes, without the header
+
+    events.clear()
+    s2 = Session(resolve_settings(None, settings), listener=listen)
+    loaded = store.load_cache(str(path), s2)
+    loaded.close()
+    names = list(dict.fromkeys(e.name for e in events))
+    assert names[-2:] == ["loading doc.kvc", "loading doc.kvc's archive"] and names[0].startswith("loading tiny")
+    for name in names:
+        _check_phase(events, name, "bytes" if "doc.kvc" in name else "steps")
+    assert [e.total for e in events if e.name == "loading doc.kvc"][0] == size
+    archive = [e for e in events if e.name == "loading doc.kvc's archive"]
+    assert len(archive) > 2 and archive[-1].total > 0
+
+
+def _phase_run(dash: Dashboard) -> None:
+    from kvtool.runtime.events import PhaseProgress
+
+    with dash:
+        dash(PhaseProgress("writing doc.kvc", 0, 4 << 20, "bytes"))
+        dash(PhaseProgress("writing doc.kvc", 2 << 20, 4 << 20, "bytes"))
+        if dash.mode == "live":
+            text = _live_text(dash)
+            assert "writing doc.kvc: 2.00 MiB / 4.00 MiB" in text and "waiting for the first block" not in text
+        dash(PhaseProgress("writing doc.kvc", 4 << 20, 4 << 20, "bytes"))
+
+
+def _live_text(dash: Dashboard) -> str:
+    console = Console(file=io.StringIO(), width=130, record=True)
+    console.print(dash.render())
+    return console.export_text()
+
+
+def test_dashboard_draws_phases_in_each_mode() -> None:
+    plain = Console(file=io.StringIO(), record=True, force_terminal=False, width=130)
+    _phase_run(Dashboard("plain", plain))
+    lines = plain.export_text().splitlines()
+    assert lines[0] == "writing doc.kvc: started"
+    assert re.fullmatch(r"writing doc\.kvc: done in \d+\.\d s", lines[1]) and len(lines) == 2
+
+    live, _ = _terminal()
+    dash = Dashboard("live", live)
+    _phase_run(dash)
+    assert re.search(r"writing doc\.kvc: done in \d+\.\d s", _live_text(dash))
+
+    quiet = Console(file=io.StringIO(), record=True)
+    _phase_run(Dashboard("quiet", quiet))
+    assert quiet.export_text() == ""

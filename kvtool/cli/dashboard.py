@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import time
 from types import TracebackType
 from typing import Any
 
@@ -30,7 +31,7 @@ from rich.text import Text
 
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
 from kvtool.errors import printable
-from kvtool.runtime.events import CalibrationProgress, DecodeStarting
+from kvtool.runtime.events import CalibrationProgress, DecodeStarting, PhaseProgress
 from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
@@ -219,6 +220,8 @@ class Dashboard:
         self._decode_shown_live = False
         self._summary: dict[str, Any] | None = None
         self._calibration: CalibrationProgress | None = None
+        # Slow steps by name: the latest event, when it was first seen, when it finished (None: running).
+        self._phases: dict[str, tuple[PhaseProgress, float, float | None]] = {}
         # Plain-mode throttling state.
         self._plain_step = -1
         self._plain_last_seconds = 0.0
@@ -285,6 +288,23 @@ class Dashboard:
             self._on_summary(event.stats)
         elif isinstance(event, CalibrationProgress):
             self._on_calibration(event)
+        elif isinstance(event, PhaseProgress):
+            self._on_phase(event)
+
+    def _on_phase(self, event: PhaseProgress) -> None:
+        """A slow step: a row of the live view, or a line when it starts and one when it ends."""
+        now = time.monotonic()
+        known = self._phases.get(event.name)
+        if known is None or (known[2] is not None and not event.finished):  # new, or the same step again
+            known = (event, now, None)
+            if self.mode == "plain":
+                self._plain(f"{event.name}: started")
+        started, ended = known[1], known[2]
+        if ended is None and event.finished:
+            ended = now
+            if self.mode == "plain":
+                self._plain(f"{event.name}: done in {now - started:.1f} s")
+        self._phases[event.name] = (event, started, ended)
 
     def _on_calibration(self, event: CalibrationProgress) -> None:
         """Razor's one-time calibration: a row of the live view, or a line when it starts and ends."""
@@ -396,8 +416,10 @@ class Dashboard:
         if calibration is not None:
             of = f" / {calibration.total:,}" if calibration.total else ""
             grid.add_row("razor", Text(f"{calibration.what}: {calibration.done:,}{of}"))
+        self._render_phases(grid)
         if prefill is None:
-            grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
+            if not self._phases or all(ended is not None for _, _, ended in list(self._phases.values())):
+                grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
             return grid
         grid.add_row("prefill", self._render_progress(prefill, self._prefill_done))
         grid.add_row(
@@ -420,6 +442,23 @@ class Dashboard:
                 Text(f"{decode.tokens:,} tokens · {format_rate(_rate(decode.tokens, decode.seconds))}"),
             )
         return grid
+
+    def _render_phases(self, grid: Table) -> None:
+        """One row per slow step: a bar (or elapsed time when the total is unknown), then "done in …"."""
+        now = time.monotonic()
+        for event, started, ended in list(self._phases.values()):  # a copy: the engine thread may add one
+            elapsed = (ended if ended is not None else now) - started
+            if ended is not None:
+                grid.add_row("step", Text(f"{event.name}: done in {elapsed:.1f} s", style="dim"))
+                continue
+            amount = _format_amount(event.done, event.unit)
+            of = f" / {_format_amount(event.total, event.unit)}" if event.total is not None else ""
+            detail = f"{event.name}: {amount}{of} · elapsed {format_duration(elapsed)}"
+            if event.total is None or event.total <= 1:  # one opaque step: a bar would say nothing
+                grid.add_row("step", Text(f"{event.name}… elapsed {format_duration(elapsed)}"))
+            else:
+                grid.add_row("step", _bar_row(ProgressBar(total=event.total, completed=event.done,
+                                                          width=_BAR_WIDTH), detail))
 
     @staticmethod
     def _render_progress(event: PrefillProgress, done: bool) -> RenderableType:
@@ -453,6 +492,12 @@ class Dashboard:
             # Text, not str: a model name like "[org]/x" must not be parsed as rich markup.
             table.add_row(Text(printable(key)), Text(printable(_format_stat(str(key), value))))
         return table
+
+
+def _format_amount(n: int | None, unit: str) -> str:
+    if n is None:
+        return "?"
+    return format_bytes(n) if unit == "bytes" else f"{n:,} {unit}".rstrip()
 
 
 def _bar_row(bar: ProgressBar, detail: str) -> Table:

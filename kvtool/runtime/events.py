@@ -5,6 +5,7 @@ Plain data, no terminal: a session calls its listener, whoever listens decides w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -25,3 +26,30 @@ class DecodeStarting:
     """
 
     label: str = ""
+
+
+@dataclass
+class PhaseProgress:
+    """A slow step outside prefill and decode (loading or converting the model, writing or loading a cache).
+
+    Sent when the step starts (``done`` 0), as it advances where it can count, and when it ends
+    (``done == total``). ``total`` None: unknown. ``unit``: what is counted (``"bytes"``, ``"steps"``).
+    """
+
+    name: str
+    done: int
+    total: int | None
+    unit: str = "steps"
+
+    @property
+    def finished(self) -> bool:
+        return self.total is not None and self.done >= self.total
+
+
+def phase_counter(emit: Callable[[PhaseProgress], None] | None, name: str,
+                  unit: str = "bytes") -> Callable[[int, int], None] | None:
+    """A ``progress(done, total)`` callback for the lower layers (they know no events) that emits
+    :class:`PhaseProgress` under ``name``; None when nobody listens."""
+    if emit is None:
+        return None
+    return lambda done, total: emit(PhaseProgress(name, done, total, unit))

@@ -166,7 +166,7 @@ class Session:
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
         self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
-                                           progress=self.say)
+                                           progress=self.say, phase=self.emit if listener else None)
         # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)
         self.share = process_share() if settings.threads is None and self.loaded.device.type == "cpu" else None
         if self.share is not None:

@@ -235,3 +235,18 @@ def test_dashboard_draws_phases_in_each_mode() -> None:
     quiet = Console(file=io.StringIO(), record=True)
     _phase_run(Dashboard("quiet", quiet))
     assert quiet.export_text() == ""
+
+
+def test_no_waiting_row_once_answering_without_prefill() -> None:
+    """Asking a loaded .kvc: no prefill ever comes, so the frozen view must not say it is waiting for one."""
+    from kvtool.runtime.events import PhaseProgress
+
+    console, _ = _terminal()
+    dash = Dashboard("live", console, live_during_decode=False)
+    assert "waiting for the first block" in _live_text(dash)
+    dash(PhaseProgress("loading doc.kvc", 0, 10, "bytes"))
+    assert "waiting for the first block" not in _live_text(dash)  # the running step says what happens
+    dash(PhaseProgress("loading doc.kvc", 10, 10, "bytes"))
+    dash(DecodeStarting("q"))
+    text = _live_text(dash)
+    assert "waiting for the first block" not in text and "loading doc.kvc: done in" in text

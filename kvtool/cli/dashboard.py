@@ -220,6 +220,7 @@ class Dashboard:
         self._decode_shown_live = False
         self._summary: dict[str, Any] | None = None
         self._calibration: CalibrationProgress | None = None
+        self._answering = False  # an answer started: no prefill is coming any more (e.g. a cache was loaded)
         # Slow steps by name: the latest event, when it was first seen, when it finished (None: running).
         self._phases: dict[str, tuple[PhaseProgress, float, float | None]] = {}
         # Plain-mode throttling state.
@@ -292,7 +293,11 @@ class Dashboard:
             self._on_phase(event)
 
     def _on_phase(self, event: PhaseProgress) -> None:
-        """A slow step: a row of the live view, or a line when it starts and one when it ends."""
+        """A slow step: a row of the live view, or a line when it starts and one when it ends.
+
+        Steps come before or after prefill (never during it): one after it means the document is read.
+        """
+        self._finish_prefill()
         now = time.monotonic()
         known = self._phases.get(event.name)
         if known is None or (known[2] is not None and not event.finished):  # new, or the same step again
@@ -344,6 +349,7 @@ class Dashboard:
     def _on_decode_starting(self) -> None:
         """An answer is about to stream: stop the view now if it shares the answer's terminal."""
         self._finish_prefill()
+        self._answering = True
         if self._live is not None and not self.live_during_decode:
             self._stop_live()  # returns after the last redraw: nothing is drawn over the answer
 
@@ -418,7 +424,8 @@ class Dashboard:
             grid.add_row("razor", Text(f"{calibration.what}: {calibration.done:,}{of}"))
         self._render_phases(grid)
         if prefill is None:
-            if not self._phases or all(ended is not None for _, _, ended in list(self._phases.values())):
+            running = any(ended is None for _, _, ended in list(self._phases.values()))
+            if not (running or self._answering):
                 grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
             return grid
         grid.add_row("prefill", self._render_progress(prefill, self._prefill_done))

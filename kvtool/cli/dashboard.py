@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +31,7 @@ from rich.text import Text
 
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
 from kvtool.errors import printable
-from kvtool.runtime.events import CalibrationProgress
+from kvtool.runtime.events import CalibrationProgress, DecodeStarting, PhaseProgress
 from kvtool.runtime.memory import format_bytes
 
 MODES = ("live", "plain", "quiet")
@@ -196,9 +198,10 @@ class Dashboard:
     ) -> None:
         """``live_during_decode``: keep redrawing while tokens are generated.
 
-        By default only when stdout is not a terminal: when the answer streams to the same terminal, a
-        live view on stderr would move the cursor over it, so the view is frozen when decoding starts
-        and the decode rate is printed as a line at the end instead.
+        By default only when stdout is not the terminal this view draws on: when the answer streams to
+        the same terminal, a redraw on stderr would move the cursor over it, so the view is stopped when
+        decoding starts (:class:`DecodeStarting`, before the first token is written) and the decode rate
+        is printed as a line at the end instead.
         """
         if mode not in MODES:
             raise ValueError(f"unknown dashboard mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -206,7 +209,7 @@ class Dashboard:
         self.console = console if console is not None else Console(stderr=True)
         self.refresh_per_second = refresh_per_second
         if live_during_decode is None:
-            live_during_decode = not _stdout_is_tty()
+            live_during_decode = not _shares_terminal(self.console)
         self.live_during_decode = live_during_decode
 
         self._live: Live | None = None
@@ -217,6 +220,9 @@ class Dashboard:
         self._decode_shown_live = False
         self._summary: dict[str, Any] | None = None
         self._calibration: CalibrationProgress | None = None
+        self._answering = False  # an answer started: no prefill is coming any more (e.g. a cache was loaded)
+        # Slow steps by name: the latest event, when it was first seen, when it finished (None: running).
+        self._phases: dict[str, tuple[PhaseProgress, float, float | None]] = {}
         # Plain-mode throttling state.
         self._plain_step = -1
         self._plain_last_seconds = 0.0
@@ -275,12 +281,35 @@ class Dashboard:
             self._on_prefill(event)
         elif isinstance(event, DecodeProgress):
             self._on_decode(event)
+        elif isinstance(event, DecodeStarting):
+            self._on_decode_starting()
         elif isinstance(event, Note):
             self._print_line(f"note: {event.message}", style="yellow")
         elif isinstance(event, RunSummary):
             self._on_summary(event.stats)
         elif isinstance(event, CalibrationProgress):
             self._on_calibration(event)
+        elif isinstance(event, PhaseProgress):
+            self._on_phase(event)
+
+    def _on_phase(self, event: PhaseProgress) -> None:
+        """A slow step: a row of the live view, or a line when it starts and one when it ends.
+
+        Steps come before or after prefill (never during it): one after it means the document is read.
+        """
+        self._finish_prefill()
+        now = time.monotonic()
+        known = self._phases.get(event.name)
+        if known is None or (known[2] is not None and not event.finished):  # new, or the same step again
+            known = (event, now, None)
+            if self.mode == "plain":
+                self._plain(f"{event.name}: started")
+        started, ended = known[1], known[2]
+        if ended is None and event.finished:
+            ended = now
+            if self.mode == "plain":
+                self._plain(f"{event.name}: done in {now - started:.1f} s")
+        self._phases[event.name] = (event, started, ended)
 
     def _on_calibration(self, event: CalibrationProgress) -> None:
         """Razor's one-time calibration: a row of the live view, or a line when it starts and ends."""
@@ -316,6 +345,13 @@ class Dashboard:
             f"{format_rate(_rate(event.tokens_done, event.seconds))}, "
             f"cache max {event.cache_max:,} tokens/head, evicted {event.evicted_total:,}"
         )
+
+    def _on_decode_starting(self) -> None:
+        """An answer is about to stream: stop the view now if it shares the answer's terminal."""
+        self._finish_prefill()
+        self._answering = True
+        if self._live is not None and not self.live_during_decode:
+            self._stop_live()  # returns after the last redraw: nothing is drawn over the answer
 
     def _on_decode(self, event: DecodeProgress) -> None:
         self._finish_prefill()
@@ -386,8 +422,11 @@ class Dashboard:
         if calibration is not None:
             of = f" / {calibration.total:,}" if calibration.total else ""
             grid.add_row("razor", Text(f"{calibration.what}: {calibration.done:,}{of}"))
+        self._render_phases(grid)
         if prefill is None:
-            grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
+            running = any(ended is None for _, _, ended in list(self._phases.values()))
+            if not (running or self._answering):
+                grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
             return grid
         grid.add_row("prefill", self._render_progress(prefill, self._prefill_done))
         grid.add_row(
@@ -410,6 +449,23 @@ class Dashboard:
                 Text(f"{decode.tokens:,} tokens · {format_rate(_rate(decode.tokens, decode.seconds))}"),
             )
         return grid
+
+    def _render_phases(self, grid: Table) -> None:
+        """One row per slow step: a bar (or elapsed time when the total is unknown), then "done in …"."""
+        now = time.monotonic()
+        for event, started, ended in list(self._phases.values()):  # a copy: the engine thread may add one
+            elapsed = (ended if ended is not None else now) - started
+            if ended is not None:
+                grid.add_row("step", Text(f"{event.name}: done in {elapsed:.1f} s", style="dim"))
+                continue
+            amount = _format_amount(event.done, event.unit)
+            of = f" / {_format_amount(event.total, event.unit)}" if event.total is not None else ""
+            detail = f"{event.name}: {amount}{of} · elapsed {format_duration(elapsed)}"
+            if event.total is None or event.total <= 1:  # one opaque step: a bar would say nothing
+                grid.add_row("step", Text(f"{event.name}… elapsed {format_duration(elapsed)}"))
+            else:
+                grid.add_row("step", _bar_row(ProgressBar(total=event.total, completed=event.done,
+                                                          width=_BAR_WIDTH), detail))
 
     @staticmethod
     def _render_progress(event: PrefillProgress, done: bool) -> RenderableType:
@@ -445,6 +501,12 @@ class Dashboard:
         return table
 
 
+def _format_amount(n: int | None, unit: str) -> str:
+    if n is None:
+        return "?"
+    return format_bytes(n) if unit == "bytes" else f"{n:,} {unit}".rstrip()
+
+
 def _bar_row(bar: ProgressBar, detail: str) -> Table:
     row = Table.grid(padding=(0, 1))
     row.add_column(no_wrap=True)
@@ -471,8 +533,17 @@ def _memory_text(memory: MemorySample) -> str:
     return text
 
 
-def _stdout_is_tty() -> bool:
+def _shares_terminal(console: Console) -> bool:
+    """Whether stdout is a terminal that ``console`` draws on too (same device), so a live view would
+    redraw over the answer. A console without a descriptor (a test's buffer) counts as shared."""
     try:
-        return sys.stdout.isatty()
-    except (AttributeError, ValueError):  # closed or replaced stdout
+        if not sys.stdout.isatty():
+            return False
+        out = os.fstat(sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError):  # closed or replaced stdout
         return False
+    try:
+        err = os.fstat(console.file.fileno())
+    except (AttributeError, ValueError, OSError):
+        return True
+    return out.st_rdev == err.st_rdev  # the same terminal device, whichever descriptor reaches it

@@ -24,7 +24,7 @@ from kvtool.errors import KvtoolError, UsageError
 from kvtool.fileio import confined_name, open_regular
 from kvtool.kvc import write as kvc_write
 from kvtool.kvc.format import KvcHeader, TensorDigest, is_int, new_archive_name, read_header
-from kvtool.kvc.write import Entry, st_code, tensor_bytes
+from kvtool.kvc.write import Entry, Progress, st_code, tensor_bytes
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -76,9 +76,10 @@ def _entries(prefix: str, a: GroupArchive) -> list[Entry]:
     ]
 
 
-def save_archive(cache_path: str, cache: BoundedCache) -> dict[str, Any] | None:
+def save_archive(cache_path: str, cache: BoundedCache, progress: Progress | None = None) -> dict[str, Any] | None:
     """Write ``cache``'s archive beside ``cache_path`` under a fresh name; returns the cache's ``archive``
-    metadata (None when nothing was archived). The caller writes the cache after this returns."""
+    metadata (None when nothing was archived). The caller writes the cache after this returns.
+    ``progress(done, total)``: bytes written (``kvc_write.write_entries``)."""
     groups = groups_with_archive(cache)
     if not groups:
         return None
@@ -86,7 +87,7 @@ def save_archive(cache_path: str, cache: BoundedCache) -> dict[str, Any] | None:
     name = new_archive_name(os.path.basename(cache_path))
     apath = os.path.join(directory, name)
     entries = [e for prefix, a in groups for e in _entries(prefix, a)]
-    size = kvc_write.write_entries(apath, entries, {"archive_of": os.path.basename(cache_path)})
+    size = kvc_write.write_entries(apath, entries, {"archive_of": os.path.basename(cache_path)}, progress=progress)
     first = groups[0][1]
     return {
         "file": name,
@@ -132,11 +133,12 @@ def settings_of(info: Any, seen: int | None = None) -> tuple[str, int, str | Non
     return name, page, dtype, recall
 
 
-def load_archive(path: str, meta: dict[str, Any], cache: BoundedCache) -> str | None:
+def load_archive(path: str, meta: dict[str, Any], cache: BoundedCache, progress: Progress | None = None) -> str | None:
     """Fill ``cache``'s (empty) group archives from the archive the ``.kvc`` at ``path`` names.
 
     Returns None, or a one-line warning when the questions will be answered without recall: then every
     group archive is closed and detached (the cache keeps evicting, archiving nothing).
+    ``progress(done, total)``: archived row bytes read and hashed, ``total`` once all are checked.
     """
     info = meta.get("archive")
     if not info:
@@ -154,7 +156,7 @@ def load_archive(path: str, meta: dict[str, Any], cache: BoundedCache) -> str | 
                 f"without recall (pass --archive-dtype {saved})")
     apath = os.path.join(os.path.dirname(os.path.abspath(path)), name)
     try:
-        _load(apath, info["tensors_sha256"], page_size, cache)
+        _load(apath, info["tensors_sha256"], page_size, cache, progress)
     except ArchiveUnusable as e:
         detach(cache)
         return f"the archive {apath} is missing or damaged ({e}): answering without recall"
@@ -169,7 +171,7 @@ def detach(cache: BoundedCache) -> None:
             g.archive = None
 
 
-def _load(apath: str, want: str, page_size: int, cache: BoundedCache) -> None:
+def _load(apath: str, want: str, page_size: int, cache: BoundedCache, progress: Progress | None = None) -> None:
     try:
         fd = open_regular(apath)
     except OSError:
@@ -184,10 +186,14 @@ def _load(apath: str, want: str, page_size: int, cache: BoundedCache) -> None:
         targets = dict(groups_of(cache))
         prefixes = _check_names(header, targets)
         digest = TensorDigest()
+        total = sum(_row_bytes(header, prefix) for prefix in prefixes)
+        count = _Counter(progress, total)
         for prefix in prefixes:
-            _load_group(fd, header, prefix, targets[prefix], page_size, digest)
+            _load_group(fd, header, prefix, targets[prefix], page_size, digest, count)
         if digest.hexdigest() != want:
             raise ArchiveUnusable("its data does not match its checksum")
+        if progress is not None:
+            progress(total, total)
     except OSError:
         raise ArchiveUnusable("it cannot be read") from None
     finally:
@@ -227,8 +233,28 @@ class _Deferred:
         pass
 
 
+def _row_bytes(header: KvcHeader, prefix: str) -> int:
+    start, end = header.tensors[f"{prefix}.rows"]["data_offsets"]
+    return max(0, int(end) - int(start))
+
+
+class _Counter:
+    """Adds up the row bytes read across groups for a ``progress`` callback; never says ``total`` itself
+    (the caller does, once the checksum matched)."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        if progress is not None:
+            progress(0, total)
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(max(0, min(self.done, self.total - 1)), self.total)
+
+
 def _load_group(fd: int, header: KvcHeader, prefix: str, a: GroupArchive, page_size: int,
-                digest: TensorDigest) -> None:
+                digest: TensorDigest, count: _Counter | None = None) -> None:
     """One group: its summaries and positions whole, then its rows in chunks, every byte hashed in order."""
     import torch
 
@@ -255,6 +281,8 @@ def _load_group(fd: int, header: KvcHeader, prefix: str, a: GroupArchive, page_s
         rows = min(step, n - lo)
         buf = _pread_exact(fd, rows * a.store.row_bytes, start + lo * a.store.row_bytes)
         digest.update(buf)
+        if count is not None:
+            count.add(len(buf))
         a.store.append(torch.frombuffer(buf, dtype=torch.uint8).view(rows, a.store.row_bytes))
 
 

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 STALE_SECONDS = 3600
 #: bytes of tensor data handed to the file (and the checksum) at once
 CHUNK_BYTES = 8 << 20
+#: ``progress(done, total)``: how far a long write or read has come, for the runtime to turn into events
+Progress = Callable[[int, int], None]
 _TMP_MARK = ".kvtool-"
 _TMP_RE = re.compile(r"\..+\.kvtool-[A-Za-z0-9_]{8}\.tmp")
 _ARCHIVE_RE = re.compile(r"(.+)\.[0-9a-f]{16}\.archive")
@@ -148,23 +150,26 @@ def as_saved(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def write_kvc(path: str | os.PathLike[str], tensors: dict[str, Tensor], meta: dict[str, Any],
-              force: bool = False) -> int:
+              force: bool = False, progress: Progress | None = None) -> int:
     """Write tensors + ``meta`` as a ``.kvc`` file, atomically; returns the file size.
 
     Without ``force`` the final step is a hard link, which fails if the path appeared meanwhile (never
-    clobbers). On any failure the temp file is removed and ``path`` is untouched.
+    clobbers). On any failure the temp file is removed and ``path`` is untouched. ``progress``: see
+    :func:`write_entries`.
     """
     saved = as_saved(tensors)
-    return write_entries(path, [tensor_entry(n, t) for n, t in saved.items()], meta, force=force)
+    return write_entries(path, [tensor_entry(n, t) for n, t in saved.items()], meta, force=force,
+                         progress=progress)
 
 
 # -- the streamed, atomic write ---------------------------------------------------------------------------------
 def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict[str, Any],
-                  force: bool = False) -> int:
+                  force: bool = False, progress: Progress | None = None) -> int:
     """Write ``entries`` (in name order) and ``meta`` as a ``.kvc``-format file at ``path``; returns its size.
 
     ``meta`` gets ``format``, ``format_version``, ``kvtool_version``, ``tensors_sha256`` (computed while the
-    data streams) and ``meta_sha256``.
+    data streams) and ``meta_sha256``. ``progress(done, total)``: tensor bytes written and hashed so far,
+    0 first, then after every chunk, ``total`` last once the file is fsynced and in place.
     """
     path = check_output(path, force)
     directory = os.path.dirname(os.path.abspath(path))
@@ -180,7 +185,7 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
         raise write_error(path, e) from None
     try:
         try:
-            _stream(fd, entries, meta)
+            _stream(fd, entries, meta, progress)
             umask = os.umask(0)
             os.umask(umask)
             os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a cache file is an ordinary file
@@ -189,6 +194,9 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
             os.close(fd)
         archive = meta.get("archive")
         _place(tmp, path, force, directory, archive.get("file") if isinstance(archive, dict) else None)
+        if progress is not None:
+            total = sum(e.nbytes for e in entries)
+            progress(total, total)
     except KvtoolError:
         raise
     except OSError as e:
@@ -216,11 +224,17 @@ def _header(entries: list[Entry], meta: dict[str, Any]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _stream(fd: int, entries: list[Entry], meta: dict[str, Any]) -> None:
-    """Header with a placeholder checksum, then the data chunk by chunk (hashed), then the real header."""
+def _stream(fd: int, entries: list[Entry], meta: dict[str, Any], progress: Progress | None = None) -> None:
+    """Header with a placeholder checksum, then the data chunk by chunk (hashed), then the real header.
+
+    ``progress`` hears of the data bytes written, never of ``total`` (the caller says when the file is placed).
+    """
     first = _header(entries, meta)
     _write_all(fd, first, 0)
     offset = len(first)
+    total = sum(e.nbytes for e in entries)
+    if progress is not None:
+        progress(0, total)
     digest = TensorDigest()
     for e in entries:
         digest.begin(e.name, e.code, e.shape)
@@ -231,6 +245,8 @@ def _stream(fd: int, entries: list[Entry], meta: dict[str, Any]) -> None:
             _write_all(fd, view, offset)
             offset += len(view)
             written += len(view)
+            if progress is not None:
+                progress(max(0, min(offset - len(first), total - 1)), total)  # the last byte waits for the rename
         if written != e.nbytes:
             raise ValueError(f"tensor {e.name} produced {written} bytes, {e.nbytes} expected")
     meta["tensors_sha256"] = digest.hexdigest()

@@ -31,7 +31,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
-from kvtool.runtime.events import CalibrationProgress
+from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
@@ -166,7 +166,7 @@ class Session:
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
         self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
-                                           progress=self.say)
+                                           progress=self.say, phase=self.emit if listener else None)
         # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)
         self.share = process_share() if settings.threads is None and self.loaded.device.type == "cpu" else None
         if self.share is not None:
@@ -339,6 +339,7 @@ class Session:
         sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty)
         if cite_spans:
             cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
+        self.emit(DecodeStarting(label))
         try:
             ids, seconds = self.engine.generate(
                 cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token

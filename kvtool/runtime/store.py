@@ -21,6 +21,7 @@ from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
 from kvtool.kvc.load import load_into
 from kvtool.kvc.write import check_output, write_kvc
+from kvtool.runtime.events import PhaseProgress, phase_counter
 from kvtool.runtime.memory import format_bytes
 
 if TYPE_CHECKING:  # torch is imported lazily: header-only work (inspect, detection) stays fast
@@ -240,11 +241,12 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
     path = check_output(path, force)  # fail before writing the (larger) archive
     tensors, scalars = read.snapshot if read.snapshot is not None else read.cache.snapshot()
     meta = build_meta(session, read, tensors, scalars)
-    info = archive.save_archive(path, read.cache)
+    name = os.path.basename(path)
+    info = archive.save_archive(path, read.cache, phase_counter(session.emit, f"writing {name}'s archive"))
     if info is not None:
         meta["archive"] = {**info, "recall": int(session.recall_tokens)}
     try:
-        return write_kvc(path, tensors, meta, force=force)
+        return write_kvc(path, tensors, meta, force=force, progress=phase_counter(session.emit, f"writing {name}"))
     except BaseException:  # no orphan archive beside a cache that was not written
         archive.remove(path, info)
         raise
@@ -266,7 +268,10 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     require(meta, p, "model", "dtype", "settings", "policy", "prompt", "document", "cache", "layout")
     _check_fits(header, session)
     cache = session.engine.new_cache()
-    load_into(header, cache)
+    what = f"loading {os.path.basename(p)}"
+    session.emit(PhaseProgress(what, 0, header.size, "bytes"))
+    load_into(header, cache)  # read whole and checksummed: the budget bounds it
+    session.emit(PhaseProgress(what, header.size, header.size, "bytes"))
     doc = meta["document"]
     result = ReadResult(
         cache=cache,
@@ -295,7 +300,8 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
 def _load_archive(path: str, meta: dict[str, Any], cache: Any, session: Session) -> list[str]:
     """Load the archive into ``cache``; the warnings to show (an explicit ``--recall-page`` it overrides)."""
     warnings = []
-    warning = archive.load_archive(path, meta, cache)
+    warning = archive.load_archive(path, meta, cache,
+                                   phase_counter(session.emit, f"loading {os.path.basename(path)}'s archive"))
     if warning:
         warnings.append(warning)
     else:

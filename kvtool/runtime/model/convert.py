@@ -25,6 +25,7 @@ import transformers
 from kvtool.config import kvtool_home
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.fileio import fsync_dir
+from kvtool.runtime.events import PhaseProgress
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -69,16 +70,33 @@ def embedded_gguf_path() -> Path:
     )
 
 
-def embedded_checkpoint(say: Callable[[str], None]) -> Path:
-    """The converted embedded checkpoint directory, converting the GGUF first if no finished conversion exists."""
+#: the conversion's steps, for progress: read the GGUF, write the checkpoint, fsync and install it
+CONVERSION_STEPS = 3
+
+
+def embedded_checkpoint(say: Callable[[str], None], phase: Callable[[PhaseProgress], None] | None = None) -> Path:
+    """The converted embedded checkpoint directory, converting the GGUF first if no finished conversion exists.
+
+    ``phase``, when given, hears of the conversion's steps (:class:`PhaseProgress`) instead of ``say``.
+    """
     gguf = embedded_gguf_path()
     target = kvtool_home() / "models" / EMBEDDED_NAME
     expected = _conversion_record(gguf)
     if _read_marker(target) == expected:
         return target
-    say("converting embedded model (one time) ...")
-    _convert_gguf(gguf, target, expected)
+    what = "converting embedded model (one time)"
+    if phase is None:
+        say(f"{what} ...")
+        step: Callable[[int], None] = _no_step
+    else:
+        def step(done: int) -> None:
+            phase(PhaseProgress(what, done, CONVERSION_STEPS))
+    _convert_gguf(gguf, target, expected, step)
     return target
+
+
+def _no_step(done: int) -> None:
+    pass
 
 
 def _conversion_record(gguf: Path) -> dict[str, Any]:
@@ -94,7 +112,7 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any]) -> None:
+def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], step: Callable[[int], None] = _no_step) -> None:
     """Dequantize ``gguf`` and write it as a float32 safetensors checkpoint at ``target``, atomically.
 
     Everything is written into a temp dir beside ``target`` and renamed into place only when complete (marker file
@@ -110,6 +128,7 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any]) -> None:
     except OSError as exc:
         raise KvtoolError(f"cannot write the converted model under {parent}: {first_line(exc)}") from None
 
+    step(0)
     try:
         with quiet_transformers(gguf=True):
             try:
@@ -119,11 +138,14 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any]) -> None:
                 )
             except Exception as exc:
                 raise KvtoolError(f"could not read the embedded model {gguf}: {first_line(exc)}") from None
+        step(1)
         _write_checkpoint(model, tokenizer, tmp)
         _make_readable(tmp)
         (tmp / CONVERSION_MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
+        step(2)
         _fsync_tree(tmp)
         _install(tmp, target, record)
+        step(CONVERSION_STEPS)
     except KvtoolError:
         raise
     except Exception as exc:  # OSError (disk full, permissions) or a safetensors/tokenizer save failure

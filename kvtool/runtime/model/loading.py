@@ -28,6 +28,7 @@ from kvtool.config import QUANTIZE, dtype_name
 from kvtool.core.families import check_supported
 from kvtool.core.layout import check_config
 from kvtool.errors import KvtoolError, UsageError, first_line
+from kvtool.runtime.events import PhaseProgress
 from kvtool.runtime.model.convert import EMBEDDED_ALIASES, EMBEDDED_NAME, embedded_checkpoint
 from kvtool.runtime.model.fit import check_fits
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
@@ -56,12 +57,14 @@ def load_model(
     dtype: str = "auto",
     quantize: str = "none",
     progress: Callable[[str], None] | None = None,
+    phase: Callable[[PhaseProgress], None] | None = None,
 ) -> LoadedModel:
     """Load a model and its tokenizer for the engine.
 
     ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, or a
     ``.gguf`` file. Nothing is ever downloaded. ``progress`` receives short human-readable lines about slow steps
     (the one-time conversion, loading); transformers' own progress bars are switched off while loading.
+    ``phase``, when given, receives those steps as :class:`PhaseProgress` events (start and end) instead.
 
     Options are validated before any weight is read, so a bad ``--device`` fails in milliseconds.
     """
@@ -80,14 +83,20 @@ def load_model(
 
     if kind == "embedded":
         name = EMBEDDED_NAME
-        path = embedded_checkpoint(say)
+        path = embedded_checkpoint(say, phase)
         kind = "dir"
     else:
         name = path.stem if kind == "gguf" else path.name
 
-    say(f"loading {name} ({dtype_name(torch_dtype)} on {torch_device}) ...")
+    what = f"loading {name} ({dtype_name(torch_dtype)} on {torch_device})"
+    if phase is None:
+        say(f"{what} ...")
+    else:
+        phase(PhaseProgress(what, 0, 1))
     with quiet_transformers(gguf=kind == "gguf"):
         model, tokenizer = _load(kind, path, torch_device, torch_dtype, bnb_config, quantize)
+    if phase is not None:
+        phase(PhaseProgress(what, 1, 1))
 
     return LoadedModel(
         model=model,

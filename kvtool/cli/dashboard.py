@@ -51,6 +51,9 @@ _BAR_WIDTH = 40
 # --------------------------------------------------------------------------- formatting helpers
 
 
+#: plain mode reports a step (model load, writing a .kvc, ...) only when it took at least this long
+PLAIN_PHASE_SECONDS = 1.0
+
 def format_rate(x: float | None, unit: str = "tok/s") -> str:
     """A rate such as ``"1,234 tok/s"`` or ``"12.3 tok/s"``; ``"n/a"`` when unknown (no time elapsed yet)."""
     if x is None or not _is_finite(x):
@@ -293,7 +296,8 @@ class Dashboard:
             self._on_phase(event)
 
     def _on_phase(self, event: PhaseProgress) -> None:
-        """A slow step: a row of the live view, or a line when it starts and one when it ends.
+        """A slow step: a row of the live view; in plain mode (a log) one line when a step that took at
+        least ``PLAIN_PHASE_SECONDS`` ends (quick steps stay silent: a line per 0.0 s step is noise).
 
         Steps come before or after prefill (never during it): one after it means the document is read.
         """
@@ -302,12 +306,10 @@ class Dashboard:
         known = self._phases.get(event.name)
         if known is None or (known[2] is not None and not event.finished):  # new, or the same step again
             known = (event, now, None)
-            if self.mode == "plain":
-                self._plain(f"{event.name}: started")
         started, ended = known[1], known[2]
         if ended is None and event.finished:
             ended = now
-            if self.mode == "plain":
+            if self.mode == "plain" and now - started >= PLAIN_PHASE_SECONDS:
                 self._plain(f"{event.name}: done in {now - started:.1f} s")
         self._phases[event.name] = (event, started, ended)
 

@@ -200,6 +200,10 @@ def _run_without_model(argv: list[str], cwd: Path) -> tuple[int, str, bool, floa
         (["profile", "--doc", "{doc}", "--sinks", "-1"], "sinks"),
         (["eval", "needle", "--threads", "0", "--haystack", "{doc}"], "threads"),
         (["eval", "ppl", "--policies", "h2o,tovaa", "--text", "{doc}"], "unknown policy"),
+        (["eval", "needle", "--lengths", "typo"], "--lengths"),
+        (["eval", "needle", "--depths", "1.5"], "depth"),
+        (["eval", "ppl", "--context", "typo"], "--context"),
+        (["eval", "attn-error", "--samples", "0"], "--samples"),
     ],
 )
 def test_bad_input_fails_before_torch_and_reading(big_doc: Path, tmp_path: Path, args: list[str],

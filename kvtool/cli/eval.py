@@ -7,6 +7,7 @@ stderr and results to stdout as rich tables (:mod:`kvtool.cli.eval_view`), or on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -42,17 +43,22 @@ ResumeOpt = Annotated[str | None, typer.Option("--resume", help="A JSONL file: f
                                                "complete and reused when the same command runs again.")]
 
 
-def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Any:
-    """The (policy × budget) grid; settings and policy names are checked before torch is imported."""
+def _grid(policies: str, budgets: str, always_full: bool, **kw: Any) -> Callable[[], Any]:
+    """Check the settings and policy names now (no torch), and return what builds the (policy × budget)
+    grid: building it imports the policies (torch), which waits until every cheap check has passed."""
     from kvtool.policy_syntax import check_spec
     from kvtool.runtime.settings import resolve_settings
 
     resolve_settings(None, {k: v for k, v in kw.items() if v is not None})
     for item in filter(None, (p.strip() for p in policies.split(","))):
         check_spec(item)
-    from kvtool.eval import make_grid
 
-    return make_grid(policies, budgets, always_full=always_full, **kw)
+    def build() -> Any:
+        from kvtool.eval import make_grid
+
+        return make_grid(policies, budgets, always_full=always_full, **kw)
+
+    return build
 
 
 def _finish(rep: dict[str, Any], json_out: bool, render: Any) -> None:
@@ -90,19 +96,25 @@ def needle(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
-    grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
-    from kvtool.cli.eval_view import RichReporter, render_needle
+    build_grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.eval import load_text, parse_depths, parse_token_list, positive, resolve_input
-    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
 
     path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
+    # the grid's numbers are checked before torch is imported (a typo fails in milliseconds)
+    token_lengths = parse_token_list(lengths, "--lengths", minimum=32)
+    depth_list = parse_depths(depths)
+    trial_count = positive(trials, "--trials")
+    grid = build_grid()
+    from kvtool.cli.eval_view import RichReporter, render_needle
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
+
     task = NeedleTask(
         grid=grid,
         haystack_path=path,
         haystack="",
-        lengths=parse_token_list(lengths, "--lengths", minimum=32),
-        depths=parse_depths(depths),
-        trials=positive(trials, "--trials"),
+        lengths=token_lengths,
+        depths=depth_list,
+        trials=trial_count,
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
@@ -124,8 +136,9 @@ def _needle_count(needles: int, custom: str | None) -> int:
     return needles
 
 
-def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Any,
+def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Callable[[], Any],
                  resume: str | None) -> Any:
+    """The windows' task; the inputs are checked first, then the (torch-importing) grid is built."""
     from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
 
     paths = [resolve_input(p, "", "--text") for p in split_list(text or DEFAULT_INPUT, "--text")]
@@ -135,7 +148,7 @@ def _window_task(text: str | None, context: str, continuation: str, samples: int
     texts = [(p.name, load_text(p, "--text")) for p in paths]
     from kvtool.eval.ppl import WindowTask  # torch: only once the input is known to be good
 
-    return WindowTask(grid=grid, texts=texts, context=n, continuation=m, samples=k, resume=resume)
+    return WindowTask(grid=grid(), texts=texts, context=n, continuation=m, samples=k, resume=resume)
 
 
 @eval_app.command("ppl")
@@ -154,8 +167,8 @@ def ppl(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
+    task = _window_task(text, context, continuation, samples,
+                        _grid(policies, budgets, False, seed=seed, **(flags or {})), resume)
     from kvtool.cli.eval_view import RichReporter, render_ppl
     from kvtool.eval.ppl import run_ppl
 
@@ -178,8 +191,8 @@ def attn_error(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
-    grid = _grid(policies, budgets, False, seed=seed, **(flags or {}))
-    task = _window_task(text, context, continuation, samples, grid, resume)
+    task = _window_task(text, context, continuation, samples,
+                        _grid(policies, budgets, False, seed=seed, **(flags or {})), resume)
     from kvtool.cli.eval_view import RichReporter, render_attn_error
     from kvtool.eval.attn_error import run_attn_error
 
@@ -205,7 +218,7 @@ def agreement(
     """Fidelity to dense: each policy's answers vs full's (exact match, token F1, ROUGE-L, KL, top-1)."""
     from pathlib import Path
 
-    grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
+    build_grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.cli.eval_view import RichReporter, render_agreement
     from kvtool.eval import positive, resolve_input
     from kvtool.eval.agreement import AgreementTask, read_questions_file, run_agreement
@@ -215,7 +228,7 @@ def agreement(
         from kvtool.errors import UsageError
 
         raise UsageError(f"--doc {path} is not a file")
-    task = AgreementTask(grid=grid, doc_path=path, questions=read_questions_file(Path(questions_file)),
+    task = AgreementTask(grid=build_grid(), doc_path=path, questions=read_questions_file(Path(questions_file)),
                          first_tokens=positive(first_tokens, "--first-tokens"),
                          max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
     _finish(run_agreement(task, RichReporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

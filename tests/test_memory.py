@@ -237,3 +237,38 @@ def test_profile_expected_memory_matches_formulas(
     for key, value in peak.items():
         assert expected[key] == value, key
     assert expected["predicted_peak"] == format_bytes(peak["predicted_peak_bytes"])
+
+
+@pytest.mark.parametrize(
+    ("positions", "dtype", "doc_tokens", "kept"),
+    [
+        ("compact", torch.bfloat16, 48, True),
+        ("compact", torch.float16, 48, True),
+        ("compact", torch.float32, 48, False),
+        ("absolute", torch.bfloat16, 48, False),
+        ("auto", torch.bfloat16, 48, False),  # within the model's 64 positions: never switches
+        ("auto", torch.bfloat16, 100, True),  # passes them: switches to compact
+    ],
+)
+def test_kv_allocation_plan_counts_original_keys_as_the_cache_allocates_them(
+    positions: str, dtype: torch.dtype, doc_tokens: int, kept: bool
+) -> None:
+    """The plan's allocated K/V equals the cache's real buffers (keys, values, and the original keys'
+    copy a 16-bit cache keeps at compact positions), for a tiny model streamed past its budget."""
+    from kvtool.runtime.memory import keeps_original_keys
+    from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
+
+    budget, block = 16, 8
+    model = tiny_llama(max_positions=64).to(dtype)
+    engine = make_engine(model, "h2o", budget, block_size=block, positions=positions)
+    ids = torch.randint(0, VOCAB, (doc_tokens,), generator=torch.Generator().manual_seed(0))
+    _, cache = stream_logits(engine, ids)
+    elem = torch.empty((), dtype=dtype).element_size()
+    original = keeps_original_keys(elem, positions, 64, doc_tokens)
+    assert original == kept
+    assert all((g.origin is not None) == kept for g in cache.groups())
+    dims = dims_from_config(model.config)
+    planned = kv_bytes_at_budget(dims, elem, budget, block, original_keys=original)
+    assert cache.allocated_bytes() == planned["allocated"]
+    plain = kv_bytes_at_budget(dims, elem, budget, block)["allocated"]
+    assert planned["allocated"] == (plain * 3 // 2 if kept else plain)

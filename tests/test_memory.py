@@ -272,3 +272,28 @@ def test_kv_allocation_plan_counts_original_keys_as_the_cache_allocates_them(
     assert cache.allocated_bytes() == planned["allocated"]
     plain = kv_bytes_at_budget(dims, elem, budget, block)["allocated"]
     assert planned["allocated"] == (plain * 3 // 2 if kept else plain)
+
+
+def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> None:
+    """``kvtool profile``'s plan: compact bf16 allocates K/V x 1.5 (and the largest budget shrinks
+    to match); auto positions only when the document passes the model's range; float32 never."""
+    from kvtool.runtime.profiling import ModelInfo, plan
+    from kvtool.runtime.settings import resolve_settings
+
+    def run(dtype: str, positions: str, doc: int, max_positions: int | None = 64) -> dict[str, Any]:
+        info = ModelInfo(name="hand", dims=dict(TINY), num_params=1000, dtype=dtype, max_positions=max_positions)
+        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions})
+        return plan(info, settings, doc_tokens=doc, memory=10_000_000)
+
+    base = run("bfloat16", "absolute", 1000)
+    per_token = kv_bytes_per_token(TINY, 2)["total"]
+    assert base["kv_bytes_at_budget"]["allocated"] == 80 * per_token and not base["original_keys"]
+    for positions, doc, max_positions in [("compact", 10, 64), ("auto", 1000, 64)]:
+        p = run("bfloat16", positions, doc, max_positions)
+        assert p["original_keys"]
+        assert p["kv_bytes_at_budget"]["promised"] == base["kv_bytes_at_budget"]["promised"]
+        assert p["kv_bytes_at_budget"]["allocated"] == 80 * per_token * 3 // 2
+        assert p["memory"]["largest_budget_tokens"] < base["memory"]["largest_budget_tokens"]
+    assert not run("bfloat16", "auto", 1000, None)["original_keys"]  # no range: auto never switches
+    assert not run("bfloat16", "auto", 50)["original_keys"]
+    assert not run("float32", "compact", 10)["original_keys"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,7 @@ from kvtool.runtime.memory import (
     sdpa_scratch_bytes,
     weights_bytes,
 )
+from tests.test_profile import tiny_dir  # noqa: F401 (the tiny checkpoint fixture)
 
 # A tiny GQA model: 2 layers, 4 query heads sharing 2 KV heads of 8 dims.
 TINY = {
@@ -297,3 +299,21 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
     assert not run("bfloat16", "auto", 1000, None)["original_keys"]  # no range: auto never switches
     assert not run("bfloat16", "auto", 50)["original_keys"]
     assert not run("float32", "compact", 10)["original_keys"]
+
+
+def test_profile_measured_allocation_matches_plan_bf16_compact(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               tiny_dir: Path) -> None:  # noqa: F811
+    """``kvtool profile --doc`` with a bf16 cache at compact positions: the real buffers (the original keys'
+    copy included) are exactly the plan's allocated K/V, which counts the copy."""
+    from tests.test_profile import _run, _tiny_doc
+
+    doc = _tiny_doc(tmp_path, 300)
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32", "--block-size", "16", "--device",
+                          "cpu", "--dtype", "bfloat16", "--positions", "compact", "--policy", "h2o", "--doc",
+                          str(doc), "--json", "--quiet")
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["original_keys"]
+    per_token = p["kv_bytes_per_token"]["total"]
+    assert p["kv_bytes_at_budget"]["allocated"] == (32 + 16) * per_token * 3 // 2
+    assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]

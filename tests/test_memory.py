@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,7 @@ from kvtool.runtime.memory import (
     sdpa_scratch_bytes,
     weights_bytes,
 )
+from tests.test_profile import tiny_dir  # noqa: F401 (the tiny checkpoint fixture)
 
 # A tiny GQA model: 2 layers, 4 query heads sharing 2 KV heads of 8 dims.
 TINY = {
@@ -237,3 +239,81 @@ def test_profile_expected_memory_matches_formulas(
     for key, value in peak.items():
         assert expected[key] == value, key
     assert expected["predicted_peak"] == format_bytes(peak["predicted_peak_bytes"])
+
+
+@pytest.mark.parametrize(
+    ("positions", "dtype", "doc_tokens", "kept"),
+    [
+        ("compact", torch.bfloat16, 48, True),
+        ("compact", torch.float16, 48, True),
+        ("compact", torch.float32, 48, False),
+        ("absolute", torch.bfloat16, 48, False),
+        ("auto", torch.bfloat16, 48, False),  # within the model's 64 positions: never switches
+        ("auto", torch.bfloat16, 100, True),  # passes them: switches to compact
+    ],
+)
+def test_kv_allocation_plan_counts_original_keys_as_the_cache_allocates_them(
+    positions: str, dtype: torch.dtype, doc_tokens: int, kept: bool
+) -> None:
+    """The plan's allocated K/V equals the cache's real buffers (keys, values, and the original keys'
+    copy a 16-bit cache keeps at compact positions), for a tiny model streamed past its budget."""
+    from kvtool.runtime.memory import keeps_original_keys
+    from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
+
+    budget, block = 16, 8
+    model = tiny_llama(max_positions=64).to(dtype)
+    engine = make_engine(model, "h2o", budget, block_size=block, positions=positions)
+    ids = torch.randint(0, VOCAB, (doc_tokens,), generator=torch.Generator().manual_seed(0))
+    _, cache = stream_logits(engine, ids)
+    elem = torch.empty((), dtype=dtype).element_size()
+    original = keeps_original_keys(elem, positions, 64, doc_tokens)
+    assert original == kept
+    assert all((g.origin is not None) == kept for g in cache.groups())
+    dims = dims_from_config(model.config)
+    planned = kv_bytes_at_budget(dims, elem, budget, block, original_keys=original)
+    assert cache.allocated_bytes() == planned["allocated"]
+    plain = kv_bytes_at_budget(dims, elem, budget, block)["allocated"]
+    assert planned["allocated"] == (plain * 3 // 2 if kept else plain)
+
+
+def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> None:
+    """``kvtool profile``'s plan: compact bf16 allocates K/V x 1.5 (and the largest budget shrinks
+    to match); auto positions only when the document passes the model's range; float32 never."""
+    from kvtool.runtime.profiling import ModelInfo, plan
+    from kvtool.runtime.settings import resolve_settings
+
+    def run(dtype: str, positions: str, doc: int, max_positions: int | None = 64) -> dict[str, Any]:
+        info = ModelInfo(name="hand", dims=dict(TINY), num_params=1000, dtype=dtype, max_positions=max_positions)
+        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions})
+        return plan(info, settings, doc_tokens=doc, memory=10_000_000)
+
+    base = run("bfloat16", "absolute", 1000)
+    per_token = kv_bytes_per_token(TINY, 2)["total"]
+    assert base["kv_bytes_at_budget"]["allocated"] == 80 * per_token and not base["original_keys"]
+    for positions, doc, max_positions in [("compact", 10, 64), ("auto", 1000, 64)]:
+        p = run("bfloat16", positions, doc, max_positions)
+        assert p["original_keys"]
+        assert p["kv_bytes_at_budget"]["promised"] == base["kv_bytes_at_budget"]["promised"]
+        assert p["kv_bytes_at_budget"]["allocated"] == 80 * per_token * 3 // 2
+        assert p["memory"]["largest_budget_tokens"] < base["memory"]["largest_budget_tokens"]
+    assert not run("bfloat16", "auto", 1000, None)["original_keys"]  # no range: auto never switches
+    assert not run("bfloat16", "auto", 50)["original_keys"]
+    assert not run("float32", "compact", 10)["original_keys"]
+
+
+def test_profile_measured_allocation_matches_plan_bf16_compact(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               tiny_dir: Path) -> None:  # noqa: F811
+    """``kvtool profile --doc`` with a bf16 cache at compact positions: the real buffers (the original keys'
+    copy included) are exactly the plan's allocated K/V, which counts the copy."""
+    from tests.test_profile import _run, _tiny_doc
+
+    doc = _tiny_doc(tmp_path, 300)
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32", "--block-size", "16", "--device",
+                          "cpu", "--dtype", "bfloat16", "--positions", "compact", "--policy", "h2o", "--doc",
+                          str(doc), "--json", "--quiet")
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["original_keys"]
+    per_token = p["kv_bytes_per_token"]["total"]
+    assert p["kv_bytes_at_budget"]["allocated"] == (32 + 16) * per_token * 3 // 2
+    assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]

@@ -36,7 +36,8 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         rows += [
             ("KV at budget (promised)", _b(at["promised"]),
              f"{budget if budget is not None else 'doc'} tokens per KV head"),
-            ("KV allocated", _b(at["allocated"]), f"({keys}) tokens: capacity + one block"),
+            ("KV allocated", _b(at["allocated"]), f"({keys}) tokens: capacity + one block"
+             + (", + original keys (16-bit, compact positions)" if p.get("original_keys") else "")),
         ]
         for kind, v in (at.get("by_layer_kind") or {}).items():
             rows.append((f"  of which {kind} layers", _b(v["allocated"]),

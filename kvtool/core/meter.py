@@ -2,8 +2,8 @@
 
 ``ru_maxrss`` is a lifetime peak (it would include model conversion), so the peak of a phase is
 tracked by a light sampling thread that can be reset: ``with meter.track(): ...``. It wakes every
-50 ms (one ``/proc`` read): on a 2-core machine a 5 ms sampler steals time slices from the compute
-threads, and every block/step event samples too (``sample``), so block-boundary peaks are seen.
+50 ms (one ``/proc`` read): a much faster sampler would steal time slices from the compute threads
+on a machine with few cores, and every block/step event samples too (``sample``), so block-boundary peaks are seen.
 """
 
 from __future__ import annotations

@@ -273,7 +273,10 @@ class HeadGroup:
         return self.buffers.slots
 
     def allocated_bytes(self) -> int:
-        return 2 * self.buffers["keys"].numel() * self.buffers["keys"].element_size()
+        """Bytes of the K/V buffers, and of the original keys' copy when the group keeps one."""
+        kv = 2 * self.buffers["keys"].numel() * self.buffers["keys"].element_size()
+        origin = self.origin
+        return kv if origin is None else kv + origin.numel() * origin.element_size()
 
     def promised_tokens(self) -> int | None:
         """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""

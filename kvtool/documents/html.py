@@ -2,7 +2,7 @@
 
 trafilatura was chosen over hand-written rules on selectolax or BeautifulSoup: on the generated fixture
 all three find the article and drop the boilerplate, but only trafilatura finds the main text of pages
-that do not mark it with ``<article>``/``<main>``, and a page costs it about 1.6 ms. The page is read
+that do not mark it with ``<article>``/``<main>``. The page is read
 whole (at most :data:`MAX_HTML_BYTES`); its text is handed out in parts of at most 64K characters.
 """
 

@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from kvtool.errors import KvtoolError
-from kvtool.eval import CellLog, Reporter, Run, Timer, load_once, make_session, model_settings, report
+from kvtool.eval import CellLog, Reporter, Run, Timer, make_session, model_settings, report
 from kvtool.eval.metrics import normalised_error
-from kvtool.eval.ppl import WindowTask, make_windows
+from kvtool.eval.ppl import Window, WindowTask, load_windows, window_cells
 from kvtool.eval.stats import bootstrap_mean
 
 
@@ -96,9 +96,7 @@ def capture_outputs(engine: Any, cap: OutputCapture, ids: Tensor, n_context: int
 
 def run_attn_error(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
     timer = Timer()
-    torch.manual_seed(task.grid.settings.seed)
-    loaded = load_once(task.grid, reporter.say)
-    windows = make_windows(task, loaded.tokenizer)
+    loaded, windows = load_windows(task, reporter)
     runs = task.grid.runs()
     settings = {**model_settings(loaded), **task.settings(), "windows": [w.key for w in windows],
                 "num_heads": loaded.model.config.num_attention_heads,
@@ -113,23 +111,20 @@ def run_attn_error(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
         num_layers = len(cap.modules)
         for k, w in enumerate(windows):
             reporter.doing(f"sample {k + 1}/{len(windows)} dense (full)")
-            missing = [r for r, run in enumerate(runs) if f"{run.label}|{w.key}" not in log]
+            missing = any(f"{run.label}|{w.key}" not in log for run in runs)
             dense = capture_outputs(reference.engine, cap, w.ids, n) if missing else None
             reporter.advance()
-            for r, run in enumerate(runs):
-                reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
-                key = f"{run.label}|{w.key}"
-                if key not in log:
-                    if r not in sessions:
-                        sessions[r] = make_session(task.grid, run, loaded, reporter.say)
-                    got = capture_outputs(sessions[r].engine, cap, w.ids, n)
-                    assert dense is not None
-                    log.put(key, {"layers": [normalised_error(a, b) for a, b in zip(dense, got, strict=True)],
-                                  "budget": sessions[r].budget_tokens})
-                rec = log.get(key)
+
+            def measure(session: Any, w: Window = w, dense: list[Tensor] | None = dense) -> dict[str, Any]:
+                got = capture_outputs(session.engine, cap, w.ids, n)
+                assert dense is not None
+                return {"layers": [normalised_error(a, b) for a, b in zip(dense, got, strict=True)],
+                        "budget": session.budget_tokens}
+
+            for r, rec in window_cells(task, loaded, log, reporter, sessions, f"sample {k + 1}/{len(windows)}",
+                                       w.key, measure):
                 budgets[r] = rec["budget"]
                 errors[r].append(rec["layers"])
-                reporter.advance()
     results = []
     seed = task.grid.settings.seed
     for r, (run, per_sample) in enumerate(zip(runs, errors, strict=True)):

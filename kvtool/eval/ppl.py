@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,11 +143,43 @@ def stream_logits(engine: Any, ids: Tensor, n_context: int) -> Tensor:
 # --------------------------------------------------------------------------------------------- task
 
 
-def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
-    timer = Timer()
+def load_windows(task: WindowTask, reporter: Reporter) -> tuple[Any, list[Window]]:
+    """Seed torch with the grid's seed, load the model once and cut the task's windows from its texts."""
     torch.manual_seed(task.grid.settings.seed)
     loaded = load_once(task.grid, reporter.say)
-    windows = make_windows(task, loaded.tokenizer)
+    return loaded, make_windows(task, loaded.tokenizer)
+
+
+def window_cells(
+    task: WindowTask,
+    loaded: Any,
+    log: CellLog,
+    reporter: Reporter,
+    sessions: dict[int, Any],
+    sample: str,
+    window_key: str,
+    measure: Callable[[Any], dict[str, Any]],
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each run's record for one window, ``(run index, record)``, in the grid's order.
+
+    A record already in the resume log is read back; otherwise ``measure(session)`` computes it with
+    the run's session (built on first need, so a resumed run loads nothing it does not use) and it
+    is logged first. The progress bar advances once per run, after the caller has used the record.
+    """
+    for r, run in enumerate(task.grid.runs()):
+        reporter.doing(f"{sample} {run.label}")
+        key = f"{run.label}|{window_key}"
+        if key not in log:
+            if r not in sessions:
+                sessions[r] = make_session(task.grid, run, loaded, reporter.say)
+            log.put(key, measure(sessions[r]))
+        yield r, log.get(key)
+        reporter.advance()
+
+
+def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
+    timer = Timer()
+    loaded, windows = load_windows(task, reporter)
     runs = task.grid.runs()
     sessions: dict[int, Any] = {}  # built on first need: a resumed run loads nothing it does not use
     n, m = task.context, task.continuation
@@ -165,30 +198,27 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
             reporter.doing(f"sample {k + 1}/{len(windows)} dense")
             targets = w.ids[n:]
             dense_key = f"dense|{w.key}"
-            missing = [run for run in runs if f"{run.label}|{w.key}" not in log]
+            missing = any(f"{run.label}|{w.key}" not in log for run in runs)
             dense = dense_logits(loaded.model, w.ids, m) if missing or dense_key not in log else None
             if dense_key not in log:
                 log.put(dense_key, mean_nll(dense, targets))
             d_nll = log.get(dense_key)
             dense_nll.append(d_nll)
             reporter.advance()
-            for r, run in enumerate(runs):
-                reporter.doing(f"sample {k + 1}/{len(windows)} {run.label}")
-                key = f"{run.label}|{w.key}"
-                if key not in log:
-                    if r not in sessions:
-                        sessions[r] = make_session(task.grid, run, loaded, reporter.say)
-                    t = Timer()
-                    q = stream_logits(sessions[r].engine, w.ids, n)
-                    ref = dense
-                    assert ref is not None
-                    log.put(key, {"window": w.key, "nll": mean_nll(q, targets), "dense_nll": d_nll,
-                                  "kl": kl_divergence(ref, q), "top1": top1_agreement(ref, q),
-                                  "seconds": t.seconds(), "budget": sessions[r].budget_tokens})
-                rec = log.get(key)
+
+            def measure(session: Any, w: Window = w, ref: Tensor | None = dense, targets: Tensor = targets,
+                        d_nll: float = d_nll) -> dict[str, Any]:
+                t = Timer()
+                q = stream_logits(session.engine, w.ids, n)
+                assert ref is not None
+                return {"window": w.key, "nll": mean_nll(q, targets), "dense_nll": d_nll,
+                        "kl": kl_divergence(ref, q), "top1": top1_agreement(ref, q),
+                        "seconds": t.seconds(), "budget": session.budget_tokens}
+
+            for r, rec in window_cells(task, loaded, log, reporter, sessions, f"sample {k + 1}/{len(windows)}",
+                                       w.key, measure):
                 budgets[r] = rec["budget"]
                 per_run[r].append(rec)
-                reporter.advance()
     dense_ppl = math.exp(sum(dense_nll) / len(dense_nll))
     results = _ppl_results(runs, per_run, budgets, dense_ppl, task.grid.settings.seed, m)
     reference = {"ppl": dense_ppl, "samples": [{"window": w.key, "ppl": math.exp(x)}

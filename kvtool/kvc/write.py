@@ -304,16 +304,26 @@ def _dir_lock(directory: str) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
+def _recorded_archive(path: str) -> str | None:
+    """The archive file name the header of the cache at ``path`` records, None when it records none.
+
+    Raises ``UsageError``/``OSError`` when the header cannot be read; each caller decides what an
+    unreadable cache means for it.
+    """
+    info = read_header(path).meta.get("archive")
+    name = info.get("file") if isinstance(info, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _archive_of(path: str) -> str | None:
     """The archive the cache at ``path`` names, if it is one of kvtool's names for it; None otherwise."""
     if not os.path.isfile(path):
         return None
     try:
-        info = read_header(path).meta.get("archive")
+        name = _recorded_archive(path)
     except (UsageError, OSError):
         return None
-    name = info.get("file") if isinstance(info, dict) else None
-    return name if isinstance(name, str) and is_archive_name(os.path.basename(path), name) else None
+    return name if name is not None and is_archive_name(os.path.basename(path), name) else None
 
 
 def write_error(path: str, e: OSError) -> KvtoolError:
@@ -375,7 +385,6 @@ def _orphan(directory: str, cache_name: str, name: str) -> bool:
     if not os.path.lexists(cache):
         return True
     try:
-        info = read_header(cache).meta.get("archive")
+        return _recorded_archive(cache) != name
     except (UsageError, OSError):
         return False
-    return not (isinstance(info, dict) and info.get("file") == name)

@@ -140,7 +140,26 @@ def kv_bytes_per_token(dims: Dims, elem: Any) -> dict[str, int]:
     return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
 
 
-def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int) -> dict[str, Any]:
+def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = None,
+                        doc_tokens: int | None = None) -> bool:
+    """Whether a run keeps each key's original copy beside its rotated one (``HeadGroup.keep_origin``).
+
+    The cache does so for a 16-bit K/V dtype (bf16, fp16) once keys sit at compact positions, so that
+    re-packing rotates from the model's own key and rounds once: ``positions="compact"`` from the first
+    token, ``"auto"`` once the stream passes ``max_positions`` (never when the model states no range).
+    With ``"auto"`` an unknown document length counts as passing: a plan must not under-count.
+    """
+    if dtype_bytes(elem) >= 4:
+        return False
+    if positions == "compact":
+        return True
+    if positions == "auto" and max_positions is not None:
+        return doc_tokens is None or doc_tokens > max_positions
+    return False
+
+
+def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int,
+                       original_keys: bool = False) -> dict[str, Any]:
     """KV memory at a budget of ``budget_tokens`` per KV head.
 
     ``promised``: what the budget guarantees after every eviction, the same for every policy
@@ -148,15 +167,20 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     preallocated buffers, capacity plus one block of scratch that the incoming block is appended to
     before eviction brings the cache back to capacity. A hybrid model's sliding layers hold
     ``min(W - 1, budget)`` tokens instead; ``by_layer_kind`` then splits both figures.
+
+    ``original_keys`` (see ``keeps_original_keys``): every buffer slot also holds the key at its
+    original position, one more key per token, so ``allocated`` is 1.5x; ``promised`` stays the
+    budget's K+V (what a byte budget buys), the copy being bookkeeping of the positions mode.
     """
     per_layer = kv_bytes_per_token(dims, elem)["per_layer"]
+    per_slot = per_layer + per_layer // 2 if original_keys else per_layer
     s = layer_split(dims, budget_tokens)
     glob = {"promised": s["global_layers"] * budget_tokens * per_layer,
-            "allocated": s["global_layers"] * (budget_tokens + block_size) * per_layer}
+            "allocated": s["global_layers"] * (budget_tokens + block_size) * per_slot}
     out: dict[str, Any] = dict(glob)
     if s["sliding_layers"]:
         slide = {"promised": s["sliding_layers"] * s["sliding_tokens"] * per_layer,
-                 "allocated": s["sliding_layers"] * (s["sliding_tokens"] + block_size) * per_layer}
+                 "allocated": s["sliding_layers"] * (s["sliding_tokens"] + block_size) * per_slot}
         out = {k: glob[k] + slide[k] for k in glob}
         out["by_layer_kind"] = {"global": glob, "sliding": slide}
     return out
@@ -257,6 +281,7 @@ def predict_peak(
     runtime_baseline_bytes: int = 0,
     unquantized_params: int = 0,
     snapshot_tokens: int | None = None,
+    original_keys: bool = False,
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -266,8 +291,9 @@ def predict_peak(
     ``rows`` is the policy's ``query_rows(block_size)``, ``n_fields`` its ``len(state_fields)``;
     ``runtime_baseline_bytes`` is the process's memory before weights are loaded, measured by the
     caller (RSS on CPU; 0 on CUDA, where the CUDA context is not counted by the allocator).
+    ``original_keys``: the cache keeps each key's original copy too (``keeps_original_keys``).
     """
-    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size)
+    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys)
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
@@ -327,64 +353,22 @@ def _largest(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def largest_budget(
-    memory_bytes: int,
-    dims: Dims,
-    *,
-    num_params: int,
-    elem: Any,
-    block_size: int,
-    quantize: str = "none",
-    rows: int = 0,
-    n_fields: int = 0,
-    runtime_baseline_bytes: int = 0,
-    unquantized_params: int = 0,
-) -> int:
-    """Largest budget (tokens per KV head) whose ``predict_peak`` fits in ``memory_bytes``; 0 if none."""
+def largest_budget(memory_bytes: int, dims: Dims, **peak: Any) -> int:
+    """Largest budget (tokens per KV head) whose ``predict_peak`` fits in ``memory_bytes``; 0 if none.
 
-    def fits(budget: int) -> bool:
-        peak = predict_peak(
-            dims,
-            num_params=num_params,
-            elem=elem,
-            budget_tokens=budget,
-            block_size=block_size,
-            quantize=quantize,
-            rows=rows,
-            n_fields=n_fields,
-            runtime_baseline_bytes=runtime_baseline_bytes,
-            unquantized_params=unquantized_params,
-        )
-        return peak["predicted_peak_bytes"] <= memory_bytes
-
-    return _largest(fits)
+    ``peak``: ``predict_peak``'s keywords other than ``budget_tokens`` (``num_params``, ``elem`` and
+    ``block_size`` required), so the search prices a budget exactly as the plan does.
+    """
+    return _largest(lambda budget: predict_peak(dims, budget_tokens=budget, **peak)["predicted_peak_bytes"]
+                    <= memory_bytes)
 
 
-def dense_max_tokens(
-    memory_bytes: int,
-    dims: Dims,
-    *,
-    num_params: int,
-    elem: Any,
-    quantize: str = "none",
-    runtime_baseline_bytes: int = 0,
-    unquantized_params: int = 0,
-) -> int:
-    """Longest document (tokens) whose ``dense_peak`` fits in ``memory_bytes``; 0 if none."""
+def dense_max_tokens(memory_bytes: int, dims: Dims, **peak: Any) -> int:
+    """Longest document (tokens) whose ``dense_peak`` fits in ``memory_bytes``; 0 if none.
 
-    def fits(n: int) -> bool:
-        peak = dense_peak(
-            dims,
-            n,
-            num_params=num_params,
-            elem=elem,
-            quantize=quantize,
-            runtime_baseline_bytes=runtime_baseline_bytes,
-            unquantized_params=unquantized_params,
-        )
-        return peak <= memory_bytes
-
-    return _largest(fits)
+    ``peak``: ``dense_peak``'s keywords (``num_params`` and ``elem`` required).
+    """
+    return _largest(lambda n: dense_peak(dims, n, **peak) <= memory_bytes)
 
 
 def format_bytes(n: int | float | None) -> str:

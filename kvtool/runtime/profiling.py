@@ -5,7 +5,8 @@ a run's statistics cannot disagree. The prediction is a sum the user can read li
 
     predicted peak = runtime baseline            measured: memory of the process before weights load
                    + weights                     real bytes of the loaded parameters
-                   + KV allocated                (budget + block) tokens x KV bytes per token
+                   + KV allocated                (budget + block) tokens x KV bytes per token (x 1.5 when a
+                                                 16-bit cache at compact positions keeps original keys)
                    + attention scratch           float32 probabilities the policy asked for (one layer)
                    + SDPA scratch                the block's attention call (one layer, worst case)
                    + policy state                float32 per-token score state next to K/V
@@ -39,7 +40,9 @@ class ModelInfo:
 
     ``weights_bytes=None`` means "not loaded": the bytes then come from ``memory.weights_bytes``.
     ``rows`` is the policy's ``query_rows(block_size)``, ``n_fields`` the number of float32
-    per-token state fields it keeps. ``budget_tokens``/``budget_note`` may be given already resolved
+    per-token state fields it keeps. ``max_positions`` is the model's trained range: with
+    ``positions auto`` a 16-bit cache that passes it keeps each key's original copy (see
+    ``memory.keeps_original_keys``). ``budget_tokens``/``budget_note`` may be given already resolved
     (a session resolves them); otherwise ``plan`` resolves the settings' budget itself.
     """
 
@@ -58,6 +61,7 @@ class ModelInfo:
     budget_note: str | None = None
     resolved: bool = False  # budget_tokens/budget_note already resolved (None budget = policy full)
     budget_split: list[dict[str, Any]] | None = field(default=None, repr=False)
+    max_positions: int | None = None  # the model's max_position_embeddings (when auto positions switch)
 
     @property
     def elem(self) -> int:
@@ -101,6 +105,7 @@ def model_info(session: Any) -> ModelInfo:
         budget_note=session.budget_note,
         resolved=True,
         budget_split=budget_split,
+        max_positions=getattr(engine, "max_positions", None),
     )
 
 
@@ -157,6 +162,7 @@ def plan(
     weights_offset = weights - formula_weights
     common = {"num_params": info.num_params, "elem": elem, "quantize": info.quantize,
               "unquantized_params": info.unquantized_params}
+    original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens)
 
     out: dict[str, Any] = {
         "model": info.name,
@@ -170,8 +176,11 @@ def plan(
         "num_params": info.num_params,
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem),
     }
-    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset, common)
-    out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block)
+    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset,
+                 {**common, "original_keys": original_keys})
+    out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
+                                              original_keys)
+    out["original_keys"] = original_keys
     out.update({
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
@@ -186,7 +195,8 @@ def plan(
     })
     recall_tokens = parse_recall(settings.recall) if budget is not None else 0
     if recall_tokens:
-        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"]))
+        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
+                                original_keys))
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
@@ -197,14 +207,15 @@ def plan(
             + weights_offset,
         }
     if limit is not None:
-        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common)
+        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common,
+                                original_keys)
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
 
 
 def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, cache_tokens: int | None,
-                  block: int) -> dict[str, Any] | None:
+                  block: int, original_keys: bool) -> dict[str, Any] | None:
     """K/V bytes promised and allocated at the budget; a hybrid model's split into global and sliding layers."""
     if peak["kv_allocated_bytes"] is None:
         return None
@@ -213,20 +224,21 @@ def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, c
         split = _mem.layer_split(dims, cache_tokens)
         out["by_layer_kind"] = {
             kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
-            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block)["by_layer_kind"].items()
+            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block,
+                                                   original_keys)["by_layer_kind"].items()
         }
     return out
 
 
 def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
-            common: dict[str, Any]) -> dict[str, Any]:
+            common: dict[str, Any], original_keys: bool) -> dict[str, Any]:
     """What fits in ``limit`` bytes: this plan, the largest budget, the longest dense document."""
     return {
         "limit_bytes": limit,
         "fits": predicted <= limit if predicted is not None else None,
         "largest_budget_tokens": _mem.largest_budget(
             limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=shifted_baseline, **common,
+            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, **common,
         ),
         "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
                                                   **common),
@@ -255,7 +267,7 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
 
 
 def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int,
-                 per_token: int) -> dict[str, Any]:
+                 per_token: int, original_keys: bool) -> dict[str, Any]:
     """Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
     archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token)."""
     elem = info.elem
@@ -265,7 +277,8 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
         settings.archive_dtype)
     return {
         "recall_tokens": recall_tokens,
-        "recall_slots_bytes": recall_tokens * per_token,
+        # recall slots are slots of the same buffers, so they hold the original keys' copy too
+        "recall_slots_bytes": recall_tokens * (per_token + per_token // 2 if original_keys else per_token),
         "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
         "recall_page": settings.recall_page,
         "archive_bytes_per_evicted_token": {

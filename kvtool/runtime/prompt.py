@@ -54,8 +54,8 @@ def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
 
     Recall ranks the archive by what these rows attend to: the instruction and the chat template
     around the question are the same for every question, and their rows attend to the document's
-    generic attractors (essay titles, dates, turn headers) — measured at 32K, summed with the
-    question's rows they outranked the needle 100-fold (docs/results.md).
+    generic attractors (essay titles, dates, turn headers); summed with the question's rows they
+    would outrank the passage the question is about, so only the question's rows are used.
     """
     at = suffix.rfind(focus.strip()) if focus.strip() else -1
     if at < 0:

@@ -108,12 +108,11 @@ def greedy_evict(
     "joint" is expanded into per-token scalars, so its step touches ``[h, n]`` vectors only, never
     an ``[h, n, d]`` tensor: with ``xv_j = X·v_j`` and ``‖X − v_j‖²`` computed once and ``dv_j = D·v_j``
     updated by one matrix-vector product per step (``dv += α_j V v_j``), and ``u = A·X − D``,
-    ``‖u + α_j(X − v_j)‖² = ‖u‖² + 2α_j(u·X − A·xv_j + dv_j) + α_j²‖X − v_j‖²``. Measured on one
-    SmolLM2 layer's shape (3 heads, 1,152 tokens, d = 64, 128 evictions, 2 CPU threads) that is
-    20 ms instead of 56 ms per selection, same order. "step" keeps the direct ``‖X' − v_j‖₂`` over
-    the values: its expansion (``‖X'‖² − 2X'·v_j + ‖v_j‖²``, one more product per step) measured
-    slower, 20 ms against 15 ms (issue 15: the step loop is sequential by nature; what can shrink
-    is the number and size of its kernels).
+    ``‖u + α_j(X − v_j)‖² = ‖u‖² + 2α_j(u·X − A·xv_j + dv_j) + α_j²‖X − v_j‖²``, which is cheaper
+    than forming the ``[h, n, d]`` difference every step. "step" keeps the direct ``‖X' − v_j‖₂`` over
+    the values: its expansion (``‖X'‖² − 2X'·v_j + ‖v_j‖²``) needs one more product per step and so
+    does not pay off; the step loop is sequential by nature, so what can shrink is the number and
+    size of its kernels.
 
     Protected tokens are evicted only when a head has no other token left. Returns (``[h, m]``
     evicted indices in eviction order, ``[h]`` joint error of the evicted set, eq. 31).
@@ -127,43 +126,73 @@ def greedy_evict(
         protected = torch.zeros_like(alpha, dtype=torch.bool)
     big = torch.finfo(alpha.dtype).max
     x = attention_output(alpha, values)  # [h, d]
-    if objective == "joint":
-        xv = (values @ x.unsqueeze(-1)).squeeze(-1)  # [h, n]: X·v_j
-        far = (x * x).sum(-1, keepdim=True) - 2.0 * xv + (values * values).sum(-1)  # ‖X − v_j‖²
-        dv = torch.zeros_like(alpha)  # D·v_j
+    joint_terms = _joint_terms(alpha, values, x) if objective == "joint" else None
     tier = protected.to(alpha.dtype)  # 0 usable, 1 protected, 2 removed: the lowest tier present is eligible
     mass = alpha.new_zeros(h, 1)  # A
     taken = torch.zeros_like(x)  # D
     order = torch.empty(h, m, dtype=torch.long, device=alpha.device)
     for step in range(m):
-        rest = 1.0 - mass  # [h, 1], mass left after the evictions so far
-        left = rest - alpha  # 1 − A − α_j = (1 − A)(1 − α'_j)
-        if objective == "step":
-            current = (x - taken) / rest.clamp_min(eps)  # X'
-            dist = torch.linalg.vector_norm(current.unsqueeze(-2) - values, dim=-1)
-            err = alpha / left.clamp_min(eps) * dist  # α'_j / (1 − α'_j) · ‖X' − v_j‖
-        else:
-            u = mass * x - taken  # Σ_S α_i (X − v_i)
-            sq = (u * u).sum(-1, keepdim=True) + 2.0 * alpha * ((u * x).sum(-1, keepdim=True) - mass * xv + dv)
-            err = sq.addcmul_(alpha * alpha, far).clamp_min_(0.0).sqrt_() / left.clamp_min(eps)
-        err = err.masked_fill(left <= eps, float("inf"))
-        # Rank finite errors first, then +inf ones (still valid), never a removed token; prefer
-        # unprotected tokens, fall back to protected ones only when nothing else is left.
-        err = torch.nan_to_num(err, nan=-big, posinf=big)
-        usable = tier == tier.amin(dim=-1, keepdim=True)
-        j = err.masked_fill_(~usable, float("inf")).argmin(dim=-1, keepdim=True)  # [h, 1]
+        err = _candidate_errors(alpha, values, x, mass, taken, joint_terms, eps)
+        j = _pick_next(err, tier, big)  # [h, 1]
         a_j = alpha.gather(1, j)  # [h, 1]
         v_j = values.gather(1, j.unsqueeze(-1).expand(h, 1, values.shape[-1]))  # [h, 1, d]
         mass = mass + a_j
         taken = taken + a_j * v_j[:, 0]
-        if objective == "joint":
-            dv = dv + a_j * (values @ v_j.transpose(1, 2)).squeeze(-1)
+        if joint_terms is not None:
+            xv, far, dv = joint_terms
+            joint_terms = (xv, far, dv + a_j * (values @ v_j.transpose(1, 2)).squeeze(-1))
         tier.scatter_(1, j, 2.0)
         order[:, step : step + 1] = j
     rest = 1.0 - mass[:, 0]
     joint = torch.linalg.vector_norm(mass * x - taken, dim=-1) / rest.clamp_min(eps)
     joint = joint.masked_fill(rest <= eps, float("inf"))  # eq. 31: ‖Σ α_i (X − v_i)‖ / (1 − A)
     return order, joint
+
+
+def _joint_terms(alpha: Tensor, values: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-token scalars of the "joint" expansion: ``X·v_j``, ``‖X − v_j‖²`` and ``D·v_j`` (zero)."""
+    xv = (values @ x.unsqueeze(-1)).squeeze(-1)  # [h, n]: X·v_j
+    far = (x * x).sum(-1, keepdim=True) - 2.0 * xv + (values * values).sum(-1)  # ‖X − v_j‖²
+    return xv, far, torch.zeros_like(alpha)  # D·v_j
+
+
+def _candidate_errors(
+    alpha: Tensor,
+    values: Tensor,
+    x: Tensor,
+    mass: Tensor,
+    taken: Tensor,
+    joint_terms: tuple[Tensor, Tensor, Tensor] | None,
+    eps: float,
+) -> Tensor:
+    """``[h, n]`` error of evicting each token next, given ``A`` (``mass``) and ``D`` (``taken``) so far.
+
+    Without ``joint_terms`` the "step" error ``α'_j / (1 − α'_j) · ‖X' − v_j‖``; with them the
+    "joint" error of the evicted set grown by j. A token whose eviction would leave no mass is +inf.
+    """
+    rest = 1.0 - mass  # [h, 1], mass left after the evictions so far
+    left = rest - alpha  # 1 − A − α_j = (1 − A)(1 − α'_j)
+    if joint_terms is None:
+        current = (x - taken) / rest.clamp_min(eps)  # X'
+        dist = torch.linalg.vector_norm(current.unsqueeze(-2) - values, dim=-1)
+        err = alpha / left.clamp_min(eps) * dist  # α'_j / (1 − α'_j) · ‖X' − v_j‖
+    else:
+        xv, far, dv = joint_terms
+        u = mass * x - taken  # Σ_S α_i (X − v_i)
+        sq = (u * u).sum(-1, keepdim=True) + 2.0 * alpha * ((u * x).sum(-1, keepdim=True) - mass * xv + dv)
+        err = sq.addcmul_(alpha * alpha, far).clamp_min_(0.0).sqrt_() / left.clamp_min(eps)
+    return err.masked_fill(left <= eps, float("inf"))
+
+
+def _pick_next(err: Tensor, tier: Tensor, big: float) -> Tensor:
+    """``[h, 1]`` index of the token to evict next in each head: the smallest error in the lowest tier.
+
+    Finite errors rank first, then +inf ones (still valid), never a removed token; unprotected tokens
+    are preferred, protected ones taken only when nothing else is left.
+    """
+    err = torch.nan_to_num(err, nan=-big, posinf=big)
+    usable = tier == tier.amin(dim=-1, keepdim=True)
+    return err.masked_fill_(~usable, float("inf")).argmin(dim=-1, keepdim=True)
 
 
 @dataclass

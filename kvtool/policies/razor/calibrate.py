@@ -288,10 +288,32 @@ def head_scores(
     Returns ``{"K", "repeats", "seed", "bos", "tokens", "num_layers", "num_attention_heads",
     "num_kv_heads", "echo": [[float]*H]*L, "induction": [[float]*H]*L}``.
     """
-    global _ACTIVE
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    K = _probe_k(model, K, repeats, max_tokens)
+    num_layers, num_heads, num_kv = _model_dims(model)
+    ids, offset = probe_tokens(model, K, repeats, seed, exclude_ids, bos)
+    results = _run_probe(model, ids, K=K, start=offset + K, stop=offset + repeats * K,
+                         num_layers=num_layers, progress=progress)
+    echo, ind = _score_lists(results, num_layers, num_heads)
+    return {
+        "K": K,
+        "repeats": repeats,
+        "seed": seed,
+        "bos": offset == 1,
+        "tokens": ids.shape[1],
+        "num_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_kv_heads": num_kv,
+        "echo": echo,
+        "induction": ind,
+    }
 
+
+def _probe_k(model: Any, K: int | None, repeats: int, max_tokens: int | None) -> int:
+    """The probe's span length ``K``: the default when not given, checked against the model's positions.
+
+    A usage error when ``repeats < 2`` or ``K < 2`` (no repeat to score) or when the probe
+    (``K × repeats`` plus BOS) would not fit ``max_position_embeddings``.
+    """
     if repeats < 2:
         raise UsageError(f"calibration needs repeats >= 2 (got {repeats})")
     if K is None:
@@ -305,9 +327,29 @@ def head_scores(
             f"calibration K={K} × repeats={repeats} exceeds the model's {max_pos} positions; "
             f"use K <= {int(max_pos) // repeats - 1}"
         )
-    num_layers, num_heads, num_kv = _model_dims(model)
-    ids, offset = probe_tokens(model, K, repeats, seed, exclude_ids, bos)
-    T = ids.shape[1]
+    return K
+
+
+def _run_probe(
+    model: Any,
+    ids: Tensor,
+    *,
+    K: int,
+    start: int,
+    stop: int,
+    num_layers: int,
+    progress: Callable[[int, int], None] | None,
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """One forward pass of the probe with the scoring attention hooked in: ``{layer: (echo, induction)}``.
+
+    The model's attention implementation, training flag and the module's active state are restored
+    whatever happens; only the decoder stack runs, so no ``[T, vocab]`` logits are computed. An
+    error when no layer reported (the model bypasses transformers' ``AttentionInterface``).
+    """
+    global _ACTIVE
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     original = getattr(model.config, "_attn_implementation", None)
     inner, mask_fn = _inner_attention(model, original)
     AttentionInterface.register(_ATTN_NAME, _calibration_attention)
@@ -318,10 +360,10 @@ def head_scores(
         progress(0, num_layers)
     _ACTIVE = {
         "inner": inner,
-        "T": T,
+        "T": ids.shape[1],
         "K": K,
-        "start": offset + K,
-        "stop": offset + repeats * K,
+        "start": start,
+        "stop": stop,
         "results": results,
         "calls": 0,
         "progress": progress,
@@ -342,24 +384,20 @@ def head_scores(
             "calibration: the model does not route attention through transformers' AttentionInterface; "
             "razor cannot calibrate it"
         )
+    return results
+
+
+def _score_lists(
+    results: dict[int, tuple[Tensor, Tensor]], num_layers: int, num_heads: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-layer lists of echo and induction scores; a layer that reported nothing scores zero."""
     echo: list[list[float]] = []
     ind: list[list[float]] = []
     for layer in range(num_layers):
         e, n = results.get(layer, (torch.zeros(num_heads), torch.zeros(num_heads)))
         echo.append([float(x) for x in e])
         ind.append([float(x) for x in n])
-    return {
-        "K": K,
-        "repeats": repeats,
-        "seed": seed,
-        "bos": offset == 1,
-        "tokens": T,
-        "num_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_kv_heads": num_kv,
-        "echo": echo,
-        "induction": ind,
-    }
+    return echo, ind
 
 
 # --------------------------------------------------------------------------------------------------

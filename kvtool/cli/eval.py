@@ -151,52 +151,54 @@ def _window_task(text: str | None, context: str, continuation: str, samples: int
     return WindowTask(grid=grid(), texts=texts, context=n, continuation=m, samples=k, resume=resume)
 
 
-@eval_app.command("ppl")
-@with_settings(*EVAL_SETTINGS)
-def ppl(
-    text: TextOpt = None,
-    context: ContextOpt = "1k",
-    continuation: ContinuationOpt = "64",
-    samples: SamplesOpt = 16,
-    policies: PoliciesOpt = "full,sink,h2o,tova,keydiff",
-    budgets: BudgetsOpt = "256",
-    seed: EvalSeedOpt = 0,
-    resume: ResumeOpt = None,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-    flags: dict[str, Any] | None = None,
-) -> None:
-    """Perplexity of M continuation tokens after N context tokens vs the dense model (CAOTE §4.3)."""
-    task = _window_task(text, context, continuation, samples,
-                        _grid(policies, budgets, False, seed=seed, **(flags or {})), resume)
-    from kvtool.cli.eval_view import RichReporter, render_ppl
+def _window_command(name: str, summary: str, context_default: str, continuation_default: str,
+                    policies_default: str, parts: Callable[[], tuple[Any, Any]]) -> Callable[..., None]:
+    """An ``eval`` command over text windows (ppl, attn-error): the same options with its own defaults;
+    ``parts`` imports (torch, only once the input is checked) its runner and its table."""
+
+    def command(
+        text: TextOpt = None,
+        context: ContextOpt = context_default,
+        continuation: ContinuationOpt = continuation_default,
+        samples: SamplesOpt = 16,
+        policies: PoliciesOpt = policies_default,
+        budgets: BudgetsOpt = "256",
+        seed: EvalSeedOpt = 0,
+        resume: ResumeOpt = None,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+        flags: dict[str, Any] | None = None,
+    ) -> None:
+        task = _window_task(text, context, continuation, samples,
+                            _grid(policies, budgets, False, seed=seed, **(flags or {})), resume)
+        from kvtool.cli.eval_view import RichReporter
+
+        run, render = parts()
+        _finish(run(task, RichReporter(quiet, name, stderr_console())), json_out, render)
+
+    command.__doc__ = summary
+    command.__name__ = name.replace("-", "_")
+    return eval_app.command(name)(with_settings(*EVAL_SETTINGS)(command))
+
+
+def _ppl_parts() -> tuple[Any, Any]:
+    from kvtool.cli.eval_view import render_ppl
     from kvtool.eval.ppl import run_ppl
 
-    _finish(run_ppl(task, RichReporter(quiet, "ppl", stderr_console())), json_out, render_ppl)
+    return run_ppl, render_ppl
 
 
-@eval_app.command("attn-error")
-@with_settings(*EVAL_SETTINGS)
-def attn_error(
-    text: TextOpt = None,
-    context: ContextOpt = "512",
-    continuation: ContinuationOpt = "32",
-    samples: SamplesOpt = 16,
-    policies: PoliciesOpt = "sink,h2o,tova,keydiff",
-    budgets: BudgetsOpt = "256",
-    seed: EvalSeedOpt = 0,
-    resume: ResumeOpt = None,
-    json_out: JsonOpt = False,
-    quiet: QuietOpt = False,
-    flags: dict[str, Any] | None = None,
-) -> None:
-    """Per-layer normalised error between dense and evicted attention outputs (CAOTE App. E.4)."""
-    task = _window_task(text, context, continuation, samples,
-                        _grid(policies, budgets, False, seed=seed, **(flags or {})), resume)
-    from kvtool.cli.eval_view import RichReporter, render_attn_error
+def _attn_error_parts() -> tuple[Any, Any]:
+    from kvtool.cli.eval_view import render_attn_error
     from kvtool.eval.attn_error import run_attn_error
 
-    _finish(run_attn_error(task, RichReporter(quiet, "attn-error", stderr_console())), json_out, render_attn_error)
+    return run_attn_error, render_attn_error
+
+
+ppl = _window_command("ppl", "Perplexity of M continuation tokens after N context tokens vs the dense model "
+                      "(CAOTE §4.3).", "1k", "64", "full,sink,h2o,tova,keydiff", _ppl_parts)
+attn_error = _window_command("attn-error", "Per-layer normalised error between dense and evicted attention "
+                             "outputs (CAOTE App. E.4).", "512", "32", "sink,h2o,tova,keydiff", _attn_error_parts)
 
 
 @eval_app.command("agreement")
@@ -206,10 +208,10 @@ def agreement(
     questions_file: Annotated[str, typer.Option("--questions-file", help="One question per line.")],
     policies: PoliciesOpt = "sink,h2o,tova,snapkv,keydiff",
     budgets: BudgetsOpt = "256,512,1024",
+    seed: EvalSeedOpt = 0,
     first_tokens: Annotated[int, typer.Option("--first-tokens", help="Dense answer tokens teacher-forced for KL "
                                               "and top-1.")] = 8,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 48,
-    seed: EvalSeedOpt = 0,
     resume: ResumeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,

@@ -130,6 +130,12 @@ def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> t
     return tokens, note
 
 
+def _dense_plan(dims: Any, doc_tokens: int, kv_per_token: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
+    """Dense transformers on the same document: its K/V and predicted peak (``offset``: baseline + weights')."""
+    peak = _mem.dense_peak(dims, doc_tokens, runtime_baseline_bytes=0, **common) + offset
+    return {"doc_tokens": doc_tokens, "kv_bytes": doc_tokens * kv_per_token, "predicted_peak_bytes": peak}
+
+
 def plan(
     session_or_model_info: Any,
     settings: Settings,
@@ -200,12 +206,8 @@ def plan(
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
-        out["dense"] = {
-            "doc_tokens": doc_tokens,
-            "kv_bytes": doc_tokens * out["kv_bytes_per_token"]["total"],
-            "predicted_peak_bytes": _mem.dense_peak(dims, doc_tokens, runtime_baseline_bytes=baseline, **common)
-            + weights_offset,
-        }
+        out["dense"] = _dense_plan(dims, doc_tokens, out["kv_bytes_per_token"]["total"], baseline + weights_offset,
+                                   common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common,
                                 original_keys)

@@ -89,7 +89,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     asked = run("ask", str(doc), "q", "--json", "--recall", "64", "--max-new-tokens", "3")
     kvc = tmp / "doc.kvc"
-    run("prefill", str(doc), "-o", str(kvc), "--json")
+    run("prefill", str(doc), "-o", str(kvc), "--json", "--recall", "off")
     loaded = run("ask", str(kvc), "q", "--json", "--max-new-tokens", "3")
     profiled = run("profile", "--json", "--recall", "64", "--doc", str(doc), "--memory", "8GiB", "--doc-tokens", "999")
     return {"ask": asked["stats"], "kvc": loaded["stats"], "profile": profiled}
@@ -115,7 +115,7 @@ def test_profile_keys_documented_and_emitted(runs: dict[str, Any]) -> None:
 def test_archive_path_is_a_path_or_null(runs: dict[str, Any]) -> None:
     path = runs["ask"]["archive_path"]
     assert isinstance(path, str) and Path(path).is_dir(), path
-    assert runs["kvc"]["archive_path"] is None  # no recall asked
+    assert runs["kvc"]["archive_path"] is None  # prefilled without an archive: nothing to recall
 
 
 def test_readme_is_short_and_keeps_the_test_command() -> None:

@@ -51,8 +51,8 @@ def _declared(name: str) -> typer.models.OptionInfo:
 
 
 def test_the_reading_settings_are_every_setting_of_a_read() -> None:
-    assert set(options.READ_SETTINGS) | {"max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed"} == \
-        set(options.SETTING_OPTIONS)
+    answering = {"max_new_tokens", "temperature", "top_p", "repetition_penalty", "no_repeat_ngram", "seed"}
+    assert set(options.READ_SETTINGS) | answering == set(options.SETTING_OPTIONS)
     assert {"sinks", "recent", "positions", "threads"} <= set(options.EVAL_SETTINGS)
 
 

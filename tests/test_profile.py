@@ -40,7 +40,7 @@ def _info(**kw) -> ModelInfo:
 
 
 def _settings(**kw) -> Settings:
-    return resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", **kw})
+    return resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "recall": "off", **kw})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +67,9 @@ def test_plan_matches_hand_computation() -> None:
     # x 2 KV heads x 2 layers
     assert p["snapshot_bytes"] == 64 * (128 + 16 + 4) * 2 * 2 == 37888
     assert p["predicted_peak_bytes"] == 1000 + 4000 + 40960 + 40960 + 61440 + 1280 + 43408 + 37888 == 230936
+    # recall's default (auto: 256 slots per KV head) adds its slots to the peak
+    auto = plan(_info(), _settings(recall="auto"), doc_tokens=1000, memory=None, runtime_baseline=1000)
+    assert auto["predicted_peak_bytes"] == 230936 + 256 * 512
     # dense: every token's K+V, and activations for all 1000 tokens at once
     assert p["dense"] == {
         "doc_tokens": 1000,

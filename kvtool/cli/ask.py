@@ -92,8 +92,12 @@ def _run(
     doc_format: str | None = None,
     full_stats: bool = False,
     verb: str = "answered",
+    recall_auto: bool = True,
 ) -> tuple[Any, Any, list[Any], dict[str, Any]]:
-    """Read the input once, call ``work``, end with one summary line (or the full table with ``full_stats``)."""
+    """Read the input once, call ``work``, end with one summary line (or the full table with ``full_stats``).
+
+    ``recall_auto=False``: ``--recall auto`` (the default) means off (a summary asks about everything,
+    not a passage recall could find)."""
     started = time.monotonic()
     from kvtool.runtime import store
     from kvtool.runtime.settings import resolve_settings
@@ -103,6 +107,8 @@ def _run(
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
+    if not recall_auto and settings.recall == "auto":
+        settings.recall = "off"
     from kvtool.core.events import RunSummary
     from kvtool.runtime.session import Session
 
@@ -136,8 +142,10 @@ def summary_line(stats: dict[str, Any], seconds: float, verb: str = "answered") 
         read = f"{tokens:,} tokens read at {stats.get('prefill_tokens_per_second', 0):,.0f} tok/s"
     peak = stats.get("peak_memory_bytes")
     recall_tokens = int(stats.get("recall_tokens") or 0)
-    recall = (f"recall {recall_tokens} tokens/head ({stats.get('recalled_pages', 0):,} pages, "
-              f"{stats.get('recall_seconds', 0):.1f} s)" if recall_tokens else "recall off")
+    default = " (default)" if stats.get("recall_mode") == "auto" else ""
+    recall = (f"recall {recall_tokens} tokens/head{default} ({stats.get('recalled_pages', 0):,} pages, "
+              f"{stats.get('recall_seconds', 0):.1f} s, archive {format_bytes(stats.get('archive_bytes') or 0)})"
+              if recall_tokens else "recall off")
     return (f"{verb} in {seconds:.1f} s · {read} · peak {format_bytes(peak) if peak else 'n/a'} · {recall} "
             "(--stats for all figures)")
 
@@ -206,7 +214,8 @@ def run_summarize(
             write_text("\n")
         return [ans]
 
-    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format, full_stats, "summarized")
+    _, _, answers, stats = _run(path, overrides, profile, quiet, work, doc_format, full_stats, "summarized",
+                                  recall_auto=False)
     if json_out:
         emit_json({"summary": answers[0].answer, "length": length, "stats": stats})
     sys.stdout.flush()

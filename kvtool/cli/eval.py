@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvtool.cli.options import EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
+from kvtool.cli.options import AGREEMENT_SETTINGS, EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
 from kvtool.cli.output import emit_json, stderr_console
 from kvtool.data import sample_path
 
@@ -87,7 +87,10 @@ def needle(
     no_full: Annotated[bool, typer.Option("--no-full", help="Leave out the full-cache reference (a dense pass "
                                           "over a long haystack can take hours).")] = False,
     recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
-                                        "each bounded policy: 0 (eviction only), 256, 4k.")] = "0",
+                                        "each bounded policy: 0 (eviction only), 256, 4k, auto (ask's "
+                                        "default, 256).")] = "auto",
+    kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
+                                      "secret number) or name (an invented name).")] = "number",
     resume: ResumeOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
     seed: EvalSeedOpt = 0,
@@ -118,11 +121,21 @@ def needle(
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
+        kind=_needle_kind(kind),
         needles=_needle_count(needles, needle_text),
         resume=resume,
     )
     task.haystack = load_text(path, "--haystack")
     _finish(run_needle(task, RichReporter(quiet, "needle", stderr_console())), json_out, render_needle)
+
+
+def _needle_kind(kind: str) -> str:
+    from kvtool.errors import UsageError
+    from kvtool.eval.needle import NEEDLE_KINDS
+
+    if kind.strip().lower() not in NEEDLE_KINDS:
+        raise UsageError(f"--needle-kind must be one of {', '.join(NEEDLE_KINDS)} (got {kind!r})")
+    return kind.strip().lower()
 
 
 def _needle_count(needles: int, custom: str | None) -> int:
@@ -202,7 +215,7 @@ attn_error = _window_command("attn-error", "Per-layer normalised error between d
 
 
 @eval_app.command("agreement")
-@with_settings(*EVAL_SETTINGS)
+@with_settings(*AGREEMENT_SETTINGS)
 def agreement(
     doc: Annotated[str, typer.Option("--doc", help="The document to read (any format kvtool reads).")],
     questions_file: Annotated[str, typer.Option("--questions-file", help="One question per line.")],

@@ -31,19 +31,25 @@ DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bf
 QuantOpt = Annotated[str | None, typer.Option("--quantize", help="none, 8bit or 4bit (bitsandbytes, CUDA only).")]
 PositionsOpt = Annotated[str | None, typer.Option("--positions", help="absolute, compact or auto (default).")]
 RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV head a question may bring back "
-                                               "from the archive of evicted tokens: 512, 4k, or off (default).")]
+                                               "from the archive of evicted tokens: 512, 4k, off, or auto "
+                                               "(default: ask recalls 256 when the archive fits the temp "
+                                               "directory; summarize does not).")]
 RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archive page size in tokens: the unit "
                                                   "recall scores and brings back (default 32).")]
-ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: auto "
-                                                     "(the model's, default), float32, float16, bfloat16 or int8 "
-                                                     "(with a scale per token and head).")]
+ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: int8 "
+                                                     "(default: a scale per token and head), auto (the model's), "
+                                                     "float32, float16 or bfloat16.")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
 TempOpt = Annotated[float | None, typer.Option("--temperature", help="0 = greedy (default).")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
-RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="Penalty on the answer's own "
-                                                 "repeated tokens (1 = off; default 1.1).")]
+RepPenOpt = Annotated[float | None, typer.Option("--repetition-penalty", help="CTRL penalty on the answer's "
+                                                 "own repeated tokens (1 = off, default; it cuts digits out of "
+                                                 "numbers).")]
+NoRepeatOpt = Annotated[int | None, typer.Option("--no-repeat-ngram", help="The answer never repeats a word "
+                                                 "n-gram of its own; n-grams without a letter (numbers) may "
+                                                 "repeat (default 4; 0 = off).")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch (default: the cores "
                                                  "this process may use, divided among the kvtool processes "
                                                  "running on them; a number fixes it).")]
@@ -78,6 +84,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "temperature": TempOpt,
     "top_p": TopPOpt,
     "repetition_penalty": RepPenOpt,
+    "no_repeat_ngram": NoRepeatOpt,
     "seed": SeedOpt,
     "threads": ThreadsOpt,
 }
@@ -87,12 +94,16 @@ MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
                  "recall", "recall_page", "archive_dtype")
 #: reading plus generation (ask, summarize)
-ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
+#: how an answer is generated
+GENERATION_SETTINGS = ("repetition_penalty", "no_repeat_ngram")
+ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", *GENERATION_SETTINGS, "seed")
 #: what an evaluation grid fixes for every cell: the reading settings that are not lists there
 #: (``--policies``, ``--budgets`` and needle's ``--recall`` are lists of values, one per cell)
 EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
 #: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
-NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", "repetition_penalty")
+NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", *GENERATION_SETTINGS)
+#: agreement answers like ``ask`` too, recall (default auto) included
+AGREEMENT_SETTINGS = (*EVAL_SETTINGS, "recall", "recall_page", "archive_dtype", *GENERATION_SETTINGS)
 
 
 def with_settings(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -60,6 +60,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
              f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
              f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),
         ]
+        if p.get("archive_doc_tokens") is not None:
+            rows.append((f"archive of {p['archive_doc_tokens']:,} tokens", _b(p["archive_bytes"]),
+                         f"on disk; {p['archive_verdict']}"))
     rows.append(("predicted peak", _b(p["predicted_peak_bytes"]),
                  "sum of the above (KV promised is inside allocated)"))
     return rows

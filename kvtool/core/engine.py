@@ -31,6 +31,7 @@ from kvtool.core.families import check_supported, window_specs
 from kvtool.core.layout import layer_windows, text_config
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
+from kvtool.core.sampling import Sampler, greedy
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")
@@ -84,43 +85,6 @@ def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> Pol
         recent=config.recent,
         **extra,
     )
-
-
-Sampler = Callable[[Tensor, list[int]], int]
-
-
-def greedy(logits: Tensor, generated: list[int] | None = None) -> int:
-    return int(torch.argmax(logits))
-
-
-def penalise(logits: Tensor, generated: list[int], penalty: float) -> Tensor:
-    """CTRL-style repetition penalty on the answer's own tokens (not the document's: the answer
-    may need to quote it). Small models otherwise loop under greedy decoding."""
-    if penalty == 1.0 or not generated:
-        return logits
-    logits = logits.float().clone()
-    idx = torch.tensor(sorted(set(generated)), device=logits.device)
-    picked = logits[idx]
-    logits[idx] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
-
-
-def make_sampler(temperature: float, top_p: float, seed: int, repetition_penalty: float = 1.0) -> Sampler:
-    """Greedy at temperature 0; otherwise temperature + nucleus sampling with a seeded generator."""
-    if temperature <= 0:
-        return lambda logits, generated: greedy(penalise(logits, generated, repetition_penalty))
-    gen = torch.Generator().manual_seed(seed)
-
-    def sample(logits: Tensor, generated: list[int]) -> int:
-        logits = penalise(logits, generated, repetition_penalty)
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        if top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-
-    return sample
 
 
 class Engine:

@@ -76,6 +76,19 @@ def recallable(g: HeadGroup) -> bool:
     return g.capacity is not None and g.window is None and not g.compensation
 
 
+def recallable_groups(cache: BoundedCache) -> list[HeadGroup]:
+    return [g for g in cache.groups() if recallable(g)]
+
+
+def bytes_per_token(cache: BoundedCache) -> int:
+    """Archive bytes per evicted stream token, summed over the archives: K/V rows, positions, and each
+    page's share of its summary (an upper bound: rounded up)."""
+    total = 0
+    for a in archives(cache):
+        total += a.store.row_bytes + a.index.row_bytes + -(-a.summaries.row_bytes // a.page_size)
+    return total
+
+
 def archives(cache: BoundedCache) -> list[GroupArchive]:
     return [g.archive for g in cache.groups() if g.archive is not None]
 

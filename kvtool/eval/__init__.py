@@ -137,9 +137,10 @@ class Run:
         return self.policy if self.budget is None else f"{self.policy}@{self.budget}"
 
 
-DEFAULTS = Settings()
-#: settings ``eval needle`` varies that resume fingerprints from before them did not record
-LATER_SETTINGS = ("recall_page", "archive_dtype", "repetition_penalty")
+#: settings added or changed after the first resume logs were written, with the value those logs meant:
+#: a fingerprint records them only when they differ from it, so the old logs still match their commands
+LEGACY_DEFAULTS: dict[str, Any] = {"recall_page": 32, "archive_dtype": "auto", "repetition_penalty": 1.1,
+                                   "no_repeat_ngram": 0, "recall": "off"}
 
 
 @dataclass
@@ -160,7 +161,9 @@ class Grid:
     def settings_for(self, run: Run) -> Settings:
         return dataclasses.replace(self.settings, policy=run.policy, budget=run.budget or self.settings.budget)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, answers: bool = False, recall: bool = False) -> dict[str, Any]:
+        """The grid's settings for a resume fingerprint; ``answers``: with how answers are generated and
+        archived (needle, agreement), ``recall``: with the recall setting itself (agreement)."""
         s = self.settings
         return {
             "policies": self.policies,
@@ -171,7 +174,8 @@ class Grid:
             "positions": s.positions,
             "seed": s.seed,
             # settings added later appear only when changed: resume logs written before them still match
-            **{k: getattr(s, k) for k in LATER_SETTINGS if getattr(s, k) != getattr(DEFAULTS, k)},
+            **{k: getattr(s, k) for k, legacy in LEGACY_DEFAULTS.items()
+               if answers and (recall or k != "recall") and getattr(s, k) != legacy},
         }
 
 

@@ -48,7 +48,7 @@ class AgreementTask:
             "questions": len(self.questions),
             "first_tokens": self.first_tokens,
             "max_new_tokens": self.max_new_tokens,
-            **self.grid.describe(),
+            **self.grid.describe(answers=True, recall=True),
         }
 
 

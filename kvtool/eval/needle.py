@@ -31,7 +31,6 @@ from kvtool.eval import (
     Reporter,
     Timer,
     load_once,
-    make_session,
     model_settings,
     report,
     text_document,
@@ -50,6 +49,12 @@ PASSKEY_QUESTION = "What is the secret number?"
 LABELS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "golden")
 LABELLED_NEEDLE = "The secret number of the {label} door is {key}. Remember it: the {label} door opens with {key}."
 LABELLED_QUESTION = "What is the secret number of the {label} door?"
+#: the word needle: an invented name (no prior to guess it from), asked the same way as the number
+NAME_NEEDLE = "The secret name is {key}. Remember it: the secret name is {key}."
+NAME_QUESTION = "What is the secret name?"
+_SYLLABLES = ("ka", "lo", "mi", "ren", "tha", "vo", "zel", "dra", "quin", "sa", "bel", "tor", "nex", "pi", "ru", "gan")
+#: ``--needle-kind``: what the default needle hides
+NEEDLE_KINDS = ("number", "name")
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -66,6 +71,13 @@ def passkey_needle(seed: int, trial: int) -> Needle:
     """The default needle of trial ``trial``: a 5-digit pass key drawn from ``random.Random(seed + trial)``."""
     key = str(random.Random(seed + trial).randint(10000, 99999))
     return Needle(PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION, key)
+
+
+def name_needle(seed: int, trial: int) -> Needle:
+    """The word needle of trial ``trial``: an invented three-syllable name from ``random.Random(seed + trial)``."""
+    rng = random.Random(seed + trial)
+    key = "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+    return Needle(NAME_NEEDLE.format(key=key), NAME_QUESTION, key)
 
 
 def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
@@ -177,6 +189,7 @@ class NeedleTask:
     needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
+    kind: str = "number"  # the default needle: a secret number, or an invented name (NEEDLE_KINDS)
 
     def needles_for(self, trial: int) -> list[Needle]:
         """The needles of one trial; the first is the one asked for (the only one unless ``needles`` > 1)."""
@@ -184,6 +197,8 @@ class NeedleTask:
             return [self.needle]
         if self.needles > 1:
             return labelled_needles(self.grid.settings.seed, trial, self.needles)
+        if self.kind == "name":
+            return [name_needle(self.grid.settings.seed, trial)]
         return [passkey_needle(self.grid.settings.seed, trial)]
 
     def settings(self) -> dict[str, Any]:
@@ -194,12 +209,14 @@ class NeedleTask:
             "depths": self.depths,
             "trials": self.trials,
             "needles": self.needles,
-            "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else "passkey"),
-            "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else PASSKEY_QUESTION),
+            "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else
+                                                  "name" if self.kind == "name" else "passkey"),
+            "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else
+                                                        NAME_QUESTION if self.kind == "name" else PASSKEY_QUESTION),
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
-            **self.grid.describe(),
+            **self.grid.describe(answers=True),
         }
 
 
@@ -346,10 +363,8 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
 
 def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int], reporter: Reporter) -> Any:
     """The run's session; with recall budgets, one archiving session that every recall budget shares."""
-    if max(recalls):
-        settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)))
-        return Session(settings, listener=None, say=reporter.say, loaded=loaded)
-    return make_session(task.grid, run, loaded, reporter.say)
+    settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)) if max(recalls) else "off")
+    return Session(settings, listener=None, say=reporter.say, loaded=loaded)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
+from kvtool.runtime.archive_disk import archive_dir, fits
 from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
 
 
@@ -203,6 +204,8 @@ def plan(
     if recall_tokens:
         out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
                                 original_keys))
+        if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
+            out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
@@ -268,15 +271,28 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
     return peak
 
 
+def _archive_on_disk(per_token: Mapping[str, int], doc_tokens: int, budget: int, recall: str) -> dict[str, Any]:
+    """The archive of a ``doc_tokens`` document (its evicted tokens, on disk), and whether ``--recall auto``
+    would archive it in the archive directory as things stand (kvtool/runtime/archive_disk.py)."""
+    auto = recall == "auto"
+    nbytes = max(0, doc_tokens - budget) * (per_token["file"] + per_token["index"])
+    ok, why = fits(nbytes, archive_dir())
+    return {"archive_doc_tokens": doc_tokens, "archive_bytes": nbytes,
+            "archive_fits": ok, "archive_verdict": (("recall on by default: " if auto else "") + why) if ok
+            else ("recall off by default: " if auto else "warning: ") + why}
+
+
 def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int,
                  per_token: int, original_keys: bool) -> dict[str, Any]:
     """Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
-    archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token)."""
+    archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
+    Only global layers archive (a sliding window's evicted tokens are gone by the model's definition)."""
     elem = info.elem
-    heads = dims["num_kv_heads"] * dims["num_layers"]
+    heads = dims["num_kv_heads"] * (dims["num_layers"] - dims.get("sliding_layers", 0))
     int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
     archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
         settings.archive_dtype)
+    per_head_token = 2 * dims["head_dim"] * archive_elem + (2 * 4 if int8 else 0)
     return {
         "recall_tokens": recall_tokens,
         # recall slots are slots of the same buffers, so they hold the original keys' copy too
@@ -284,7 +300,7 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
         "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
         "recall_page": settings.recall_page,
         "archive_bytes_per_evicted_token": {
-            "file": per_token // elem * archive_elem + (2 * heads * 4 if int8 else 0),
+            "file": heads * per_head_token,
             "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
         },
     }

@@ -8,8 +8,6 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -22,12 +20,14 @@ from torch import Tensor
 from kvtool.config import kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
-from kvtool.core.engine import Engine, EngineConfig, make_sampler, model_env
+from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
+from kvtool.core.sampling import make_sampler
 from kvtool.documents import Document
 from kvtool.errors import UsageError
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
+from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
@@ -181,10 +181,13 @@ class Session:
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
         self.budget_tokens, self.budget_note = self._resolve_budget()
-        # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing)
+        # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing); ``auto``
+        # archives unless the disk is short, decided per read (``_auto_recall``)
         self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
+        self.recall_mode = "off" if not self.recall_tokens else "auto" if settings.recall == "auto" else "set"
+        self.recall_note: str | None = None  # why ``auto`` recalls or not, for the dashboard and the stats
         # an unlinked file there: KVTOOL_ARCHIVE_DIR, else the system's temporary directory (TMPDIR)
-        self.archive_dir = os.environ.get("KVTOOL_ARCHIVE_DIR") or tempfile.gettempdir()
+        self.archive_dir = archive_dir()
         self.recall_seconds = 0.0
         self.recalled_pages = 0
         self.recalled_tokens_max = 0
@@ -201,7 +204,7 @@ class Session:
             archive_dir=self.archive_dir if self.recall_tokens else None,
         )
         self.engine_config.validate()
-        if self.recall_tokens:
+        if self.recall_mode == "set":
             stored = settings.archive_dtype if settings.archive_dtype != "auto" else str(self.loaded.dtype).replace(
                 "torch.", "")
             self.say(f"recall: {self.recall_tokens} tokens per KV head; evicted tokens archived in {self.archive_dir} "
@@ -233,6 +236,10 @@ class Session:
         note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
         return tokens, note + sliding_note(d)
 
+    def _wordy(self, ids: tuple[int, ...]) -> bool:
+        """Whether tokens ``ids`` spell a letter: the n-grams the repeat guard stops (numbers may repeat)."""
+        return any(ch.isalpha() for ch in self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
         from kvtool.policies.razor.calibrate import calibrate
@@ -256,6 +263,7 @@ class Session:
             self.emit(Note(self.budget_note))
         cache = self.engine.new_cache()
         prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
+        watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
         bs = self.settings.block_size
         blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
@@ -265,10 +273,17 @@ class Session:
             return None if n is None else n + prefix.numel()
 
         def pruned(blocks: Iterator[Tensor]) -> Iterator[Tensor]:
-            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map)."""
+            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map); with
+            ``--recall auto``, drop the archive if the disk runs short."""
+            disk_watch = watch
             for block in blocks:
                 if source.pending_tokens > PRUNE_BLOCKS * bs:
                     source.prune(held_positions(cache), cache.seen)
+                if disk_watch is not None:
+                    short = disk_watch.short(recall.archive_bytes(cache))
+                    if short is not None:
+                        self._recall_off(cache, f"recall off from token {cache.seen:,}: {short}")
+                        disk_watch = None
                 yield block
 
         t0 = time.perf_counter()
@@ -295,6 +310,33 @@ class Session:
         result.snapshot = cache.snapshot()
         self.last_read = result
         return result
+
+    def _auto_recall(self, cache: BoundedCache, expected: int | None, prefix: int) -> DiskWatch | None:
+        """``--recall auto``: keep the new cache's archive if it fits the archive directory (predicted
+        from the document's estimated length), and watch the disk while reading; else recall off."""
+        if self.recall_mode != "auto" or not recall.archives(cache):
+            return None
+        self.recall_tokens = self.engine_config.recall  # a previous read's disk may have turned it off
+        where = self.archive_dir
+        if expected is None:
+            self.recall_note = f"recall {self.recall_tokens} tokens per KV head (default); length unknown: " \
+                               f"the archive in {where} is watched while reading"
+        else:
+            evicted = max(0, expected + prefix - min(g.capacity or 0 for g in recall.recallable_groups(cache)))
+            ok, why = fits(evicted * recall.bytes_per_token(cache), where)
+            if not ok:
+                self._recall_off(cache, f"recall off: {why}; set KVTOOL_ARCHIVE_DIR to a larger disk or "
+                                        f"--recall {self.recall_tokens} to archive anyway")
+                return None
+            self.recall_note = f"recall {self.recall_tokens} tokens per KV head (default): {why}"
+        self.emit(Note(self.recall_note))
+        return DiskWatch(where)
+
+    def _recall_off(self, cache: BoundedCache, why: str) -> None:
+        recall.close(cache)
+        self.recall_tokens = 0
+        self.recall_note = why
+        self.emit(Note(why))
 
     def _relay(self, event: Any) -> None:
         """The engine's events to the listener; prefill progress learns the pages/chapters read so far."""
@@ -336,7 +378,7 @@ class Session:
                 on_text(piece)
 
         s = self.settings
-        sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty)
+        sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty, s.no_repeat_ngram, self._wordy)
         if cite_spans:
             cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
         self.emit(DecodeStarting(label))
@@ -472,6 +514,8 @@ class Session:
         """Recall's part of the stats: budget, archive size and place, time and pages recalled."""
         return {
             "recall_tokens": self.recall_tokens,
+            "recall_mode": self.recall_mode,  # auto (the default), set (--recall N) or off
+            "recall_note": self.recall_note,
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
             "archive_path": str(self.archive_dir) if self.recall_tokens else None,  # its (unlinked) files' directory

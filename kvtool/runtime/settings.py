@@ -44,13 +44,14 @@ class Settings:
     sinks: int = 4
     recent: int = 8
     positions: str = "auto"
-    recall: str = "off"
+    recall: str = "auto"  # auto: ``ask`` recalls DEFAULT_RECALL tokens when the archive fits the disk
     recall_page: int = 32  # archive page size in tokens (the unit recall scores and brings back)
-    archive_dtype: str = "auto"  # dtype of archived K/V (auto: the model's)
+    archive_dtype: str = "int8"  # dtype of archived K/V (auto: the model's)
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    repetition_penalty: float = 1.1
+    repetition_penalty: float = 1.0
+    no_repeat_ngram: int = 4  # an answer never repeats a word n-gram of its own (0 = off)
     seed: int = 0
     threads: int | None = None  # intra-op CPU threads (None: the cores this process may run on)
 
@@ -141,16 +142,23 @@ def parse_budget(text: str | int) -> Budget:
     raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
 
 
+#: what ``--recall auto`` (the default) recalls per KV head when ``ask`` archives (docs/results.md)
+DEFAULT_RECALL = 256
+
+
 def parse_recall(text: str | int) -> int:
-    """Recall budget in tokens per KV head: "off" or "0" (no archive), "512", "4k"."""
+    """Recall budget in tokens per KV head: "off" or "0" (no archive), "512", "4k"; "auto" is
+    ``DEFAULT_RECALL`` (whether ``auto`` recalls at all is the session's choice: ``recall_choice``)."""
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise UsageError(f"recall must be off or a token count like 512 or 4k: got {text!r}")
+        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {text!r}")
     raw = str(text).strip().lower()
     if raw in ("off", "0", "none", "no"):
         return 0
+    if raw == "auto":
+        return DEFAULT_RECALL
     parts = _split_number(raw)
     if parts is None or parts[1] not in _TOKEN_UNITS:
-        raise UsageError(f"recall must be off or a token count like 512 or 4k: got {raw!r}")
+        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {raw!r}")
     tokens = int(parts[0] * _TOKEN_UNITS[parts[1]])
     if tokens < 0:
         raise UsageError(f"recall must be off or a positive token count: got {raw!r}")
@@ -285,7 +293,9 @@ def _budget(name: str, value: Any) -> str:
 
 def _recall(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise UsageError(f"{name} must be off or a token count like 512 or 4k: got {value!r}")
+        raise UsageError(f"{name} must be auto, off or a token count like 512 or 4k: got {value!r}")
+    if str(value).strip().lower() == "auto":
+        return "auto"
     return "off" if parse_recall(value) == 0 else str(value).strip()
 
 
@@ -344,12 +354,14 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "temperature": _temperature,
     "top_p": _top_p,
     "repetition_penalty": _repetition_penalty,
+    "no_repeat_ngram": _int(0),
     "seed": _seed,
     "threads": _threads,
 }
 
 SETTINGS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
-GENERATION_KEYS: tuple[str, ...] = ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
+GENERATION_KEYS: tuple[str, ...] = ("max_new_tokens", "temperature", "top_p", "repetition_penalty",
+                                     "no_repeat_ngram", "seed")
 INFO_KEYS: tuple[str, ...] = ("description", "expected_memory", "requires_own_weights")
 PROFILE_KEYS: tuple[str, ...] = (
     tuple(k for k in SETTINGS_FIELDS if k not in GENERATION_KEYS) + ("generation",) + INFO_KEYS

@@ -86,8 +86,10 @@ def _archive_defaults(meta: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     fills nothing: loading says why it answers without recall.
     """
     info = meta.get("archive")
+    # without an archive there is nothing to recall: ``auto`` (the default) is off, quietly
+    off = {"recall": "off"} if overrides.get("recall") is None else {}
     if not info:
-        return {}
+        return off
     try:
         _, page, dtype, recall = archive.settings_of(info, (meta.get("cache") or {}).get("seen"))
     except archive.ArchiveUnusable:

@@ -243,14 +243,16 @@ def test_cuda_append_equals_cpu_and_stages_in_pinned_memory(dtype):
     ours = GroupArchive(H, D, dtype, P, MemoryStore)
     cpu = GroupArchive(H, D, dtype, P, MemoryStore)
     for k, v, p in blocks(torch.bfloat16, seed=6):
+        on_device = k.cuda(), v.cuda(), p.cuda()
         ours.flush()  # the flush waits on the copy (a sync by design): append itself must not sync
         torch.cuda.set_sync_debug_mode("error")
         try:
-            ours.append(k.cuda(), v.cuda(), p.cuda())
+            ours.append(*on_device)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         cpu.append(k, v, p)
-    assert ours.staging.is_pinned() and ours.tail.device.type in ("cuda", "cpu")
+    assert sum(BLOCKS) % P and ours.tail.device.type == "cuda"  # the open page stays on the device
+    assert ours.staging.is_pinned() and ours.staged is not None
     assert_same(ours, cpu)
 
 

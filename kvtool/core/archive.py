@@ -7,7 +7,7 @@ tokens per head and a group's archive grows in lockstep across its heads::
       store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
       index        rows [archived, h] int32: the original stream position of each archived token
       summaries    rows [completed pages, 2·h·d] float16: key minima then maxima, rounded outward
-      tail         the open page's summary (the only part in host memory)
+      tail         the open page's summary (the only part held in memory, on the keys' device)
 
 Tokens are cut into pages of ``page_size`` consecutive archived tokens. A page's summary is the
 per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 2024)
@@ -25,6 +25,7 @@ cache is released (``recall.attach`` registers the close).
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 import tempfile
@@ -188,7 +189,22 @@ class GroupArchive:
     Three append-only stores (files on a real run), so host memory does not grow with the document:
     ``store`` the K/V rows, ``index`` each token's original position per head (int32), ``summaries``
     each completed page's per-channel key minima then maxima (float16, rounded outward). Only the open
-    (last, incomplete) page's summary, ``tail``, is held in memory.
+    (last, incomplete) page's summary, ``tail``, is held in memory, on the keys' device.
+
+    Appending runs once per layer and block, so it makes no host sync. The data flow of one append::
+
+        keys, values, positions (model device)
+          → K/V rows (dtype cast or int8 quantization), positions as int32, summaries of the pages the
+            keys complete, new tail                                      all on that device
+          → packed into ONE byte buffer, copied with ONE copy into ``staging``, a host buffer kept on
+            the archive and grown geometrically (pinned and non-blocking when the device is CUDA,
+            a CUDA event marks the copy's end)
+          → :meth:`flush` writes the staged bytes to the three stores (``pwrite`` for files)
+
+    The flush is deferred: the next append (or any read: ``read``, ``positions_of``, ``all_positions``,
+    ``page_summaries``, ``state_dict``) does it first, so the copy overlaps the next block's compute
+    and the wait for its event is normally already over. ``nbytes`` counts the staged bytes without
+    writing them. ``close`` drops them with the stores, which nothing can read any more.
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
@@ -205,6 +221,10 @@ class GroupArchive:
         self.length = 0  # archived tokens per head
         self.empty = _empty_page(num_heads, head_dim)  # never written to: shared by every fresh open page
         self.tail = self.empty  # [2, h, d]: min, max of the open page's keys
+        self.staging = torch.empty(0, dtype=torch.uint8)  # the last append's bytes, on their way to the stores
+        self.pinned = False  # whether ``staging`` is pinned memory
+        self.staged: tuple[int, int, int] | None = None  # rows staged for store, index, summaries (None: none)
+        self.copied: torch.cuda.Event | None = None  # recorded after the staging copy (CUDA only)
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -218,66 +238,116 @@ class GroupArchive:
         return -(-self.length // self.page_size)
 
     def nbytes(self) -> int:
-        """Bytes held: K/V rows, positions and page summaries (all in the stores) and the open page."""
+        """Bytes held: K/V rows, positions and page summaries (in the stores or staged) and the open page."""
         stores = (self.store, self.index, self.summaries)
-        return sum(st.rows * st.row_bytes for st in stores) + self.tail.numel() * self.tail.element_size()
+        staged = self.staged or (0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
+        held = sum((st.rows + k) * st.row_bytes for st, k in zip(stores, staged, strict=True))
+        return held + self.tail.numel() * self.tail.element_size()
 
-    # -- appending --------------------------------------------------------------------------------
+    # -- appending (in inference mode, as the engine runs: every buffer written here is an inference tensor) --
+    @torch.inference_mode()
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        """Archive ``n`` tokens per head: keys/values [h, n, d] (keys at original positions), positions [h, n]."""
+        """Archive ``n`` tokens per head: keys/values [h, n, d] (keys at original positions), positions [h, n].
+
+        Computed on the keys' device and staged (class docstring): no host sync, the stores get the
+        bytes at the next append or read.
+        """
         n = keys.shape[1]
         if n == 0:
             return
+        self.flush()  # the previous append's bytes: their copy has overlapped the compute since
+        keys, values = keys.detach(), values.detach()
         if self.dtype == torch.int8:
             rows = _quantize(keys, values)
         else:
-            kv = torch.empty(n, 2, self.h, self.d, dtype=self.dtype)  # one copy each: dtype, device, layout
+            kv = torch.empty(n, 2, self.h, self.d, dtype=self.dtype, device=keys.device)  # one copy each
             kv[:, 0].copy_(keys.transpose(0, 1))
             kv[:, 1].copy_(values.transpose(0, 1))
             rows = kv.view(n, -1).view(torch.uint8)
-        self.store.append(rows)
-        self.index.append(_as_rows(positions.t(), torch.int32))
-        # summaries of the pages these keys touch: the open one (its summary so far is ``tail``; none
-        # when the last block ended on a page boundary), the whole pages after it, and a new open page
-        # with what is left (views of the keys: no padding). One pass per statistic, rounded once.
-        P, lead = self.page_size, self.length % self.page_size
-        kf = keys.detach().float().cpu()
+        summ, done = self._summarise(keys)  # [h, 2, pages, d]
+        self._stage(rows, _as_rows(positions.t(), torch.int32), _as_rows(summ[:, :, :done].permute(2, 1, 0, 3)))
+        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < summ.shape[2] else self.empty
+        self.length += n
+
+    def _summarise(self, keys: Tensor) -> tuple[Tensor, int]:
+        """Summaries [h, 2, pages, d] of the pages ``keys`` [h, n, d] touch (on their device), and how many
+        of those pages they complete.
+
+        The pages are the open one (its summary so far is ``tail``; none when the last block ended on a
+        page boundary), the whole pages after it, and a new open page with what is left (views of the
+        keys: no padding). One pass per statistic, rounded once.
+        """
+        n, P, lead = keys.shape[1], self.page_size, self.length % self.page_size
+        kf = keys.float()
         first = min(n, P - lead) if lead else 0
         full = (n - first) // P
         body = kf[:, first : first + full * P].reshape(self.h, full, P, self.d)
         lo, hi = [body.amin(2)], [body.amax(2)]
         if first:
-            lo.insert(0, torch.minimum(kf[:, :first].amin(1), self.tail[0].float()).unsqueeze(1))
-            hi.insert(0, torch.maximum(kf[:, :first].amax(1), self.tail[1].float()).unsqueeze(1))
+            tail = self.tail.to(kf.device, non_blocking=True).float()  # already there unless just loaded
+            lo.insert(0, torch.minimum(kf[:, :first].amin(1), tail[0]).unsqueeze(1))
+            hi.insert(0, torch.maximum(kf[:, :first].amax(1), tail[1]).unsqueeze(1))
         last = kf[:, first + full * P :]
         if last.shape[1]:
             lo.append(last.amin(1, keepdim=True))
             hi.append(last.amax(1, keepdim=True))
-        summ = _round_outward(torch.stack((torch.cat(lo, 1), torch.cat(hi, 1)), dim=1))  # [h, 2, pages, d]
-        done = (lead + n) // P  # pages these tokens complete
-        self._append_summaries(summ[:, :, :done])
-        pages = summ.shape[2]
-        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < pages else self.empty
-        self.length += n
+        summ = _round_outward(torch.stack((torch.cat(lo, 1), torch.cat(hi, 1)), dim=1))
+        return summ, (lead + n) // P
 
-    def _append_summaries(self, summ: Tensor) -> None:
-        """Completed pages' summaries [h, 2, pages, d] → rows [pages, 2·h·d] of the summary store."""
-        if summ.shape[2]:
-            self.summaries.append(_as_rows(summ.permute(2, 1, 0, 3)))
+    def _stage(self, *parts: Tensor) -> None:
+        """Copy the rows for ``store``, ``index`` and ``summaries`` (uint8 [rows, row bytes] each, on one
+        device) into ``staging`` with one copy, packed in that order; :meth:`flush` writes them."""
+        flat = [p.reshape(-1) for p in parts]
+        total = sum(p.numel() for p in flat)
+        device = flat[0].device
+        cuda = device.type == "cuda"
+        if total > self.staging.numel() or (cuda and not self.pinned):
+            self.staging = torch.empty(max(total, 2 * self.staging.numel(), 1 << 16), dtype=torch.uint8,
+                                       pin_memory=cuda)
+            self.pinned = cuda
+        dest = self.staging[:total]
+        if device.type == "cpu":
+            torch.cat(flat, out=dest)
+        else:
+            dest.copy_(torch.cat(flat), non_blocking=cuda)
+        if cuda:
+            if self.copied is None:
+                self.copied = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(device))
+        self.staged = (parts[0].shape[0], parts[1].shape[0], parts[2].shape[0])
+
+    @torch.inference_mode()
+    def flush(self) -> None:
+        """Write the staged bytes of the last append to the stores, once their copy has landed.
+
+        The staged rows are taken first, so a failed write (a full disk) is not repeated by the next call.
+        """
+        if self.staged is None:
+            return
+        counts, self.staged = self.staged, None
+        if self.copied is not None:
+            self.copied.synchronize()
+        at = 0
+        for st, k in zip((self.store, self.index, self.summaries), counts, strict=True):
+            if k:
+                st.append(self.staging[at : at + k * st.row_bytes].view(k, st.row_bytes))
+            at += k * st.row_bytes
 
     def page_summaries(self, first: int = 0, last: int | None = None) -> tuple[Tensor, Tensor]:
-        """Key minima and maxima [h, pages, d] (float16) of pages ``first`` … ``last`` − 1 (default: all)."""
+        """Key minima and maxima [h, pages, d] (float16, CPU) of pages ``first`` … ``last`` − 1 (default: all)."""
+        self.flush()
         last = self.pages if last is None else last
         done = min(last, self.summaries.rows)
         rows = self.summaries.read(torch.arange(first, done)) if done > first else torch.empty(
             0, self.summaries.row_bytes, dtype=torch.uint8)
         s = rows.view(SUMMARY_DTYPE).view(-1, 2, self.h, self.d).permute(1, 2, 0, 3)  # [2, h, pages, d]
         if last > self.summaries.rows:  # the open page
-            s = torch.cat((s, self.tail.unsqueeze(2)), dim=2)
+            s = torch.cat((s, self.tail.cpu().unsqueeze(2)), dim=2)
         return s[0], s[1]
 
     def positions_of(self, index: Tensor) -> Tensor:
         """Original positions [h, T] (int64) of archive indices ``index`` [h, T]."""
+        self.flush()
         uniq, inverse = torch.unique(index, return_inverse=True)
         return self._positions(uniq, inverse)
 
@@ -287,6 +357,7 @@ class GroupArchive:
 
     def all_positions(self) -> Tensor:
         """Every archived token's original position per head: [h, archived] int64."""
+        self.flush()
         return self.index.read(torch.arange(self.length)).view(torch.int32).t().long()
 
     # -- recall -------------------------------------------------------------------------------------
@@ -354,6 +425,7 @@ class GroupArchive:
 
     def read(self, index: Tensor, values: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
         """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T]."""
+        self.flush()
         uniq, inverse = torch.unique(index, return_inverse=True)
         rows = self.store.read(uniq)
         rows = _dequantize(rows, self.h, self.d) if self.dtype == torch.int8 else rows.view(self.dtype).view(
@@ -366,6 +438,7 @@ class GroupArchive:
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
         """Rows, positions [h, n] and page summaries [h, pages, d] of the archived tokens (reads the stores)."""
+        self.flush()
         kmin, kmax = self.page_summaries()
         return {
             f"{prefix}.rows": self.store.read(torch.arange(self.store.rows)),
@@ -390,23 +463,27 @@ class GroupArchive:
         # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
         summ = _round_outward(torch.stack((kmin.float(), kmax.float()), dim=1))
         done = n // page_size
-        self._append_summaries(summ[:, :, :done])
+        if done:
+            self.summaries.append(_as_rows(summ[:, :, :done].permute(2, 1, 0, 3)))
         self.tail = summ[:, :, done].transpose(0, 1).contiguous() if n % page_size else self.empty
         self.length = n
 
     def close(self) -> None:
+        """Close the stores; staged bytes are dropped with them (nothing can read either afterwards)."""
+        self.staged = None
+        self.staging = torch.empty(0, dtype=torch.uint8)  # a copy still in flight keeps its pinned block
         for st in (self.store, self.index, self.summaries):
             st.close()
 
 
 def _as_rows(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` [n, …] as store rows [n, bytes], in ``dtype`` (default: its own), on the CPU.
+    """``t`` [n, …] as store rows [n, bytes], in ``dtype`` (default: its own), on ``t``'s device.
 
-    One dense copy does all three (transposed views cannot be viewed as bytes).
+    One dense copy does both (transposed views cannot be viewed as bytes).
     """
-    out = torch.empty(t.shape, dtype=dtype or t.dtype)
+    out = torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
     out.copy_(t)
-    return out.view(t.shape[0], -1).view(torch.uint8)
+    return out.view(torch.uint8).view(t.shape[0], math.prod(t.shape[1:]) * out.element_size())
 
 
 def _empty_page(h: int, d: int) -> Tensor:
@@ -420,7 +497,7 @@ def _quantize(keys: Tensor, values: Tensor) -> Tensor:
     Symmetric per token and head (absmax / 127): a key's error is at most half its scale per channel.
     """
     n = keys.shape[1]
-    kv = torch.stack((keys, values)).detach().float().cpu()  # [2, h, n, d]
+    kv = torch.stack((keys, values)).detach().float()  # [2, h, n, d], on their device
     scale = kv.abs().amax(-1, keepdim=True).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
     q = kv.div(scale).round_().clamp_(-127, 127).to(torch.int8)
     data = q.permute(2, 0, 1, 3).reshape(n, -1).view(torch.uint8)
@@ -435,11 +512,6 @@ def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
     return q.float() * scale
 
 
-#: per half of a [h, 2, pages, d] summary: where outward is (minima down, maxima up)
-_OUTWARD = torch.tensor([-1.0, 1.0]).view(1, 2, 1, 1)
-_OUTWARD_LIMIT = (_OUTWARD * float("inf")).to(SUMMARY_DTYPE)
-
-
 def _round_outward(x: Tensor) -> Tensor:
     """Summaries ``x`` [h, 2, pages, d] (minima, then maxima) in ``SUMMARY_DTYPE``, rounded outward.
 
@@ -447,9 +519,10 @@ def _round_outward(x: Tensor) -> Tensor:
     value becomes ±inf, which only loosens the bound (``page_scores`` turns the 0·inf of a zero query
     channel back into a valid bound).
     """
+    outward = torch.arange(-1.0, 2.0, 2.0, device=x.device).view(1, 2, 1, 1)  # minima down, maxima up
     r = x.to(SUMMARY_DTYPE)
-    wrong = (r.float() - x).mul_(_OUTWARD) < 0  # rounded inward
-    step = torch.nextafter(r, _OUTWARD_LIMIT.expand_as(r))
+    wrong = (r.float() - x).mul_(outward) < 0  # rounded inward
+    step = torch.nextafter(r, outward.mul(float("inf")).to(SUMMARY_DTYPE).expand_as(r))
     return torch.where(wrong, step, r)
 
 

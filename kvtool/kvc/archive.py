@@ -61,6 +61,8 @@ def _entries(prefix: str, a: GroupArchive) -> list[Entry]:
     """The four tensors of one group archive, produced only when the writer reaches them."""
     import torch
 
+    a.flush()  # the last append's staged rows: the store is read directly below
+
     from kvtool.core.archive import SUMMARY_DTYPE
 
     def summary(which: int) -> tuple[memoryview]:

@@ -51,13 +51,14 @@ def _rotate64(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
 
 
-@pytest.mark.bf16
-def test_bf16_keys_are_rounded_once_through_hundreds_of_repacks(monkeypatch):
-    """Compact positions in bfloat16: after more than 200 re-packs, every stored key (sinks included,
-    re-rotated at every re-pack) is within one bf16 rounding of its original key rotated to its slot in
-    float64 — not a random walk of roundings that grows with the document."""
+def _compact_bf16_key_error(monkeypatch, pristine: bool = True) -> float:
+    """Largest relative error of a stored key against its original key rotated to its slot in float64,
+    after a 1,700-token compact-position read in bfloat16 (more than 200 re-packs per group).
+    ``pristine=False`` keeps no original copy: every re-pack rotates the stored, rounded key again."""
     from kvtool.core.storage import HeadGroup
 
+    if not pristine:
+        monkeypatch.setattr(HeadGroup, "keep_origin", lambda self: None)
     model = tiny_llama(max_positions=1 << 20).to(torch.bfloat16)
     engine = make_engine(model, "sink", 16, block_size=4, positions="compact", sinks=4, recent=4)
     cache = engine.new_cache()
@@ -74,14 +75,32 @@ def test_bf16_keys_are_rounded_once_through_hundreds_of_repacks(monkeypatch):
     assert rotator is not None
     engine.feed(cache, [ids_of(1700, 3)], progress=False)
     assert rotator.calls >= 200 * len(cache.groups())
+    worst = 0.0
     for g in cache.groups():
+        assert (g.origin is not None) == pristine
         n = g.length
         pos, rot = g.positions[:, :n], g.rotary[:, :n]
         k0 = torch.stack([torch.stack([original[id(g)][p][h] for p in pos[h].tolist()]) for h in range(g.num_heads)])
         ref = _rotate64(k0, rot - pos, g.rotator.inv_freq)
         got = g.keys[0, :, g.off : g.off + n].double()
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
-        assert float(err.max()) <= 2**-7, float(err.max())
+        worst = max(worst, float(err.max()))
+    return worst
+
+
+@pytest.mark.bf16
+def test_bf16_keys_are_rounded_once_through_hundreds_of_repacks(monkeypatch):
+    """Compact positions in bfloat16: after more than 200 re-packs, every stored key (sinks included,
+    re-rotated at every re-pack) is within one bf16 rounding of its original key rotated to its slot in
+    float64 — not a random walk of roundings that grows with the document."""
+    assert _compact_bf16_key_error(monkeypatch) <= 2**-7
+
+
+@pytest.mark.bf16
+def test_without_the_original_keys_bf16_keys_drift_past_the_bound(monkeypatch):
+    """The bound above is one a drift breaks: rotating the stored (rounded) keys at every re-pack, as
+    before the original copy, leaves the sinks 0.12–0.21 away from their float64 reference here."""
+    assert _compact_bf16_key_error(monkeypatch, pristine=False) > 8 * 2**-7
 
 
 def test_sliding_layers_are_not_rotated_by_a_repack():

@@ -87,7 +87,8 @@ def measure(doc: str, budgets: list[int], loaded) -> dict:
     paper = 1.0 - (retrieval + (total_heads - retrieval) * other) / total_heads
     return {"doc": Path(doc).name, "tokens": dense["tokens"], "dense_bytes": dense["stored"],
             "bytes_per_token_per_head": per_head_token, "retrieval_kv_heads": retrieval,
-            "kv_heads": total_heads, "paper_layout_reduction": paper, "whole_budget": whole, "whole_reduction": 1.0 - whole / dense["tokens"],
+            "kv_heads": total_heads, "paper_layout_reduction": paper, "whole_budget": whole,
+            "whole_reduction": 1.0 - whole / dense["tokens"],
             "rows": [{k: v for k, v in r.items() if k != "split"} for r in rows]}
 
 

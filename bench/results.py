@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -122,7 +123,7 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 def run_eval(name: str, argv: list[str]) -> dict:
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
-    full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", str(resume.relative_to(ROOT)), "--json"]
+    full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", os.path.relpath(resume, ROOT), "--json"]
     t0 = time.perf_counter()
     print(f"[{name}] kvtool {shlex.join(argv)}", flush=True)
     proc = subprocess.run(full, cwd=ROOT, stdout=subprocess.PIPE, text=True)  # progress bar stays on stderr
@@ -130,7 +131,7 @@ def run_eval(name: str, argv: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); rerun to resume")
     print(f"[{name}] {seconds:.0f} s", flush=True)
-    return {"command": f"kvtool {shlex.join(argv)} --resume bench/results-runs/{log}.jsonl --json",
+    return {"command": f"kvtool {shlex.join(argv)} --resume {os.path.relpath(resume, ROOT)} --json",
             "seconds": round(seconds, 1), "result": json.loads(proc.stdout)}
 
 
@@ -499,6 +500,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=0, help="needle trials per cell (default 10; multi-needle 5)")
     ap.add_argument("--samples", type=int, default=0, help="perplexity windows and correlation windows (default 16)")
     ap.add_argument("--render-only", action="store_true", help="rewrite docs/results.md from docs/results-data.json")
+    ap.add_argument("--scratch", default="", help="a directory for the logs, the data and the page instead of "
+                    "bench/results-runs, docs/results-data.json and docs/results.md (a trial run)")
     args = ap.parse_args()
     args.policies = [p for p in args.policies.split(",") if p]
     try:
@@ -532,7 +535,7 @@ def run_task(name: str, table: dict, data: dict, args: argparse.Namespace) -> No
     elif name == "distinctiveness":
         samples = str(args.samples or (3 if args.quick else 12))
         data[name] = run_script(name, ["bench/distinctiveness.py", "--samples", samples, "--window", "512",
-                                       "--resume", "bench/results-runs/distinctiveness.jsonl"])
+                                       "--resume", os.path.relpath(RESUME / "distinctiveness.jsonl", ROOT)])
     elif name == "razor-bytes":
         docs = ",".join(d[1] for d in evidence.DOCS)
         budgets = ",".join(map(str, args.budgets or evidence.BUDGETS))
@@ -559,7 +562,11 @@ def run_script(name: str, argv: list[str]) -> dict:
 
 
 def main() -> None:
+    global DOC, DATA, RESUME
     args = parse_args()
+    if args.scratch:
+        scratch = Path(args.scratch).resolve()
+        DOC, DATA, RESUME = scratch / "results.md", scratch / "results-data.json", scratch / "results-runs"
     t0 = time.perf_counter()
     RESUME.mkdir(parents=True, exist_ok=True)
     data = json.loads(DATA.read_text()) if DATA.exists() else {}
@@ -576,7 +583,7 @@ def main() -> None:
         save(data)
     total = data.get("total_seconds", 0.0)  # --render-only keeps the last run's figure
     write_doc(render(data, total))
-    print(f"wrote {DOC.relative_to(ROOT)}; this run took {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"wrote {DOC}; this run took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,26 @@ def test_whole_budget_is_the_smallest_that_keeps_every_retrieval_head_whole():
 
     assert capacity(b) >= 1000 > capacity(b - 1)
     assert whole_budget([{"layer": 0, "retrieval_heads": [0, 1, 2]}], 500, 3, 4) == 500  # all heads retrieval
+
+
+def test_the_evidence_sections_render_from_synthetic_results():
+    from distinctiveness import summarize
+
+    windows = [[{"spearman": 0.1 * w + 0.2 * layer, "pearson": 0.5} for layer in range(3)] for w in range(4)]
+    razor_rows = [{"policy": p, "budget": b, "stored": s, "reduction_vs_dense": 1 - s / 1000,
+                   "equal_bytes_budget": None if b is None else b} for p, b, s in
+                  (("full", None, 1000), ("razor", 256, 130), ("h2o", 256, 130), ("sink", 256, 130))]
+    data = {"distinctiveness": {"command": "python bench/distinctiveness.py", "seconds": 1.0,
+                                "result": summarize(windows)},
+            "razor-bytes": {"command": "python bench/razor_bytes.py", "seconds": 2.0, "result": {"docs": [
+                {"doc": "a.txt", "tokens": 2000, "retrieval_kv_heads": 24, "kv_heads": 90, "whole_budget": 2000,
+                 "paper_layout_reduction": 0.59, "rows": razor_rows}]}}}
+    text = "\n".join(evidence.evidence_sections(data, "h2o"))
+    assert "## Do distinctive keys receive high attention?" in text and "## The memory RazorAttention holds" in text
+    assert "≥ 70% KV reduction with retrieval heads kept whole" in text
+    assert "| RazorAttention | ≥ 70% KV reduction with retrieval heads kept whole |" in text
+    assert text.count("**does not hold**") >= 1  # the paper's layout saves 59% < 70%
+    rows = claims.claims_rows(data, [256])
+    corr = next(r for r in rows if r["claim"].startswith("distinctive keys"))
+    assert [c["layer"] for c in corr["cells"]] == [0, 1, 2]
+    assert corr["verdict"] == claims.HOLDS  # layers 1 and 2 have every window above 0

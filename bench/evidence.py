@@ -179,8 +179,9 @@ def units(data: dict, table: str, policy: str, budget: int | None) -> list[float
 # --------------------------------------------------------------------------------------------- rendering
 WHAT_A_SMALL_MODEL_SHOWS = (
     "**What a 135M model can and cannot show.** SmolLM2-135M has 30 layers of 3 KV heads, reads 8,192 positions "
-    "and answers short factual questions about a 2K-token text; the papers use 3B–70B models, 4K–100K-token "
-    "inputs and budgets of 2K–8K tokens on LongBench. These tables can show whether a mechanism does what its "
+    "and answers short factual questions about a 2K-token text; budgets of 256 and 1024 on these 1–4K-token "
+    "inputs evict 87% to 50% of the cache. The papers use 3B–70B models, 4K–100K-token inputs and budgets of "
+    "2K–8K tokens on LongBench. These tables can show whether a mechanism does what its "
     "paper says *relative to the other policies on the same inputs* (the sign and size of a paired difference, "
     "with its interval); they cannot reproduce a paper's absolute scores, nor speak for long inputs, larger "
     "models, or tasks this model cannot do even without eviction. A claim that does not hold here is evidence "

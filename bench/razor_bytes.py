@@ -33,6 +33,7 @@ def whole_budget(split: list[dict], tokens: int, num_kv_heads: int, sinks: int) 
     bisection over ``[sinks + 2, tokens · num_kv_heads]`` finds it.
     """
     from kvtool.core.contract import PolicyEnv
+    from kvtool.errors import UsageError
     from kvtool.policies.razor.policy import Razor
 
     heads = {s["layer"]: s["retrieval_heads"] for s in split}
@@ -52,7 +53,7 @@ def whole_budget(split: list[dict], tokens: int, num_kv_heads: int, sinks: int) 
         mid = (lo + hi) // 2
         try:
             ok = capacity(mid) >= tokens
-        except Exception:  # a budget too small to split a layer
+        except UsageError:  # a budget too small to split a layer
             ok = False
         lo, hi = (lo, mid) if ok else (mid + 1, hi)
     return lo

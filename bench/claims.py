@@ -92,8 +92,9 @@ def fmt_cell(c: dict) -> str:
 
 def judge(claim: Claim, cells: list[dict]) -> dict:
     """The claim's row: its cells with their verdicts and the claim's verdict."""
-    for c in cells:
-        c["verdict"] = cell_verdict(c["low"], c["high"], claim.kind, MARGINS[c["table"]])
+    for c in cells:  # one unit gives a degenerate interval: no verdict from it
+        c["verdict"] = (cell_verdict(c["low"], c["high"], claim.kind, MARGINS[c["table"]])
+                        if c.get("units", 2) >= 2 else NOISE)
     verdict = claim_verdict([c["verdict"] for c in cells], claim.quantifier) if cells else "not run"
     return {"paper": claim.paper, "claim": claim.text, "cells": cells, "quote": claim.quote, "verdict": verdict}
 

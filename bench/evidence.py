@@ -194,7 +194,8 @@ def agreement_intro(task: dict | None) -> str:
     docs = task["result"]["settings"].get("docs", []) if task else []
     if len(docs) < 2:  # a table written before the documents were pooled
         return f"{n} questions about one essay (`aord.txt`, 2K tokens)."
-    kinds = ", ".join(f"{kind} (`{doc.rsplit('/', 1)[-1]}`)" for _, doc, _, kind in DOCS)
+    names = {d.rsplit("/", 1)[-1] for d in docs}
+    kinds = ", ".join(f"{kind} (`{name}`)" for _, doc, _, kind in DOCS if (name := doc.rsplit("/", 1)[-1]) in names)
     return (f"{n} questions pooled over {len(docs)} documents of different kinds: {kinds}; about 2K tokens each "
             "(sources in bench/data/README.md). Each policy's greedy answer against `full`'s (exact match, token "
             "F1, ROUGE-L), and the next-token distributions over the first 8 tokens of the dense answer, "

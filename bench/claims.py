@@ -103,7 +103,8 @@ def correlation_cells(dist: dict | None) -> list[dict]:
     """KeyDiff's observation: one cell per layer, the mean Spearman correlation over windows."""
     if dist is None:
         return []
-    return [{"table": "correlation", "budget": None, "layer": r["layer"], **r["spearman"]} for r in dist["layers"]]
+    return [{"table": "correlation", "budget": None, "layer": r["layer"], "units": dist.get("windows", 2),
+             **r["spearman"]} for r in dist["layers"]]
 
 
 _CAOTE = {"h2o": "H2O 16.89 → 33.31 (2K), 26.37 → 40.42 (4K)", "tova": "TOVA 37.52 → 38.08 (2K), 41.49 → 42.24 (4K)",

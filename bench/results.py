@@ -6,10 +6,8 @@
     python bench/results.py --only agreement --policies h2o,h2o+vatp --budgets 256   # a piece of the grid
     python bench/results.py --scratch /tmp/try --only needle --policies razor --trials 1  # nothing tracked written
 
-The needle, agreement and perplexity tables hold every base policy and modifier (bench/evidence.py) at
-budgets 256 and 1024; the claims table (bench/claims.py) is computed from them, from
-bench/distinctiveness.py and from bench/razor_bytes.py. Rows run with ``--policies`` / ``--budgets`` are
-merged into their tables.
+The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
+are merged into them); the claims table is bench/claims.py's.
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
 table with its run time), so anyone can rerun one table; the kvpress side-by-side is

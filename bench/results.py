@@ -3,6 +3,11 @@
     python bench/results.py                 # the whole grid (resumable: rerun after a stop, finished cells are kept)
     python bench/results.py --only needle,agreement
     python bench/results.py --quick         # fewer trials/questions/windows: a smoke run of the pipeline
+    python bench/results.py --only agreement --policies h2o,h2o+vatp --budgets 256   # a piece of the grid
+    python bench/results.py --scratch /tmp/try --only needle --policies razor --trials 1  # nothing tracked written
+
+The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
+are merged into them); the claims table is bench/claims.py's.
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
 table with its run time), so anyone can rerun one table; the kvpress side-by-side is
@@ -14,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -28,10 +36,10 @@ RESUME = ROOT / "bench" / "results-runs"  # tracked: a later session resumes wha
 START, END = "<!-- RESULTS START -->", "<!-- RESULTS END -->"
 CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
-ORDER = ("needle", "needle-recall", "agreement", "peer", "ppl", "needle-multi", "block-64", "block-256",
-         "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
-         "needle-recall-long", "needle-recall-32k", "needle-32k-full",
-         "needle-recall-64k")
+ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024", "distinctiveness", "razor-bytes",
+         "peer", "needle-multi", "needle-name-1k", "needle-multi-1k", "needle-name-8k", "needle-multi-8k", "block-64",
+         "block-256", "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
+         "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -44,29 +52,31 @@ def _default_policy() -> str:
 
 DEFAULT = _default_policy()  # the block-size rows and the recall rows follow the default, whatever it is
 # needle-recall shares needle's log: its full and eviction-only trials are needle's, resumed
-LOGS = {"needle-recall": "needle"}
+LOGS = {"needle-recall": "needle", "agreement-aord": "agreement", "needle-multi-1k": "needle-multi"}
 
 
-def tasks(quick: bool) -> dict[str, list[str]]:
-    trials = "3" if quick else "10"
-    multi_trials = "3" if quick else "5"
+def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
+    """Every task's ``kvtool eval`` argv; the grid tables (needle, agreement, ppl) come from bench/evidence.py."""
+    trials = str(opts.trials or (3 if opts.quick else 10))
+    multi_trials = str(opts.trials or (3 if opts.quick else 5))
+    pols = POLICIES.split(",")
+    recall_rows = ["--policies", f"full,sink,{DEFAULT}", "--budgets", "256", "--recall", "0,256"]
+    out = evidence.grid_tasks(opts.policies or evidence.grid_policies(), opts.budgets or evidence.BUDGETS,
+                              int(trials), opts.samples or (4 if opts.quick else 16))
     return {
-        "needle": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
-                   "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", "full," + POLICIES,
-                   "--budgets", "256", "--max-new-tokens", "16"],
-        # recall for the best eviction-only policy at 256 (sink) and the default: issue 13's rows
+        **out,
+        # recall for the best eviction-only policy at 256 (sink) and the default
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
-                          "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", f"full,sink,{DEFAULT}",
-                          "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256"],
-        # longer haystacks (issue 13): with and without recall, compact positions (--positions auto) past the
+                          "--depths", "0.1,0.5,0.9", "--trials", trials, *recall_rows, "--max-new-tokens", "16"],
+        # longer haystacks: with and without recall, compact positions (--positions auto) past the
         # model's 8,192 positions; penalty 1 as for 2K (1.1 drops a repeated digit of the number). 8K: full and
-        # every base policy (not the snapkv+caote combination: time); 32K: the default only, without full (a
-        # dense 32K pass takes 10+ minutes per trial here: needle-32k-full runs ten per depth).
+        # every base policy of the first tables (not the snapkv+caote combination: time); 32K: the default only,
+        # without full (a dense 32K pass takes 10+ minutes per trial here: needle-32k-full runs ten per depth).
         **{f"needle-recall-{name}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths",
                                      length, "--depths", "0.1,0.5,0.9", "--trials", trials, "--policies", *policies,
                                      "--budgets", "256", "--max-new-tokens", "16", "--recall", "0,256",
                                      "--repetition-penalty", "1"]
-           for name, length, policies in (("long", "8k", ["full," + POLICIES.removesuffix(",snapkv+caote")]),
+           for name, length, policies in (("long", "8k", ["full," + ",".join(pols[:-1])]),
                                           ("32k", "32k", [DEFAULT, "--no-full"]))},
         # past 32,768 archived tokens per head (compact: every token scored, in two passes): a sample
         "needle-recall-64k": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "64k",
@@ -94,23 +104,31 @@ def tasks(quick: bool) -> dict[str, list[str]]:
         "needle-multi": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                          "--depths", "0.1,0.5,0.9", "--trials", multi_trials, "--needles", "3",
                          "--policies", "full," + POLICIES, "--budgets", "256", "--max-new-tokens", "24"],
-        "agreement": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
-                      "bench/data/aord_questions.txt", "--policies", POLICIES, "--budgets",
-                      "256" if quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8"],
+        **needle_kinds(trials, multi_trials, recall_rows),
         **{f"block-{b}": ["eval", "agreement", "--doc", f"{CORPUS}/paul_graham_essays/aord.txt", "--questions-file",
                           "bench/data/aord_questions.txt", "--policies", DEFAULT, "--budgets",
-                          "256" if quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8",
+                          "256" if opts.quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8",
                           "--block-size", str(b)] for b in BLOCKS},
-        "ppl": ["eval", "ppl", "--text", f"{CORPUS}/sherlock_holmes.txt,{CORPUS}/pride_and_prejudice.txt,"
-                f"{CORPUS}/paul_graham_essays", "--context", "1k", "--continuation", "32",
-                "--samples", "4" if quick else "16", "--policies", "full," + POLICIES, "--budgets", "256"],
     }
+
+
+def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict[str, list[str]]:
+    """A name (a word, not a number) and three labelled numbers (one asked), each with and without recall, at
+    1K and 8K tokens (the number's rows are needle-recall and needle-recall-long)."""
+    out = {}
+    for kind, extra, n, tokens in (("name", ["--needle-kind", "name"], trials, "16"),
+                                   ("multi", ["--needles", "3"], multi_trials, "24")):
+        for length, penalty in (("1k", []), ("8k", ["--repetition-penalty", "1"])):
+            out[f"needle-{kind}-{length}"] = ["eval", "needle", *extra, "--haystack", f"{CORPUS}/paul_graham_essays",
+                                              "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", n,
+                                              *recall_rows, "--max-new-tokens", tokens, *penalty]
+    return out
 
 
 def run_eval(name: str, argv: list[str]) -> dict:
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
-    full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", str(resume.relative_to(ROOT)), "--json"]
+    full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", os.path.relpath(resume, ROOT), "--json"]
     t0 = time.perf_counter()
     print(f"[{name}] kvtool {shlex.join(argv)}", flush=True)
     proc = subprocess.run(full, cwd=ROOT, stdout=subprocess.PIPE, text=True)  # progress bar stays on stderr
@@ -118,7 +136,7 @@ def run_eval(name: str, argv: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); rerun to resume")
     print(f"[{name}] {seconds:.0f} s", flush=True)
-    return {"command": f"kvtool {shlex.join(argv)} --resume bench/results-runs/{log}.jsonl --json",
+    return {"command": f"kvtool {shlex.join(argv)} --resume {os.path.relpath(resume, ROOT)} --json",
             "seconds": round(seconds, 1), "result": json.loads(proc.stdout)}
 
 
@@ -249,10 +267,11 @@ def table_blocks(data: dict) -> str:
         return {r["budget"]: [a["f1"] for a in r["answers"]] for r in task["result"]["results"]
                 if r["policy"] == DEFAULT}
 
-    base = per_question(data["agreement"])
+    aord = data.get("agreement-aord", data["agreement"])  # the block rows read aord.txt only
+    base = per_question(aord)
     lines = ["| block | " + " | ".join(f"token F1 @ {b} (vs 128)" for b in sorted(base)) + " |",
              "|---|" + "---|" * len(base)]
-    for block, task in [(128, data["agreement"])] + [(b, data.get(f"block-{b}")) for b in BLOCKS]:
+    for block, task in [(128, aord)] + [(b, data.get(f"block-{b}")) for b in BLOCKS]:
         if task is None:
             continue
         f1 = per_question(task)
@@ -349,20 +368,15 @@ def beside_the_rule(data: dict) -> list[str]:
     return out
 
 
-def render(data: dict, total_seconds: float) -> str:
-    parts = ["Generated by `python bench/results.py` (do not edit this block by hand). Model: the embedded "
-             "SmolLM2-135M-Instruct (fp32, CPU). Every cell carries a 95% interval: Wilson for rates, "
-             "percentile bootstrap over questions/windows for means. ✱ marks a row significantly worse than "
-             "the best row *at the same budget* (Newcombe interval for rates, paired bootstrap for means); a "
-             "difference without ✱ is inside the noise. In needle tables ↓ marks a row significantly below "
-             "`full` (the dense reference).", ""]
-    sections = [
-        ("needle", "Needle in a haystack (one needle)",
+def sections(data: dict) -> list[tuple]:
+    """The tables written from one eval command each: (data key, heading, text above the table, table)."""
+    return [
+        ("needle", "Needle in a haystack (one needle), budget 256 on 1K tokens",
          "The needle is a 5-digit *secret number* (`The secret number is N. Remember it: the secret number is N.`), "
          "a new number per trial, asked as `What is the secret number?`. The earlier *pass key* wording made the "
          "135M model define the phrase instead of reading the text (dense found 0 of 12 at 1K tokens, depths "
          "0.1–0.5); with the secret-number wording the dense model finds it where the table shows.", table_needle),
-        ("needle-recall", "Needle with recall (issue 13)",
+        ("needle-recall", "Needle with recall",
          "The same trials, for the best eviction-only policy at budget 256 (`sink`) and the default "
          f"(`{DEFAULT}`), "
          "each also answering with `--recall 256`: evicted tokens archived in 32-token pages; every KV head "
@@ -374,7 +388,7 @@ def render(data: dict, total_seconds: float) -> str:
          "`sink` 11/30 and `h2o` 28/30; per-head pages re-ranked by exact max q·k, `sink` 24/30, `h2o` 29/30; "
          "the shared ranking with every suffix row voting, `sink` 30/30, `h2o` 29/30.",
          table_needle),
-        ("needle-recall-2k", "Needle with recall on a 2K haystack, no repetition penalty (issue 13)",
+        ("needle-recall-2k", "Needle with recall on a 2K haystack, no repetition penalty",
          f"`full`, the default (`{DEFAULT}`) and the default + recall 256 at budget 256 on a 2K-token haystack, "
          "answered with `--repetition-penalty 1` (off). With the default penalty (1.1 on the answer's own tokens) "
          "and the earlier per-head selection "
@@ -383,16 +397,16 @@ def render(data: dict, total_seconds: float) -> str:
          "`27611` → `2761`). With per-head pages (re-ranked) and no penalty it found 23/30: "
          "11–16 of the 90 KV heads held all five digits and the answers came out cut (`419` for `41190`, "
          "`52` for `52445`); the shared ranking puts them in all 90.", table_needle),
-        ("needle-recall-long", "Needle with recall on an 8K haystack (issue 13)",
+        ("needle-recall-long", "Needle with recall on an 8K haystack",
          "`full` and every policy at budget 256, each with and without recall 256, on an 8K-token haystack, "
          "no repetition penalty. SmolLM2-135M was trained on 8,192 positions: with the chat template and the "
          "question the haystack passes that, so `full` reads past its range and the bounded rows use compact "
          "positions (`--positions auto`); recall scores each archived key where it would land among the kept "
          "ones. With the default penalty (1.1) `full` found 15/30 (0/10 at depth 0.1, 6/10 at 0.5, 9/10 at "
          "0.9). With the earlier per-head selection `h2o` + recall found 0/30 at 8K; with the shared ranking "
-         "and every suffix row voting, 30/30. Where a policy + recall misses a whole depth, see \"Recall "
-         "(issue 13): what else was measured\" below the generated block.", table_needle),
-        ("needle-recall-32k", "Needle with recall on a 32K haystack (issue 13)",
+         "and every suffix row voting, 30/30. Where a policy + recall misses a whole depth, see \"Recall: what "
+         "else was measured\" below the generated block.", table_needle),
+        ("needle-recall-32k", "Needle with recall on a 32K haystack",
          "The same on a 32K-token haystack (four times the model's trained positions). Recall scores all of "
          "the ~32,500 archived tokens per KV head exactly. Before the ranking used the question's own rows "
          "only (every suffix row voting, at most 8,192 tokens scored per head) it found 2 of 6 (0/2 at depth "
@@ -413,17 +427,28 @@ def render(data: dict, total_seconds: float) -> str:
         ("needle-multi", "Needle in a haystack (three needles, one asked)",
          "Three labelled secret numbers (`the red door opens with N`) at seeded depths; the question asks for "
          "the one at the cell's depth.", table_needle),
+        ("needle-1024", "Needle in a haystack (one needle), budget 1024 on 4K tokens",
+         "The same needle at budget 1024 in a 4K-token haystack (a quarter kept, as 256 of 1K), no repetition "
+         "penalty (past 1K tokens the default 1.1 drops a repeated digit of the number).", table_needle),
         ("agreement", "Agreement with the dense answer",
-         "Twelve questions about one essay (`aord.txt`, 1.9K tokens). Each policy's greedy answer against "
-         "`full`'s (exact match, token F1, ROUGE-L), and the next-token distributions over the first 8 tokens "
-         "of the dense answer, teacher-forced in both runs: what eviction changed, whatever the model's own "
-         "ability.", table_agreement),
+         evidence.agreement_intro(data.get("agreement")), table_agreement),
         ("ppl", "Perplexity under eviction",
-         "Windows of 1K context + 32 continuation tokens spread over *The Adventures of Sherlock Holmes*, "
+         "Budget 256, windows of 1K context + 32 continuation tokens spread over *The Adventures of Sherlock Holmes*, "
          "*Pride and Prejudice* and the essays; the continuation is fed one token at a time so eviction runs "
          "as in generation. The dense reference is one plain transformers forward.", table_ppl),
+        ("ppl-1024", "Perplexity under eviction, budget 1024 on 4K-token contexts",
+         "The same at budget 1024 with 4K tokens of context (a quarter kept).", table_ppl),
     ]
-    for key, title, intro, table in sections:
+
+
+def render(data: dict, total_seconds: float) -> str:
+    parts = ["Generated by `python bench/results.py` (do not edit this block by hand). Model: the embedded "
+             "SmolLM2-135M-Instruct (fp32, CPU). Every cell carries a 95% interval: Wilson for rates, "
+             "percentile bootstrap over questions/windows for means. ✱ marks a row significantly worse than "
+             "the best row *at the same budget* (Newcombe interval for rates, paired bootstrap for means); a "
+             "difference without ✱ is inside the noise. In needle tables ↓ marks a row significantly below "
+             "`full` (the dense reference).", "", evidence.WHAT_A_SMALL_MODEL_SHOWS, ""]
+    for key, title, intro, table in sections(data):
         if key not in data:
             continue
         task = data[key]
@@ -446,6 +471,7 @@ def render(data: dict, total_seconds: float) -> str:
                   "(the question's own rows vote); with the previous one (every suffix row voting) each row also "
                   "found 29/30.", "", table_archive(data), "",
                   *[f"- {c}" for c in cmds], ""]
+    parts += evidence.evidence_sections(data, DEFAULT)
     rule = choose_default(data.get("agreement"), data.get("needle")) + beside_the_rule(data)
     parts += ["## Choosing the default policy", "", *[f"- {x}" for x in rule], ""]
     if data.get("peer"):
@@ -474,12 +500,82 @@ def write_doc(block: str) -> None:
     DOC.write_text(f"{head}{START}\n{block.rstrip()}\n{END}{tail}", encoding="utf-8")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma list of: " + ", ".join(ORDER))
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer trials/windows and budget 256 for the block rows")
+    ap.add_argument("--policies", default="", help="grid tables: run these policies only (merged into the tables)")
+    ap.add_argument("--budgets", default="", help="grid tables: these budgets only (default 256,1024)")
+    ap.add_argument("--trials", type=int, default=0, help="needle trials per cell (default 10; multi-needle 5)")
+    ap.add_argument("--samples", type=int, default=0, help="perplexity windows and correlation windows (default 16)")
     ap.add_argument("--render-only", action="store_true", help="rewrite docs/results.md from docs/results-data.json")
+    ap.add_argument("--scratch", default="", help="a directory for the logs, the data and the page instead of "
+                    "bench/results-runs, docs/results-data.json and docs/results.md (a trial run)")
     args = ap.parse_args()
+    args.policies = [p for p in args.policies.split(",") if p]
+    try:
+        args.budgets = [int(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        ap.error(f"--budgets must be a comma list of token counts (got {args.budgets!r})")
+    unknown = {x for x in args.only.split(",") if x} - set(ORDER)
+    if unknown or args.trials < 0 or args.samples < 0:
+        ap.error(f"unknown --only table(s): {', '.join(sorted(unknown))}" if unknown else "counts must be >= 0")
+    return args
+
+
+def save(data: dict) -> None:
+    """docs/results-data.json, written whole (temp file, then rename): a stop never leaves it half-written."""
+    tmp = DATA.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(DATA)
+
+
+def run_task(name: str, table: dict, data: dict, args: argparse.Namespace) -> None:
+    """Run one table's command(s) and put its result in ``data`` (merged with rows of earlier runs)."""
+    if name == "peer":
+        peer = run_peer(args.quick)
+        if peer is not None:
+            data["peer"] = peer
+    elif name == "agreement":
+        for doc in evidence.DOCS:
+            key = f"agreement-{doc[0]}"
+            data[key] = evidence.merge(data.get(key), run_eval(key, table[key]))
+        data["agreement"] = evidence.pool_agreement([data[f"agreement-{d[0]}"] for d in evidence.DOCS])
+    elif name == "distinctiveness":
+        samples = str(args.samples or (3 if args.quick else 12))
+        data[name] = run_script(name, ["bench/distinctiveness.py", "--samples", samples, "--window", "512",
+                                       "--resume", os.path.relpath(RESUME / "distinctiveness.jsonl", ROOT)])
+    elif name == "razor-bytes":
+        docs = ",".join(d[1] for d in evidence.DOCS)
+        budgets = ",".join(map(str, args.budgets or evidence.BUDGETS))
+        argv = ["bench/razor_bytes.py", "--docs", docs, "--budgets", budgets]
+        old = data.get(name)
+        if old is None or old["command"] != f"python {shlex.join(argv)}":  # exact bytes: nothing to resume
+            data[name] = run_script(name, argv)
+    elif name in table:
+        data[name] = evidence.merge(data.get(name), run_eval(name, table[name]))
+    else:
+        print(f"[{name}] not in this run's budgets: skipped", flush=True)
+
+
+def run_script(name: str, argv: list[str]) -> dict:
+    """A bench script that prints one JSON object (its progress on stderr)."""
+    t0 = time.perf_counter()
+    print(f"[{name}] python {shlex.join(argv)}", flush=True)
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); rerun to resume")
+    seconds = time.perf_counter() - t0
+    print(f"[{name}] {seconds:.0f} s", flush=True)
+    return {"command": f"python {shlex.join(argv)}", "seconds": round(seconds, 1), "result": json.loads(proc.stdout)}
+
+
+def main() -> None:
+    global DOC, DATA, RESUME
+    args = parse_args()
+    if args.scratch:
+        scratch = Path(args.scratch).resolve()
+        DOC, DATA, RESUME = scratch / "results.md", scratch / "results-data.json", scratch / "results-runs"
     t0 = time.perf_counter()
     RESUME.mkdir(parents=True, exist_ok=True)
     data = json.loads(DATA.read_text()) if DATA.exists() else {}
@@ -487,22 +583,16 @@ def main() -> None:
         data = {"version": 2}
     if not args.render_only:
         only = {x for x in args.only.split(",") if x}
-        table = tasks(args.quick)
+        table = tasks(args)
         for name in ORDER:  # most decisive first: a stopped run has the tables that matter most
-            if only and name not in only:
-                continue
-            if name == "peer":
-                peer = run_peer(args.quick)
-                if peer is not None:
-                    data["peer"] = peer
-            else:
-                data[name] = run_eval(name, table[name])
-            DATA.write_text(json.dumps(data, indent=1))
+            if not only or name in only:
+                run_task(name, table, data, args)
+                save(data)
         data["total_seconds"] = round(time.perf_counter() - t0, 1)
-        DATA.write_text(json.dumps(data, indent=1))
+        save(data)
     total = data.get("total_seconds", 0.0)  # --render-only keeps the last run's figure
     write_doc(render(data, total))
-    print(f"wrote {DOC.relative_to(ROOT)} in {total:.0f} s", flush=True)
+    print(f"wrote {DOC}; this run took {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

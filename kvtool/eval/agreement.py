@@ -154,8 +154,11 @@ def _agreement_results(task: AgreementTask, runs: list[Run], per_run: list[list[
             "top1": bootstrap_mean(top1, seed=seed).as_dict() if top1 else None,
             "best": k == b,
             "significant": b is not None and k != b and paired_difference(f1s[k], f1s[b], seed=seed).excludes(0.0),
+            # per question, so that runs over several documents can be pooled into one table
             "answers": [{"question": q, "dense": dense[i]["answer"], "answer": rows[i]["answer"],
-                         "f1": round(rows[i]["f1"], 4)} for i, q in enumerate(task.questions)],
+                         "f1": round(rows[i]["f1"], 4), "exact": bool(rows[i]["exact"]),
+                         "rouge_l": round(rows[i]["rouge_l"], 4), "kl": rows[i]["kl"], "top1": rows[i]["top1"]}
+                        for i, q in enumerate(task.questions)],
         })
     return results
 

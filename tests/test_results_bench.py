@@ -1,0 +1,239 @@
+"""bench/results.py's evidence machinery: the grid, pooling over documents, the claims' verdicts, KeyDiff's
+correlation (against brute force) and razor's whole-heads budget. No real model."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import claims  # noqa: E402
+import evidence  # noqa: E402
+
+from kvtool.eval.distinctiveness import (  # noqa: E402
+    distinctiveness,
+    layer_correlation,
+    measure_window,
+    pearson,
+    received_attention,
+    spearman,
+)
+from kvtool.policy_syntax import check_spec  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------------- the grid
+def test_grid_lists_every_base_and_every_modifier_on_the_bases_it_applies_to():
+    expected = {"sink", "h2o", "tova", "snapkv", "scissorhands", "keydiff", "razor",
+                "h2o+vatp", "scissorhands+vatp",
+                *(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in ("caote", "fastcaote", "caote(greedy=true)"))}
+    got = evidence.grid_policies()
+    assert set(got) == expected and len(got) == len(expected)
+    for spec in got:
+        check_spec(spec)  # every spec parses (names, modifiers, inline options)
+
+
+def test_grid_tasks_scale_the_haystack_with_the_budget_and_read_every_document():
+    tasks = evidence.grid_tasks(["h2o"], [256, 1024], trials=2, samples=3)
+    assert set(tasks) == {"needle", "needle-1024", "ppl", "ppl-1024", "agreement-aord", "agreement-pride",
+                          "agreement-langdes"}
+    assert tasks["needle"][tasks["needle"].index("--lengths") + 1] == "1k"
+    assert tasks["needle-1024"][tasks["needle-1024"].index("--lengths") + 1] == "4k"
+    assert tasks["ppl-1024"][tasks["ppl-1024"].index("--context") + 1] == "4k"
+    assert tasks["agreement-pride"][tasks["agreement-pride"].index("--budgets") + 1] == "256,1024"
+
+
+def test_agreement_documents_have_at_least_36_questions_over_three_kinds():
+    total = 0
+    for _, doc, questions, _ in evidence.DOCS:
+        qs = [q for q in (ROOT / questions).read_text().splitlines() if q.strip()]
+        assert len(qs) >= 12, questions
+        total += len(qs)
+        if not doc.startswith("../"):
+            assert (ROOT / doc).is_file()
+    assert total >= 36
+    assert len({kind for *_, kind in evidence.DOCS}) == 3
+
+
+# --------------------------------------------------------------------------------------------- pooling
+def _doc(f1s: dict[tuple[str, int], list[float]], name: str) -> dict:
+    rows = [{"policy": p, "budget": b, "answers": [{"f1": x, "exact": x == 1.0, "rouge_l": x, "kl": 1 - x,
+                                                      "top1": x} for x in xs]} for (p, b), xs in f1s.items()]
+    return {"command": f"kvtool eval agreement --doc {name}", "seconds": 1.0,
+            "result": {"task": "agreement", "settings": {"doc": name}, "results": rows}}
+
+
+def test_pool_agreement_concatenates_questions_and_flags_against_the_best_at_the_budget():
+    a = _doc({("h2o", 256): [1.0, 0.9, 0.8], ("sink", 256): [0.1, 0.2, 0.1]}, "a.txt")
+    b = _doc({("h2o", 256): [0.9, 1.0], ("sink", 256): [0.0, 0.1], ("tova", 256): [0.5, 0.5]}, "b.txt")
+    pooled = evidence.pool_agreement([a, b])
+    rows = {r["policy"]: r for r in pooled["result"]["results"]}
+    assert set(rows) == {"h2o", "sink"}  # tova is not in every document: left out
+    assert rows["h2o"]["questions"] == 5
+    assert rows["h2o"]["f1"]["value"] == pytest.approx((1.0 + 0.9 + 0.8 + 0.9 + 1.0) / 5)
+    assert rows["h2o"]["exact_match"]["value"] == pytest.approx(2 / 5)
+    assert rows["h2o"]["best"] and not rows["h2o"]["significant"]
+    assert rows["sink"]["significant"]
+    assert pooled["result"]["settings"]["docs"] == ["a.txt", "b.txt"]
+
+
+def test_merge_replaces_the_rows_of_a_rerun_policy_and_keeps_the_others():
+    old = _doc({("h2o", 256): [0.5], ("sink", 256): [0.1]}, "a.txt")
+    new = _doc({("h2o", 256): [0.9]}, "a.txt")
+    merged = evidence.merge(old, new)["result"]["results"]
+    assert [(r["policy"], r["answers"][0]["f1"]) for r in merged] == [("sink", 0.1), ("h2o", 0.9)]
+
+
+# --------------------------------------------------------------------------------------------- verdicts
+@pytest.mark.parametrize(("low", "high", "kind", "margin", "want"), [
+    (0.01, 0.2, "better", 0.0, claims.HOLDS),
+    (-0.2, -0.01, "better", 0.0, claims.FAILS),
+    (-0.1, 0.1, "better", 0.0, claims.NOISE),
+    (-0.04, 0.1, "competitive", 0.05, claims.HOLDS),
+    (-0.2, -0.06, "competitive", 0.05, claims.FAILS),
+    (-0.1, 0.0, "competitive", 0.05, claims.NOISE),
+    (-0.04, 0.04, "close", 0.05, claims.HOLDS),
+    (0.06, 0.2, "close", 0.05, claims.FAILS),
+    (-0.2, -0.06, "close", 0.05, claims.FAILS),
+    (0.0, 0.1, "close", 0.05, claims.NOISE),
+])
+def test_cell_verdict_on_synthetic_intervals(low, high, kind, margin, want):
+    assert claims.cell_verdict(low, high, kind, margin) == want
+
+
+def test_claim_verdict_every_and_most():
+    H, F, N = claims.HOLDS, claims.FAILS, claims.NOISE
+    assert claims.claim_verdict([H, H, H], "every") == H
+    assert claims.claim_verdict([H, H, N], "every") == N
+    assert claims.claim_verdict([H, H, F], "every") == F
+    assert claims.claim_verdict([H, H, N], "most") == H
+    assert claims.claim_verdict([H, N, N, N], "most") == N
+    assert claims.claim_verdict([H, H, F, F], "most") == F  # no majority can hold
+    assert claims.claim_verdict([], "every") == N
+
+
+def test_paired_cells_compare_the_same_units_with_higher_better():
+    trials = [{"trial": t, "correct": c} for t, c in enumerate([True, True, False, True])]
+    base = [{"trial": t, "correct": False} for t in range(4)]
+    data = {
+        "needle": {"result": {"results": [
+            {"policy": "h2o+vatp", "budget": 256, "recall": 0, "answers": trials},
+            {"policy": "h2o", "budget": 256, "recall": 0, "answers": base}]}},
+        "ppl": {"result": {"results": [
+            {"policy": "h2o+vatp", "budget": 256, "samples": [{"ppl": 11.0, "dense_ppl": 10.0}] * 3},
+            {"policy": "h2o", "budget": 256, "samples": [{"ppl": 12.0, "dense_ppl": 10.0}] * 3}]}},
+    }
+    cells = {c["table"]: c for c in claims.paired_cells(data, "h2o+vatp", "h2o", [256, 1024])}
+    assert set(cells) == {"needle", "ppl"}  # no agreement table, no 1024 runs
+    assert cells["needle"]["value"] == pytest.approx(0.75)
+    assert cells["ppl"]["value"] == pytest.approx(10.0)  # a gap of 10% instead of 20%: +10 points
+    row = claims.judge(claims.CLAIMS[0], list(cells.values()))
+    assert row["verdict"] in (claims.HOLDS, claims.NOISE)
+    assert "needle @ 256 +75 pp" in claims.table_claims([row])
+
+
+# --------------------------------------------------------------------------------------------- correlation
+def test_distinctiveness_and_received_attention_against_brute_force():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 7, 5, generator=g, dtype=torch.float64)
+    got = distinctiveness(keys)
+    for h in range(2):
+        units = [keys[h, j] / keys[h, j].norm() for j in range(7)]
+        anchor = sum(units) / 7
+        for j in range(7):
+            cos = float(units[j] @ anchor) / float(anchor.norm())
+            assert got[h, j].item() == pytest.approx(1 - cos, abs=1e-12)
+    logits = torch.randn(4, 7, 7, generator=g, dtype=torch.float64)
+    logits = logits.masked_fill(torch.ones(7, 7).triu(1).bool(), -math.inf)
+    probs = logits.softmax(-1)
+    recv = received_attention(probs, kv_heads=2)
+    for kv in range(2):
+        for j in range(7):
+            vals = [float(probs[q, i, j]) for q in (2 * kv, 2 * kv + 1) for i in range(j, 7)]
+            assert recv[kv, j].item() == pytest.approx(sum(vals) / len(vals), abs=1e-12)
+
+
+def test_spearman_and_pearson_against_brute_force_with_ties():
+    x = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0])
+    y = torch.tensor([2.0, 7.0, 1.0, 8.0, 2.0, 8.0, 1.0, 8.0])
+    assert pearson(x, y) == pytest.approx(statistics.correlation(x.tolist(), y.tolist()), abs=1e-12)
+
+    def avg_ranks(v: list[float]) -> list[float]:
+        return [sum(1 for w in v if w < a) + (sum(1 for w in v if w == a) - 1) / 2 for a in v]
+
+    want = statistics.correlation(avg_ranks(x.tolist()), avg_ranks(y.tolist()))
+    assert spearman(x, y) == pytest.approx(want, abs=1e-12)
+    assert spearman(x, x * 2 + 1) == pytest.approx(1.0)
+
+
+def test_layer_correlation_leaves_out_keys_seen_by_few_queries():
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 40, 4, generator=g)
+    probs = torch.randn(2, 40, 40, generator=g).masked_fill(torch.ones(40, 40).triu(1).bool(), -math.inf).softmax(-1)
+    out = layer_correlation(keys, probs, min_queries=10)
+    dist = distinctiveness(keys)[0, :31]
+    recv = received_attention(probs, 1)[0, :31]
+    assert out["spearman"] == pytest.approx(spearman(dist, recv))
+    assert out["pearson"] == pytest.approx(pearson(dist, recv))
+    with pytest.raises(ValueError):
+        layer_correlation(keys, probs, min_queries=39)
+
+
+def test_measure_window_on_a_tiny_model_restores_its_attention():
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    before = model.config._attn_implementation
+    rows = measure_window(model, torch.arange(48) % 50, min_queries=8)
+    assert len(rows) == model.config.num_hidden_layers
+    assert all(-1.0 <= r["spearman"] <= 1.0 and -1.0 <= r["pearson"] <= 1.0 for r in rows)
+    assert model.config._attn_implementation == before
+
+
+# --------------------------------------------------------------------------------------------- razor
+def test_whole_budget_is_the_smallest_that_keeps_every_retrieval_head_whole():
+    from razor_bytes import whole_budget
+
+    from kvtool.core.contract import PolicyEnv
+    from kvtool.policies.razor.policy import Razor
+
+    split = [{"layer": 0, "retrieval_heads": [1]}, {"layer": 1, "retrieval_heads": []}]
+    b = whole_budget(split, tokens=1000, num_kv_heads=3, sinks=4)
+
+    def capacity(budget: int) -> int:
+        razor = Razor()
+        razor.env = PolicyEnv(num_layers=2, num_kv_heads=3, num_attention_heads=3, head_dim=2, budget=budget,
+                              sinks=4, retrieval_heads=lambda **_: {0: [1], 1: []})
+        return razor.budget_split(razor.env)[0]["retrieval_capacity"]
+
+    assert capacity(b) >= 1000 > capacity(b - 1)
+    assert whole_budget([{"layer": 0, "retrieval_heads": [0, 1, 2]}], 500, 3, 4) == 500  # all heads retrieval
+
+
+def test_the_evidence_sections_render_from_synthetic_results():
+    from distinctiveness import summarize
+
+    windows = [[{"spearman": 0.1 * w + 0.2 * layer, "pearson": 0.5} for layer in range(3)] for w in range(4)]
+    razor_rows = [{"policy": p, "budget": b, "stored": s, "reduction_vs_dense": 1 - s / 1000,
+                   "equal_bytes_budget": None if b is None else b} for p, b, s in
+                  (("full", None, 1000), ("razor", 256, 130), ("h2o", 256, 130), ("sink", 256, 130))]
+    data = {"distinctiveness": {"command": "python bench/distinctiveness.py", "seconds": 1.0,
+                                "result": summarize(windows)},
+            "razor-bytes": {"command": "python bench/razor_bytes.py", "seconds": 2.0, "result": {"docs": [
+                {"doc": "a.txt", "tokens": 2000, "retrieval_kv_heads": 24, "kv_heads": 90, "whole_budget": 2000,
+                 "paper_layout_reduction": 0.59, "rows": razor_rows}]}}}
+    text = "\n".join(evidence.evidence_sections(data, "h2o"))
+    assert "## Do distinctive keys receive high attention?" in text and "## The memory RazorAttention holds" in text
+    assert "≥ 70% KV reduction with retrieval heads kept whole" in text
+    assert "| RazorAttention | ≥ 70% KV reduction with retrieval heads kept whole |" in text
+    assert text.count("**does not hold**") >= 1  # the paper's layout saves 59% < 70%
+    rows = claims.claims_rows(data, [256])
+    corr = next(r for r in rows if r["claim"].startswith("distinctive keys"))
+    assert [c["layer"] for c in corr["cells"]] == [0, 1, 2]
+    assert corr["verdict"] == claims.HOLDS  # layers 1 and 2 have every window above 0

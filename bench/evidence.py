@@ -292,3 +292,20 @@ def evidence_sections(data: dict, default: str) -> list[str]:
     rows = claims.claims_rows(data, list(BUDGETS))
     out += ["## Claims of the papers", "", claims.RULES, "", claims.table_claims(rows), ""]
     return out
+
+
+def pinned_answering(argv: list[str]) -> list[str]:
+    """``argv`` of an ``eval needle``/``eval agreement`` table with the answering settings every table here
+    was measured with: kvtool 0.2's defaults (repetition penalty 1.1 unless the table sets it, no n-gram
+    guard, recall only where the table asks for it, the archive in the model's dtype). kvtool's own
+    defaults now recall and guard repeats instead; docs/results.md measures them in their own section.
+    Pinning them keeps every table's resume log (its fingerprint) and its meaning."""
+    if argv[:2] not in (["eval", "needle"], ["eval", "agreement"]):
+        return argv
+    extra = [] if "--repetition-penalty" in argv else ["--repetition-penalty", "1.1"]
+    extra += ["--no-repeat-ngram", "0"]
+    if "--archive-dtype" not in argv:
+        extra += ["--archive-dtype", "auto"]
+    if "--recall" not in argv:
+        extra += ["--recall", "0" if argv[1] == "needle" else "off"]
+    return [*argv, *extra]

@@ -126,6 +126,7 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 
 def run_eval(name: str, argv: list[str]) -> dict:
+    argv = evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
     full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", os.path.relpath(resume, ROOT), "--json"]

@@ -52,7 +52,7 @@ def test_json_output_schema(model_dir, doc):
                 "peak_memory_bytes"):
         assert key in stats, key
     assert stats["policy"] == "h2o+vatp"
-    assert stats["cached_tokens_max"] <= 160
+    assert stats["cached_tokens_max"] <= 160 + stats["recall_tokens"]  # recall (the default) adds its tokens
     assert stats["document_tokens"] > 160
 
 

@@ -538,9 +538,10 @@ def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
 def test_kvc_without_archive_answers_with_a_note(kvenv, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
     out = tmp_path / "plain.kvc"
-    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8], "-q")
+    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
+                         "--recall", "off", "-q")
     assert rc == 0, err
-    assert not (tmp_path / "plain.kvc.archive").exists()
+    assert not list(tmp_path.glob("plain.kvc*.archive"))
     rc, stdout, err = run_cli(capsys, "ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64",
                               "--max-new-tokens", "4")
     assert rc == 0 and stdout.strip()
@@ -581,9 +582,9 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
     args = ["profile", "--model", kvenv["model"], "--budget", "40", "--block-size", "16", "--device", "cpu", "--json",
             "-q"]
-    rc, plain, err = run_cli(capsys, *args)
+    rc, plain, err = run_cli(capsys, *args, "--recall", "0")
     assert rc == 0, err
-    rc, with_recall, err = run_cli(capsys, *args, "--recall", "24")
+    rc, with_recall, err = run_cli(capsys, *args, "--recall", "24", "--archive-dtype", "auto")
     assert rc == 0, err
     p, r = json.loads(plain), json.loads(with_recall)
     per_token = r["kv_bytes_per_token"]["total"]
@@ -593,7 +594,12 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
         return plan["predicted_peak_bytes"] - plan["runtime_baseline_bytes"]
 
     assert peak(r) - peak(p) == 24 * per_token
-    assert r["archive_bytes_per_evicted_token"]["file"] == per_token
+    assert r["archive_bytes_per_evicted_token"]["file"] == per_token  # the model's dtype
+    rc, default, err = run_cli(capsys, *args)  # recall auto: 256 slots, an int8 archive
+    assert rc == 0, err
+    d = json.loads(default)
+    assert d["recall_tokens"] == 256 and d["archive_dtype"] == "int8"
+    assert d["archive_bytes_per_evicted_token"]["file"] == per_token // 4 + 2 * 4 * 2 * 2  # + a scale per head, K/V
     rc, narrow, err = run_cli(capsys, *args, "--recall", "24", "--archive-dtype", "float16", "--recall-page", "64")
     assert rc == 0, err
     n = json.loads(narrow)

@@ -240,3 +240,28 @@ def test_profile_shows_the_archive_on_disk_for_a_document_length(model_dir, tmp_
     assert plan["archive_doc_tokens"] == 10000
     assert plan["archive_bytes"] == (10000 - 160) * (per["file"] + per["index"])
     assert plan["archive_verdict"].startswith("recall on by default: archive ~")
+
+
+def test_an_archive_that_cannot_be_created_turns_auto_off_not_the_run(model_dir, doc, tmp_path, monkeypatch):
+    """``auto`` answers without recall when the archive directory is unusable; an explicit ``--recall``
+    still stops with one line (exit 2)."""
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path / "missing"))
+    r = cli(model_dir, "ask", doc, "q")
+    assert r.exit_code == 0, r.output
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["recall_tokens"] == 0
+    assert stats["recall_note"].startswith("recall off: cannot create the recall archive in ")
+    r = cli(model_dir, "ask", doc, "q", "--recall", "64")
+    assert r.exit_code == 2 and "cannot create the recall archive" in r.stderr
+
+
+def test_summarize_of_a_kvc_with_an_archive_keeps_recall_off(model_dir, doc, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    out = tmp_path / "d.kvc"
+    assert cli(model_dir, "prefill", doc, "-o", out, answer=False).exit_code == 0
+    assert list(tmp_path.glob("d.kvc.*.archive"))  # prefill archived: recall is ask's default
+    ask = runner.invoke(app, ["ask", str(out), "q", "--model", model_dir, "--max-new-tokens", "2", "--json"])
+    assert json.loads(ask.stdout)["stats"]["archived_tokens"] > 0  # a short document: recall 256 > its tokens
+    summ = runner.invoke(app, ["summarize", str(out), "--model", model_dir, "--max-new-tokens", "2", "--json"])
+    assert summ.exit_code == 0, summ.output
+    assert json.loads(summ.stdout)["stats"]["recall_tokens"] == 0

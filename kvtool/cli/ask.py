@@ -104,10 +104,11 @@ def _run(
 
     # Files, .kvc headers and settings are checked before torch is imported (a bad path fails in ms).
     kind, source = _open_input(path, doc_format, quiet)
+    asked = overrides.get("recall") is not None or resolve_settings(profile, {}).recall != "auto"
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)
     settings = resolve_settings(profile, overrides)
-    if not recall_auto and settings.recall == "auto":
+    if not recall_auto and not asked:  # a .kvc's recorded recall is a default too
         settings.recall = "off"
     from kvtool.core.events import RunSummary
     from kvtool.runtime.session import Session

@@ -145,7 +145,8 @@ class FileStore:
         try:
             fd, path = tempfile.mkstemp(prefix="kvtool-archive-", suffix=".tmp", dir=directory)
         except OSError as e:
-            raise UsageError(f"cannot create the recall archive in {directory}: {e.strerror or e}") from None
+            raise UsageError(f"cannot create the recall archive in {directory}: {e.strerror or e}",
+                             field="recall") from None
         os.unlink(path)  # the descriptor keeps the data; the name is gone before anything is written
         self.fd: int | None = fd
         self._release = weakref.finalize(self, os.close, fd)  # a store dropped unclosed still closes its file

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 #: largest archive page size a file may claim (the engine's pages are tens of tokens)
 MAX_PAGE_SIZE = 1 << 20
+#: the largest recall size a file may record (recall slots are sized by what the archive holds, at most
+#: this: a bound for a hostile value, not a limit anyone meets)
+MAX_RECALL = 1 << 24
 _PARTS = ("kmax", "kmin", "positions", "rows")  # name order: the order of the checksum
 
 
@@ -110,12 +113,13 @@ def remove(cache_path: str, info: dict[str, Any] | None) -> None:
 
 
 # -- loading ------------------------------------------------------------------------------------------------------
-def settings_of(info: Any, seen: int | None = None) -> tuple[str, int, str | None, int | None]:
+def settings_of(info: Any) -> tuple[str, int, str | None, int | None]:
     """(file name, page size, dtype or None, recall size or None) of the ``archive`` metadata, checked.
 
     Raises ``ArchiveUnusable`` for anything a loader cannot use: a name with a directory part, a page size
-    outside 1..``MAX_PAGE_SIZE``, an unknown dtype, a recall size above the ``seen`` tokens (it sizes the
-    cache's buffers), a missing checksum.
+    outside 1..``MAX_PAGE_SIZE``, an unknown dtype, a recall size outside 1..``MAX_RECALL`` (the default,
+    256, is larger than a short document: recall slots are sized by what the archive holds), a missing
+    checksum.
     """
     if not isinstance(info, dict):
         raise ArchiveUnusable("its archive metadata is not an object")
@@ -128,7 +132,7 @@ def settings_of(info: Any, seen: int | None = None) -> tuple[str, int, str | Non
         raise ArchiveUnusable("its archive page size is invalid")
     if dtype is not None and (dtype not in ARCHIVE_DTYPES or dtype == "auto"):
         raise ArchiveUnusable("its archive dtype is invalid")
-    if recall is not None and not is_int(recall, 1, seen if seen is not None else MAX_PAGE_SIZE):
+    if recall is not None and not is_int(recall, 1, MAX_RECALL):
         raise ArchiveUnusable("its recall size is invalid")
     if not isinstance(info.get("tensors_sha256"), str):
         raise ArchiveUnusable("its archive has no checksum")
@@ -147,7 +151,7 @@ def load_archive(path: str, meta: dict[str, Any], cache: BoundedCache, progress:
         detach(cache)
         return f"{path} has no archive of evicted tokens: answering without recall (prefill with --recall)"
     try:
-        name, page_size, saved, _ = settings_of(info, (meta.get("cache") or {}).get("seen"))
+        name, page_size, saved, _ = settings_of(info)
     except ArchiveUnusable as e:
         detach(cache)
         return f"{path}: {e}: answering without recall"

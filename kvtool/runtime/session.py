@@ -24,7 +24,7 @@ from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
 from kvtool.core.sampling import make_sampler
 from kvtool.documents import Document
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, first_line
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
@@ -261,7 +261,7 @@ class Session:
         """Prefill the chat prefix and the document, block by block; snapshot the cache."""
         if self.budget_note:
             self.emit(Note(self.budget_note))
-        cache = self.engine.new_cache()
+        cache = self._new_cache()
         prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
@@ -310,6 +310,22 @@ class Session:
         result.snapshot = cache.snapshot()
         self.last_read = result
         return result
+
+    def _new_cache(self) -> BoundedCache:
+        """A new cache; with ``--recall auto``, one without an archive (and a line saying why) when the
+        archive cannot be created (an unwritable directory, too few descriptors) instead of an error."""
+        try:
+            return self.engine.new_cache()
+        except UsageError as e:
+            if self.recall_mode != "auto" or e.field != "recall":
+                raise
+            recall_tokens, self.engine_config.recall = self.engine_config.recall, 0
+            try:
+                cache = self.engine.new_cache()
+            finally:
+                self.engine_config.recall = recall_tokens
+            self._recall_off(cache, f"recall off: {first_line(e)}")
+            return cache
 
     def _auto_recall(self, cache: BoundedCache, expected: int | None, prefix: int) -> DiskWatch | None:
         """``--recall auto``: keep the new cache's archive if it fits the archive directory (predicted

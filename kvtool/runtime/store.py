@@ -91,7 +91,7 @@ def _archive_defaults(meta: dict[str, Any], overrides: dict[str, Any]) -> dict[s
     if not info:
         return off
     try:
-        _, page, dtype, recall = archive.settings_of(info, (meta.get("cache") or {}).get("seen"))
+        _, page, dtype, recall = archive.settings_of(info)
     except archive.ArchiveUnusable:
         return {}
     out: dict[str, Any] = {}

@@ -8,6 +8,7 @@ Integer codes are symmetric, one scale per token and KV head (for keys and value
 ``q · scale``. Every element comes back within half a step (``scale / 2``) of the original. int4 packs two
 codes per byte (``q + 8`` in each nibble), so ``d' = d / 2``. The scale is stored in float16, rounded *up*
 so that ``|x| / scale`` never passes qmax (no clipping) and floored at float16's smallest normal number.
+Encoding what was decoded gives the same codes and scale back (recall re-inserts archived tokens losslessly).
 
 Why per token and head rather than KIVI's per-channel keys: the bounded cache evicts single tokens. A
 per-token scale moves with its token through every gather, permute and ``.kvc`` save; a scale shared by
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvtool.config import kv_token_head_bytes
 from kvtool.errors import UsageError
 
 #: ``--kv-dtype`` values that store integer codes (the others are float dtypes)
@@ -66,7 +68,7 @@ class KVCodec:
 
     def bytes_per_token_head(self, head_dim: int) -> int:
         """Bytes of one token's key (or value) in one head, its scale included."""
-        return self.tail(head_dim) * self.storage_dtype.itemsize + (SCALE_DTYPE.itemsize if self.integer else 0)
+        return kv_token_head_bytes(self.name, head_dim, self.storage_dtype.itemsize)
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x`` [.., d] → (codes [.., d'], scale [..] float16, or None for a float format)."""
@@ -74,8 +76,9 @@ class KVCodec:
             return x.to(self.storage_dtype), None
         xf = x.float()
         absmax = xf.abs().amax(-1)
-        # rounded up to float16 (a relative margin above float16's half ulp), so |x| / scale <= qmax
-        scale = (absmax / self.qmax * (1 + 2.0**-10)).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
+        exact = (absmax / self.qmax).clamp_(_SCALE_MIN, _SCALE_MAX)
+        scale = exact.to(SCALE_DTYPE)  # rounded up to float16, so |x| / scale <= qmax: no clipping
+        scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, _SCALE_MAX)), scale)
         q = torch.round(xf / scale.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
         if self.name == "int8":
             return q.to(torch.int8), scale
@@ -124,7 +127,8 @@ class Scratch:
     def views(self, h: int, slots: int, d: int) -> tuple[Tensor, Tensor]:
         """Key and value buffers viewed as [h, slots, d] (contents undefined until decoded into)."""
         numel = h * slots * d
-        if numel > self.keys.numel():
+        # a buffer made under inference mode cannot be written outside it (a read after the engine's step)
+        if numel > self.keys.numel() or (self.keys.is_inference() and not torch.is_inference_mode_enabled()):
             self.keys = torch.empty(numel, dtype=self.dtype, device=self.device)
             self.values = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.keys[:numel].view(h, slots, d), self.values[:numel].view(h, slots, d)

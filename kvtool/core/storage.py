@@ -336,8 +336,17 @@ class HeadGroup:
         return self._decoded("origin", 0, n, self._scratch()[0][:, self.off : self.off + n])
 
     def write_keys(self, keys: Tensor) -> None:
-        """Overwrite the first ``keys.shape[1]`` stored keys with ``keys`` [h, e, d] (re-rotated), encoded."""
+        """Overwrite the first ``keys.shape[1]`` stored keys with ``keys`` [h, e, d] (re-rotated), encoded.
+
+        Integer codes round the rotated key again, so the policy's per-token constants of those tokens
+        (KeyDiff's key norm) are computed again from what attention now reads.
+        """
+        e = keys.shape[1]
         self._put("keys", 0, keys)
+        if self.codec is not None and self.codec.integer and self.state_fields:
+            consts = self.policy.constants(self.stored_keys()[:, :e], self.stored_values()[:, :e])
+            for name, value in consts.items():
+                self.state[self.state_fields.index(name), :, :e] = value
 
     def bytes_per_token_head(self) -> int:
         """Bytes of one token's key (or value) in one head as stored, its scale included."""

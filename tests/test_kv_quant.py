@@ -1,0 +1,242 @@
+"""Quantized K/V inside the bounded cache (``--kv-dtype``, kvtool/core/quant.py) on tiny random models.
+
+Oracles: every decoded element is within half a quantization step of the original (brute force, per
+element); attention over decoded K/V is within the analytic bound of full-precision attention over the
+same tokens; with nothing evicted, logits are within a measured tolerance of dense transformers; every
+policy and recall run on int8 and int4 caches, and scores see the K/V attention reads; a byte budget
+holds 2·d/(d + 2) times the tokens of bfloat16 in int8 (the float16 scale per token); ``.kvc``
+round trips and refusals; the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtool.core import recall
+from kvtool.core.cache import BoundedLayer
+from kvtool.core.engine import Engine, EngineConfig, model_env
+from kvtool.core.quant import KVCodec, codec_for
+from kvtool.errors import UsageError
+from kvtool.policies import build_policy
+from tests.helpers import ALL_POLICIES, VOCAB, dense_logits, stream_logits, tiny_llama, tiny_qwen2
+
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+INTS = ["int8", "int4"]
+
+
+def kv_engine(model, policy: str, budget: int | None, kv_dtype: str, block_size: int = 16,
+              positions: str = "absolute", recall_tokens: int = 0, retrieval=None) -> Engine:
+    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, kv_dtype=kv_dtype,
+                       recall=recall_tokens, page_size=8)
+    env = model_env(model, cfg, retrieval_heads=retrieval)
+    options = {"window": "8"} if policy.startswith("snapkv") else {}
+    return Engine(model, build_policy(policy, options, env), cfg, env=env)
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the codec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", INTS)
+def test_every_element_comes_back_within_half_a_step(name):
+    codec = KVCodec(name)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 16, generator=gen) * torch.logspace(-6, 4, 40).view(1, 40, 1)  # tiny to huge rows
+    x[0, 0] = 0.0  # an all-zero row
+    x[1, 1, 3] = 500.0  # an outlier channel
+    data, scale = codec.encode(x)
+    assert data.dtype == codec.storage_dtype and data.shape[-1] == codec.tail(16) and scale.dtype == torch.float16
+    got = codec.decode(data, scale, torch.empty_like(x))
+    step = scale.float()
+    for h in range(3):  # brute force, element by element
+        for t in range(40):
+            s = float(step[h, t])
+            for j in range(16):
+                assert abs(float(got[h, t, j]) - float(x[h, t, j])) <= s / 2, (h, t, j)
+                code = round(float(got[h, t, j]) / s)
+                assert -codec.qmax <= code <= codec.qmax and float(got[h, t, j]) == code * s
+    again, rescale = codec.encode(got)  # decoded values encode to the same codes: recall is lossless
+    assert torch.equal(again, data) and torch.equal(rescale, scale)
+
+
+def test_codec_choice_and_refusals():
+    assert codec_for("auto", torch.float32, 64) is None
+    assert codec_for("float32", torch.float32, 64) is None  # the compute dtype: stored as is
+    assert codec_for("bfloat16", torch.float32, 64) == KVCodec("bfloat16")
+    with pytest.raises(UsageError, match="odd"):
+        codec_for("int4", torch.float32, 63)
+    assert KVCodec("int8").bytes_per_token_head(64) == 66 and KVCodec("int4").bytes_per_token_head(64) == 34
+
+
+# -- attention over decoded K/V -------------------------------------------------------------------
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Dense causal attention in float64 (the query block is the whole sequence), K/V repeated per query head."""
+    rep, n = q.shape[1] // k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    s = (q.double() @ k.transpose(-1, -2)) * scaling
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("name", INTS)
+def test_attention_error_is_within_the_quantization_bound(name, monkeypatch):
+    """Each layer's output equals softmax(q K̂ᵀ) V̂ over the decoded K/V, and differs from full precision
+    over the same tokens by at most (e^{2ε} − 1)·max|V| + max δv per element, where ε bounds the
+    score error: scaling · Σ_d |q_d| · (key half-step) (softmax ratios move by at most e^{±2ε})."""
+    from kvtool.core import attention
+
+    model = tiny_llama()
+    ids = ids_of(64, 1)
+    codec = KVCodec(name)
+    seen = []
+    real_attend, real_update = attention._attend_group, BoundedLayer.update
+    block_kv = {}
+
+    def update(self, k, v, *a, **kw):
+        block_kv[self.layer_idx] = (k.clone(), v.clone())
+        return real_update(self, k, v, *a, **kw)
+
+    def attend(layer, g, query, scaling, softcap=None):
+        out = real_attend(layer, g, query, scaling, softcap)
+        seen.append((layer.layer_idx, query.clone(), out.clone(), scaling))
+        return out
+
+    monkeypatch.setattr(BoundedLayer, "update", update)
+    monkeypatch.setattr(attention, "_attend_group", attend)
+    engine = kv_engine(model, "full", None, name, block_size=64)  # one block: K/V of every token at once
+    stream_logits(engine, ids)
+    assert len(seen) == 2
+    for layer, q, out, scaling in seen:
+        k, v = block_kv[layer]
+        kq, ks = codec.encode(k)
+        vq, vs = codec.encode(v)
+        k_hat, v_hat = codec.decode(kq, ks, torch.empty_like(k)), codec.decode(vq, vs, torch.empty_like(v))
+        rep = q.shape[1] // k.shape[1]
+        torch.testing.assert_close(out.double(), causal_attention(q, k_hat, v_hat, scaling), atol=1e-5, rtol=1e-5)
+        dk = (ks.float() / 2).repeat_interleave(rep, 1)  # [1, H, n] key half-steps
+        eps = scaling * (q.abs().sum(-1, keepdim=True) * dk.unsqueeze(2)).amax(-1)  # [1, H, m]
+        bound = (torch.exp(2 * eps) - 1) * v.abs().amax() + vs.float().amax() / 2
+        err = (out.double() - causal_attention(q, k, v, scaling)).abs().amax(-1)
+        assert (err <= bound.double() + 1e-5).all()
+        assert err.max() > 0  # the quantization did something
+
+
+# measured max |Δlogit| against dense on these models (seed 1, 150 tokens): int8 ≈ 3e-3, int4 ≈ 4e-2,
+# bfloat16 ≈ 1e-3, float16 ≈ 1e-4; the tolerances leave a factor of ~3
+TOLERANCE = {"int8": 1e-2, "int4": 1.5e-1, "bfloat16": 5e-3, "float16": 1e-3}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("kv_dtype", list(TOLERANCE))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_nothing_evicted_stays_within_a_measured_tolerance_of_dense(family, kv_dtype, block_size):
+    model = MODELS[family]()
+    ids = ids_of(150 if block_size > 1 else 40, 1)
+    dense = dense_logits(model, ids)
+    got, cache = stream_logits(kv_engine(model, "full", None, kv_dtype, block_size=block_size), ids)
+    assert cache.kv_dtype == kv_dtype and cache.counters.evicted_tokens == 0
+    err = (got - dense).abs().max().item()
+    assert 0 < err <= TOLERANCE[kv_dtype], err
+
+
+# -- policies and recall on coded caches ----------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", INTS)
+@pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "full"] + ["razor"])
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(kv_dtype, policy, positions,
+                                                                               monkeypatch):
+    model = tiny_llama()
+    contexts = []
+    real = BoundedLayer.context
+
+    def spy(self, g, probs):
+        ctx = real(self, g, probs)
+        # the keys and values a policy scores are the decoded ones, and its per-token constants
+        # (KeyDiff's key norm, VATP's ‖v‖₁) were computed from them
+        assert ctx.keys.dtype == g.dtype and torch.equal(ctx.keys, g.stored_keys())
+        consts = g.policy.constants(ctx.keys, ctx.values)
+        for name, value in consts.items():
+            torch.testing.assert_close(ctx.state[name], value.float(), atol=1e-5, rtol=1e-5)
+        contexts.append(len(consts))
+        return ctx
+
+    monkeypatch.setattr(BoundedLayer, "context", spy)
+    retrieval = (lambda **_: {0: [1], 1: [0]}) if policy == "razor" else None
+    engine = kv_engine(model, policy, 40, kv_dtype, positions=positions, retrieval=retrieval)
+    got, cache = stream_logits(engine, ids_of(150, 2))
+    assert got.isfinite().all() and cache.counters.evicted_tokens > 0 and contexts
+    for g in cache.groups():
+        assert g.length <= g.capacity and g.buffers["keys"].dtype == KVCodec(kv_dtype).storage_dtype
+    ids, _ = engine.generate(cache, got[-1], 20, set())  # lazy decode evicts once per block of tokens
+    assert len(ids) == 20 and all(g.length <= g.capacity + 16 for g in cache.groups())
+
+
+@pytest.mark.parametrize("kv_dtype", INTS)
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_recall_on_a_quantized_cache_brings_back_what_attention_saw(kv_dtype, positions):
+    """The archive receives decoded K/V; recalling every archived token gives the logits of the same
+    coded cache with nothing evicted (re-encoding a decoded token is lossless), within float rounding."""
+    model = tiny_llama()
+    doc, question = ids_of(150, 3), ids_of(10, 4)
+    full = kv_engine(model, "full", None, kv_dtype, block_size=160, positions=positions)
+    ref, _ = stream_logits(full, torch.cat([doc, question]))
+    engine = kv_engine(model, "keydiff", 40, kv_dtype, block_size=160, positions=positions, recall_tokens=256)
+    cache = engine.new_cache()
+    engine.feed(cache, [doc], progress=False)
+    snap = cache.snapshot()
+    assert recall.archived_tokens(cache) > 0 and recall.archive_dtype(cache) == "float32"
+    logits, res = engine.feed_question(cache, question, lambda: cache.restore(snap))
+    assert res is not None and res.tokens == 150 - 40
+    tol = 2e-4 if positions == "absolute" else 5e-2  # compact: the re-pack re-encodes rotated keys
+    torch.testing.assert_close(logits[-1], ref[-1], atol=tol, rtol=tol)
+
+
+def test_compact_repacks_do_not_drift(monkeypatch):
+    """Keys re-packed many times stay within two quantizations of the model's keys: the re-pack
+    rotates the quantized original, not the stored (already rounded) key."""
+    model = tiny_llama()
+    engine = kv_engine(model, "sink", 24, "int8", block_size=4, positions="compact")
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(200, 6)], progress=False)
+    g = cache.layers[0].groups[0]
+    assert g.origin is not None and "origin_scale" in g.buffers
+    sinks = g.stored_keys()[:, :4].clone()  # rotated at every re-pack
+    origin = g.origin_keys(4)
+    want = g.rotator.rotate(origin, g.rotary[:, :4] - g.positions[:, :4])
+    step = g.buffers.items["key_scale"].tokens(0, 4).float().unsqueeze(-1)
+    assert ((sinks - want).abs() <= step / 2 + 1e-6).all()
+
+
+# -- budget -----------------------------------------------------------------------------------------
+def test_byte_budget_holds_twice_the_tokens_of_bfloat16_in_int8():
+    from kvtool.config import kv_token_head_bytes
+    from kvtool.runtime.settings import budget_tokens_from_bytes
+
+    dims = (30, 3, 64)  # SmolLM2-135M: layers, KV heads, head dim
+    nbytes = 64 * 2**20
+
+    def tokens(kv: str, compute: int = 4) -> int:
+        return budget_tokens_from_bytes(nbytes, *dims, compute, token_head_bytes=kv_token_head_bytes(kv, 64, compute))
+
+    bf16, fp32, int8, int4 = tokens("bfloat16"), tokens("float32"), tokens("int8"), tokens("int4")
+    per_scale = 64 / 66  # the float16 scale per token and head
+    assert bf16 == 2 * fp32 or bf16 == 2 * fp32 + 1
+    assert abs(int8 - 2 * bf16 * per_scale) <= 2 and abs(int8 - 4 * fp32 * per_scale) <= 4
+    assert abs(int4 - 4 * bf16 * 64 / 68) <= 4
+    assert int8 / bf16 > 1.93 and tokens("auto", 2) == bf16
+
+
+def test_allocated_bytes_count_codes_scales_and_the_scratch():
+    model = tiny_llama()
+    plain = kv_engine(model, "sink", 40, "auto").new_cache()
+    coded = kv_engine(model, "sink", 40, "int8").new_cache()
+    g0, g1 = plain.groups()[0], coded.groups()[0]
+    assert g1.bytes_per_token_head() == 16 + 2 and g0.bytes_per_token_head() == 16 * 4
+    assert g1.allocated_bytes() == g1.slots * g1.num_heads * 2 * 18
+    assert coded.kv_bytes_per_token() == 2 * 2 * 2 * 18  # layers · heads · K+V · bytes
+    assert coded.promised_bytes() == 2 * 2 * 2 * 18 * 40
+    assert math.isclose(coded.kv_scratch.nbytes(), 0)  # nothing read yet: no scratch

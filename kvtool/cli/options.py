@@ -37,6 +37,10 @@ RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archiv
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: auto "
                                                      "(the model's, default), float32, float16, bfloat16 or int8 "
                                                      "(with a scale per token and head).")]
+KvDtypeOpt = Annotated[str | None, typer.Option("--kv-dtype", help="How the cache stores keys/values: auto (the "
+                                                "model's dtype, default), float32, bfloat16, float16, int8 or int4 "
+                                                "(a float16 scale per token and head; a byte budget then holds "
+                                                "about 2x / 4x the tokens of 16 bits).")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
@@ -63,6 +67,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "policy": PolicyOpt,
     "policy_opt": PolicyOptOpt,
     "budget": BudgetOpt,
+    "kv_dtype": KvDtypeOpt,
     "block_size": BlockOpt,
     "model": ModelOpt,
     "max_new_tokens": MaxNewOpt,
@@ -84,8 +89,8 @@ SETTING_OPTIONS: dict[str, Any] = {
 #: the settings of loading and running the model (every reading command)
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget: ``ask``, ``summarize``, ``prefill``, ``profile``
-READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
-                 "recall", "recall_page", "archive_dtype")
+READ_SETTINGS = ("policy", "policy_opt", "budget", "kv_dtype", "block_size", *MODEL_SETTINGS, "positions", "sinks",
+                 "recent", "recall", "recall_page", "archive_dtype")
 #: reading plus generation (ask, summarize)
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
 #: what an evaluation grid fixes for every cell: the reading settings that are not lists there

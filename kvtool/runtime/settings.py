@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, QUANTIZE, profile_dirs
+from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, KV_DTYPES, QUANTIZE, profile_dirs
 from kvtool.errors import UsageError
 from kvtool.policy_syntax import check_spec
 
@@ -40,6 +40,7 @@ class Settings:
     policy: str = "h2o"
     policy_options: dict[str, str] = field(default_factory=dict)
     budget: str = "1k"
+    kv_dtype: str = "auto"  # how the cache stores K/V (auto: the model's dtype; int8 / int4 with scales)
     block_size: int = 128
     sinks: int = 4
     recent: int = 8
@@ -339,6 +340,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "policy": _policy,
     "policy_options": _policy_options,
     "budget": _budget,
+    "kv_dtype": _choice(KV_DTYPES),
     "block_size": _int(1),
     "sinks": _int(0),
     "recent": _int(0),

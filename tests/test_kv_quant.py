@@ -240,3 +240,128 @@ def test_allocated_bytes_count_codes_scales_and_the_scratch():
     assert coded.kv_bytes_per_token() == 2 * 2 * 2 * 18  # layers · heads · K+V · bytes
     assert coded.promised_bytes() == 2 * 2 * 2 * 18 * 40
     assert math.isclose(coded.kv_scratch.nbytes(), 0)  # nothing read yet: no scratch
+
+
+# -- CLI, stats and .kvc ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qenv(tmp_path_factory):
+    import random
+
+    from tests.test_store import WORDS, _checkpoint
+
+    root = tmp_path_factory.mktemp("kvquant")
+    doc = root / "doc.txt"
+    rng = random.Random(3)
+    doc.write_text(" ".join(rng.choice(WORDS[20:]) for _ in range(300)) + "\n", encoding="utf-8")
+    return {"root": root, "model": str(_checkpoint(root / "tiny")), "doc": doc}
+
+
+SETTINGS = ["--policy", "h2o", "--block-size", "16", "--device", "cpu", "--max-new-tokens", "6"]
+
+
+def run_cli(capsys, *args):
+    from kvtool.cli.app import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_ask_with_int8_holds_more_tokens_in_the_same_bytes(qenv, capsys):
+    """The tiny model (2 layers, 2 KV heads, head dim 8, float32): K+V of a token is 256 bytes in float32,
+    128 in bfloat16 storage, 80 in int8 (8 codes + a 2-byte scale, per head, K and V)."""
+    import json
+
+    budget = 20480
+    stats = {}
+    for kv in ("auto", "bfloat16", "int8", "int4"):
+        rc, out, err = run_cli(capsys, "ask", qenv["doc"], "what is it", "--model", qenv["model"], *SETTINGS,
+                               "--budget", f"{budget}B", "--kv-dtype", kv, "--json", "-q")
+        assert rc == 0, err
+        stats[kv] = json.loads(out)["stats"]
+    per_token = {kv: s["kv_bytes_per_token"] for kv, s in stats.items()}
+    assert per_token == {"auto": 256, "bfloat16": 128, "int8": 80, "int4": 48}
+    assert {kv: s["kv_dtype"] for kv, s in stats.items()} == {"auto": "float32", "bfloat16": "bfloat16",
+                                                             "int8": "int8", "int4": "int4"}
+    for kv, s in stats.items():
+        assert s["budget"] == budget // per_token[kv] and s["kv_budget_bytes"] <= budget
+        assert "bytes of K+V per token in" in s["budget_conversion"]
+    assert stats["int8"]["budget"] == 256 and stats["bfloat16"]["budget"] == 160
+
+
+def test_profile_plans_the_quantized_cache(qenv, capsys):
+    import json
+
+    args = ["profile", "--model", qenv["model"], *SETTINGS[:6], "--budget", "64", "--json", "-q"]
+    plans = {}
+    for kv in ("auto", "int8"):
+        rc, out, err = run_cli(capsys, *args, "--kv-dtype", kv)
+        assert rc == 0, err
+        plans[kv] = json.loads(out)
+    auto, int8 = plans["auto"], plans["int8"]
+    assert auto["kv_dtype"] == "float32" and int8["kv_dtype"] == "int8"
+    assert int8["kv_bytes_per_token"]["total"] == 80 and auto["kv_bytes_per_token"]["total"] == 256
+    assert int8["kv_bytes_at_budget"]["promised"] == 64 * 80
+    assert auto["kv_decode_scratch_bytes"] == 0
+    assert int8["kv_decode_scratch_bytes"] == 2 * (64 + 16) * 2 * 8 * 4  # one layer's K, V in float32
+
+
+def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "q.kvc"
+    read = ["--model", qenv["model"], *SETTINGS[:-2], "--budget", "40"]
+    base = [*read, *SETTINGS[-2:]]
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", out, *read, "--kv-dtype", "int8", "-q")
+    assert rc == 0, err
+    plain = tmp_path / "p.kvc"
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", plain, *read, "-q")
+    assert rc == 0, err
+    rc, info, _ = run_cli(capsys, "inspect", out, "--json")
+    desc = json.loads(info)
+    meta = desc["metadata"]
+    assert meta["format_version"] == 2 and meta["required_features"] == ["kv_dtype"]
+    assert meta["settings"]["kv_dtype"] == "int8"
+    rc, pinfo, _ = run_cli(capsys, "inspect", plain, "--json")
+    pdesc = json.loads(pinfo)
+    assert pdesc["metadata"]["format_version"] == 1 and "required_features" not in pdesc["metadata"]
+    assert desc["kv_bytes"] == 2 * 2 * 40 * 2 * (8 + 2) and pdesc["kv_bytes"] == 2 * 2 * 40 * 2 * 8 * 4
+    assert out.stat().st_size < plain.stat().st_size
+
+    q = ["what is the castle", "where is the ship"]
+    rc, from_doc, err = run_cli(capsys, "ask", qenv["doc"], *q, *base, "--kv-dtype", "int8", "--json", "-q")
+    assert rc == 0, err
+    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6",
+                                "--json", "-q")
+    assert rc == 0, err
+    assert json.loads(from_doc)["answers"] == json.loads(from_kvc)["answers"]
+    assert json.loads(from_kvc)["stats"]["kv_dtype"] == "int8"
+    rc, _, err = run_cli(capsys, "ask", out, "q", "--model", qenv["model"], "--kv-dtype", "int4", "-q")
+    assert rc == 2 and "prefilled with --kv-dtype int8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvtool.kvc import format as kvc_format
+
+    src = tmp_path / "q.kvc"
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", src, "--model", qenv["model"], *SETTINGS[:-2],
+                         "--budget", "40", "--kv-dtype", "int4", "-q")
+    assert rc == 0, err
+    with safe_open(str(src), "pt") as f:
+        md = dict(f.metadata())
+    meta = json.loads(md["kvtool"])
+    meta["required_features"] = ["kv_dtype", "kv_magic"]
+    bad = tmp_path / "magic.kvc"
+    save_file(load_file(str(src)), str(bad), metadata={**md, "kvtool": json.dumps(meta)})
+    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 2")):
+        if path == src:  # a kvtool that reads format 1 only (what a release before --kv-dtype does)
+            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 1)
+        for args in (["ask", path, "q", "--model", qenv["model"], "-q"], ["inspect", path]):
+            rc, _, err = run_cli(capsys, *args)
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err

@@ -365,3 +365,17 @@ def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qe
             rc, _, err = run_cli(capsys, *args)
             lines = [ln for ln in err.splitlines() if ln.strip()]
             assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_every_family_reads_with_an_int8_cache(family):
+    """Sliding-window layers, softcapping and per-layer RoPE read coded K/V like the others."""
+    from tests.helpers import FAMILY_WINDOW, tiny_family
+
+    model = tiny_family(family)
+    ids = ids_of(2 * FAMILY_WINDOW + 30, 5)
+    dense = dense_logits(model, ids)
+    got, _ = stream_logits(kv_engine(model, "full", None, "int8", block_size=8), ids)
+    assert (got - dense).abs().max() <= 5e-2
+    got, cache = stream_logits(kv_engine(model, "h2o", 40, "int8", block_size=8, positions="compact"), ids)
+    assert got.isfinite().all() and cache.counters.evicted_tokens > 0

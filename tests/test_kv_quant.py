@@ -379,3 +379,17 @@ def test_every_family_reads_with_an_int8_cache(family):
     assert (got - dense).abs().max() <= 5e-2
     got, cache = stream_logits(kv_engine(model, "h2o", 40, "int8", block_size=8, positions="compact"), ids)
     assert got.isfinite().all() and cache.counters.evicted_tokens > 0
+
+
+def test_kv_dtype_is_a_validated_setting_and_profile_key(tmp_path):
+    from kvtool.runtime.settings import PROFILE_KEYS, resolve_settings
+
+    assert "kv_dtype" in PROFILE_KEYS
+    prof = tmp_path / "q.yaml"
+    prof.write_text("kv_dtype: int4\nbudget: 64MiB\n", encoding="utf-8")
+    assert resolve_settings(prof).kv_dtype == "int4"
+    assert resolve_settings(prof, {"kv_dtype": "int8"}).kv_dtype == "int8"
+    assert resolve_settings(None).kv_dtype == "auto"
+    for bad in ("int2", "fp8", 8):
+        with pytest.raises(UsageError, match="kv_dtype"):
+            resolve_settings(None, {"kv_dtype": bad})

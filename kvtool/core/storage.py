@@ -225,6 +225,7 @@ class HeadGroup:
     # -- buffer views (the registry's tensors; keys/values with a leading batch axis) --------------
     @property
     def keys(self) -> Tensor:
+        """The raw key buffer [1, h, off + slots, d'] (codes under ``--kv-dtype``: read through ``kv()``)."""
         return self.buffers["keys"].unsqueeze(0)
 
     @property

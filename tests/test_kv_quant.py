@@ -393,3 +393,18 @@ def test_kv_dtype_is_a_validated_setting_and_profile_key(tmp_path):
     for bad in ("int2", "fp8", 8):
         with pytest.raises(UsageError, match="kv_dtype"):
             resolve_settings(None, {"kv_dtype": bad})
+
+
+def test_eval_grids_take_kv_dtype(qenv, capsys):
+    import json
+
+    base = ["eval", "ppl", "--text", qenv["doc"], "--model", qenv["model"], "--context", "64", "--continuation", "6",
+            "--samples", "1", "--policies", "full", "--block-size", "32", "--device", "cpu", "--json", "-q"]
+    reports = {}
+    for kv in ("auto", "int8"):
+        rc, out, err = run_cli(capsys, *base, "--kv-dtype", kv)
+        assert rc == 0, err
+        reports[kv] = json.loads(out)
+    assert "kv_dtype" not in reports["auto"]["settings"] and reports["int8"]["settings"]["kv_dtype"] == "int8"
+    exact, coded = reports["auto"]["results"][0], reports["int8"]["results"][0]
+    assert exact["kl"] == pytest.approx(0.0, abs=1e-5) and 0 < coded["kl"] < 1e-2

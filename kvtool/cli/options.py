@@ -95,7 +95,7 @@ READ_SETTINGS = ("policy", "policy_opt", "budget", "kv_dtype", "block_size", *MO
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed")
 #: what an evaluation grid fixes for every cell: the reading settings that are not lists there
 #: (``--policies``, ``--budgets`` and needle's ``--recall`` are lists of values, one per cell)
-EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent", "kv_dtype")
 #: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
 NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", "repetition_penalty")
 

@@ -138,8 +138,9 @@ class Run:
 
 
 DEFAULTS = Settings()
-#: settings ``eval needle`` varies that resume fingerprints from before them did not record
-LATER_SETTINGS = ("recall_page", "archive_dtype", "repetition_penalty")
+#: settings added after the first resume logs (``eval needle``'s, ``--kv-dtype``): fingerprints record them
+#: only when changed, so older logs still match
+LATER_SETTINGS = ("recall_page", "archive_dtype", "repetition_penalty", "kv_dtype")
 
 
 @dataclass

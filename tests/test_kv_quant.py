@@ -408,3 +408,22 @@ def test_eval_grids_take_kv_dtype(qenv, capsys):
     assert "kv_dtype" not in reports["auto"]["settings"] and reports["int8"]["settings"]["kv_dtype"] == "int8"
     exact, coded = reports["auto"]["results"][0], reports["int8"]["results"][0]
     assert exact["kl"] == pytest.approx(0.0, abs=1e-5) and 0 < coded["kl"] < 1e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_original_keys_of_blocks_read_after_a_renormalisation_are_at_their_original_position(kv_dtype):
+    """``origin`` holds each key at its stream position: a block appended while compact positions differ
+    from stream positions (after a renormalisation or the switch of ``auto``) is rotated back before it is
+    stored there, or every later re-pack would put its keys at the wrong distance (16-bit caches too)."""
+    model = tiny_llama(max_positions=64).to(torch.bfloat16)
+    engine = kv_engine(model, "h2o", 24, kv_dtype, block_size=4, positions="compact")
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(203, 0)], progress=False)
+    g = cache.layers[0].groups[0]
+    n = g.length
+    with torch.inference_mode():
+        delta = g.rotary[:, :n] - g.positions[:, :n]
+        assert (delta != 0).all() and delta.unique().numel() > 1  # renormalised, tokens from both frames
+        stored, origin = g.stored_keys().float().clone(), g.origin_keys(n).float()
+        want = g.rotator.rotate(origin, delta)
+    assert (stored - want).abs().max() < 2e-2  # two roundings (bfloat16 or int8), not a wrong rotation

@@ -416,8 +416,12 @@ class HeadGroup:
             key_states = key_states.index_select(1, self.kv_index)
             value_states = value_states.index_select(1, self.kv_index)
         keys, values = key_states[0], value_states[0]
-        self._write(keys, values, positions.expand(self.num_heads, m),
-                    (positions if rotary is None else rotary).expand(self.num_heads, m), original=keys)
+        pos = positions.expand(self.num_heads, m)
+        rot = (positions if rotary is None else rotary).expand(self.num_heads, m)
+        original = keys
+        if "origin" in self.buffers and self.rotator is not None:  # the model rotated the block to ``rot``
+            original = self.rotator.rotate(keys, pos - rot)  # a zero delta leaves the key bit-identical
+        self._write(keys, values, pos, rot, original=original)
 
     def _write(self, keys: Tensor, values: Tensor, positions: Tensor, rotary: Tensor, original: Tensor) -> None:
         """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions."""

@@ -18,6 +18,9 @@ DEVICE_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: the recall archive's dtypes (``--archive-dtype``); ``auto`` is the model's dtype
 ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+#: how the bounded cache stores K/V (``--kv-dtype``); ``auto`` is the model's compute dtype, int8 / int4 keep
+#: one float16 scale per token, KV head and K/V (int4 packs two values per byte)
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 #: weight quantization (``--quantize``, bitsandbytes on CUDA)
 QUANTIZE = ("none", "8bit", "4bit")
 #: bytes per weight of a quantized linear layer (4-bit: one float16 scale per 64 weights)
@@ -41,6 +44,21 @@ def dtype_name(value: object) -> str:
         return DTYPE_ALIASES[text]
     except KeyError:
         raise ValueError(f"unknown dtype {value!r}") from None
+
+
+def kv_token_head_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:
+    """Bytes one token's key (or value) takes in one KV head as the cache stores it (``--kv-dtype``).
+
+    ``auto`` is the compute dtype (``compute_bytes`` per element); int8 is one byte per element and int4
+    half a byte, each with a 2-byte float16 scale per token and head.
+    """
+    if kv_dtype == "auto":
+        return head_dim * compute_bytes
+    if kv_dtype == "int8":
+        return head_dim + 2
+    if kv_dtype == "int4":
+        return (head_dim + 1) // 2 + 2
+    return head_dim * DTYPE_BYTES[dtype_name(kv_dtype)]
 
 
 def kvtool_home() -> Path:

@@ -137,6 +137,7 @@ def test_attention_of_candidates_is_the_softmax_beside_the_kept_tokens(hold):
     h, d, n, A = 2, 8, 5, 7
     gen = torch.Generator().manual_seed(4)
     g = SimpleNamespace(keys=torch.randn(1, h, 2 + n, d, generator=gen), off=2, length=n)
+    g.stored_keys = lambda: g.keys[0, :, g.off : g.off + g.length]
     q, archived = torch.randn(h, 3, d, generator=gen), torch.randn(h, A, d, generator=gen)
     scores = torch.bmm(q, archived.transpose(1, 2))
     scores[:, :, -1] = float("-inf")

@@ -39,6 +39,10 @@ RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archiv
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: int8 "
                                                      "(default: a scale per token and head), auto (the model's), "
                                                      "float32, float16 or bfloat16.")]
+KvDtypeOpt = Annotated[str | None, typer.Option("--kv-dtype", help="How the cache stores keys/values: auto (the "
+                                                "model's dtype, default), float32, bfloat16, float16, int8 or int4 "
+                                                "(a float16 scale per token and head; a byte budget then holds "
+                                                "about 2x / 4x the tokens of 16 bits).")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]
@@ -69,6 +73,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "policy": PolicyOpt,
     "policy_opt": PolicyOptOpt,
     "budget": BudgetOpt,
+    "kv_dtype": KvDtypeOpt,
     "block_size": BlockOpt,
     "model": ModelOpt,
     "max_new_tokens": MaxNewOpt,
@@ -91,15 +96,15 @@ SETTING_OPTIONS: dict[str, Any] = {
 #: the settings of loading and running the model (every reading command)
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget: ``ask``, ``summarize``, ``prefill``, ``profile``
-READ_SETTINGS = ("policy", "policy_opt", "budget", "block_size", *MODEL_SETTINGS, "positions", "sinks", "recent",
-                 "recall", "recall_page", "archive_dtype")
+READ_SETTINGS = ("policy", "policy_opt", "budget", "kv_dtype", "block_size", *MODEL_SETTINGS, "positions", "sinks",
+                 "recent", "recall", "recall_page", "archive_dtype")
 #: reading plus generation (ask, summarize)
 #: how an answer is generated
 GENERATION_SETTINGS = ("repetition_penalty", "no_repeat_ngram")
 ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", *GENERATION_SETTINGS, "seed")
 #: what an evaluation grid fixes for every cell: the reading settings that are not lists there
 #: (``--policies``, ``--budgets`` and needle's ``--recall`` are lists of values, one per cell)
-EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent")
+EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent", "kv_dtype")
 #: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
 NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", *GENERATION_SETTINGS)
 #: agreement answers like ``ask`` too, recall (default auto) included

@@ -28,7 +28,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("runtime baseline", _b(p["runtime_baseline_bytes"]),
          "measured RSS before weights load" if p["device"] == "cpu" else "0 on CUDA (allocator figures)"),
         ("weights", _b(p["weights_bytes"]), f"{p['num_params']:,} parameters ({p['dtype']}, {p['quantize']})"),
-        ("KV per token, per layer per head", _b(kv["per_layer_per_head"]), "K + V x head_dim x element"),
+        ("KV per token, per layer per head", _b(kv["per_layer_per_head"]),
+         f"K + V x head_dim x element ({p.get('kv_dtype', p['dtype'])}"
+         + (", + a float16 scale each)" if p.get("kv_dtype") in ("int8", "int4") else ")")),
         ("KV per token, per layer", _b(kv["per_layer"]), "x KV heads"),
         ("KV per token, total", _b(kv["total"]), "x layers"),
     ]
@@ -47,6 +49,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("attention scratch (policy)", _b(p["attention_scratch_bytes"]),
          f"{p['attention_rows']} rows x ({keys}) keys, float32 x 2"),
         ("SDPA scratch", _b(p["sdpa_scratch_bytes"]), f"block x ({keys}) keys, one layer"),
+        *([("K/V decode scratch", _b(p["kv_decode_scratch_bytes"]),
+            f"one layer's ({keys}) K + V decoded to {p['dtype']} for attention")] if p.get("kv_decode_scratch_bytes")
+          else []),
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
         ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),

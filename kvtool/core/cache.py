@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvtool.core.contract import GroupSpec, ScoreContext
 from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
+from kvtool.core.quant import KVCodec, Scratch
 from kvtool.core.storage import LAZY_GROUP_BYTES, LAZY_START_SLOTS, HeadGroup, free_device_bytes
 
 __all__ = ["LAZY_GROUP_BYTES", "LAZY_START_SLOTS", "BoundedCache", "BoundedLayer", "CacheCounters", "HeadGroup",
@@ -81,6 +82,8 @@ class BoundedLayer(CacheLayerMixin):
             if g.length == 0:
                 g.rotary_floor = owner.rope.first_rotary(owner.seen)
             g.append(key_states, value_states, step.original_positions, step.rotary_positions)
+        if self.groups[0].codec is not None:  # kvtool's attention reads the groups itself: no decode here
+            return key_states, value_states
         return self.groups[0].kv()
 
     def get_seq_length(self) -> int:
@@ -172,13 +175,18 @@ class BoundedCache(Cache):
         max_positions: int | None = None,
         rotator: Rotator | None = None,
         sync_timing: bool = False,
+        codec: KVCodec | None = None,
     ) -> None:
         q_per_kv = num_attention_heads // num_kv_heads
         layers = []
+        # coded K/V (``--kv-dtype``) are decoded into one scratch shared by every group: layers read in turn
+        self.kv_scratch = Scratch(dtype, device)
         for idx, specs in enumerate(layer_specs):
-            groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device) for s in specs]
+            groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device, codec)
+                      for s in specs]
             for g in groups:  # Gemma 3: local and global layers rotate with different RoPE bases
                 g.rotator = rotator.for_layer(idx) if rotator is not None else None
+                g.scratch = self.kv_scratch
             layers.append(BoundedLayer(self, idx, groups))
         super().__init__(layers=layers)
         self.num_kv_heads = num_kv_heads
@@ -188,6 +196,7 @@ class BoundedCache(Cache):
         self.sinks = sinks
         self.recent = recent
         self.dtype = dtype
+        self.codec = codec
         self.device = device
         self.max_positions = max_positions
         self.rotator = rotator
@@ -241,7 +250,17 @@ class BoundedCache(Cache):
         return [g.length for g in self.groups()]
 
     def allocated_bytes(self) -> int:
-        return sum(g.allocated_bytes() for g in self.groups())
+        """K/V buffers (scales and original keys included) and, for coded K/V, the decode scratch."""
+        return sum(g.allocated_bytes() for g in self.groups()) + self.kv_scratch.nbytes()
+
+    @property
+    def kv_dtype(self) -> str:
+        """How K/V are stored: the codec's name, else the compute dtype's."""
+        return self.codec.name if self.codec is not None else str(self.dtype).removeprefix("torch.")
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V one token takes in every layer and KV head, as stored (scales included)."""
+        return sum(2 * g.bytes_per_token_head() * g.num_heads for g in self.groups())
 
     def stored_bytes(self) -> int:
         return sum(g.stored_bytes() for g in self.groups())
@@ -253,7 +272,7 @@ class BoundedCache(Cache):
             p = g.promised_tokens()
             if p is None:
                 return None
-            total += p * g.num_heads * 2 * self.head_dim * g.keys.element_size()
+            total += p * g.num_heads * 2 * g.bytes_per_token_head()
         return total
 
     # -- protection --------------------------------------------------------------------------------
@@ -372,7 +391,7 @@ class BoundedCache(Cache):
         their original positions."""
         assert g.archive is not None
         idx = dropped.unsqueeze(-1).expand(-1, -1, g.head_dim)
-        values = g.values[0, :, g.off : g.off + g.length].gather(1, idx)
+        values = g.stored_values().gather(1, idx)
         g.archive.append(self.rope.original_keys(g, dropped), values, g.positions[:, : g.length].gather(1, dropped))
 
     # -- snapshots and persistence ------------------------------------------------------------------

@@ -32,6 +32,7 @@ from kvtool.core.layout import layer_windows, text_config
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.core.sampling import Sampler, greedy
+from kvtool.core.quant import codec_for
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")
@@ -51,6 +52,7 @@ class EngineConfig:
     page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
     archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
+    kv_dtype: str = "auto"  # how the cache stores K/V: auto (the compute dtype), a float dtype, int8, int4
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -116,6 +118,7 @@ class Engine:
         model.set_attn_implementation(attention.NAME)
         self.device = next(model.parameters()).device
         self.dtype = _kv_dtype(model)
+        self.codec = codec_for(config.kv_dtype, self.dtype, self.env.head_dim)  # None: K/V in ``dtype``
         c = text_config(model.config)
         self.max_positions: int | None = getattr(c, "max_position_embeddings", None)
         self.rotator: Rotator | None = Rotator.from_model(model) if config.positions != "absolute" else None
@@ -153,6 +156,7 @@ class Engine:
             max_positions=self.max_positions,
             rotator=self.rotator,
             sync_timing=self.config.sync_timing,
+            codec=self.codec,
         )
         if self.config.recall > 0:
             where = self.config.archive_dir

@@ -11,7 +11,11 @@ Chosen over "store un-rotated keys and rotate at attention time": rotating by δ
 whose slot moved, once per re-pack (see ``CompactPositions.after_evict``), while rotate-at-attention
 re-rotates the whole cache in every layer for every block and decoded token; ``bench/positions.py``
 prints both costs. A 16-bit cache keeps each key at its original position too (``HeadGroup.origin``)
-and rotates from it, so a key is rounded once however many re-packs it lives through; angles are
+and rotates from it, so a key is rounded once however many re-packs it lives through. An int8 / int4
+cache (``--kv-dtype``) does the same with a quantized copy: a re-pack decodes the original key, rotates it
+and encodes the result, so every stored key is at most two quantizations from the model's key, however
+many re-packs it lived through (decode → rotate → encode of the stored key itself would add one rounding
+per re-pack, a drift that is worst for the sinks, which every re-pack rotates); angles are
 computed in float64 (positions past 2^24 are exact, and ``δ · θ`` keeps its low bits).
 
 Models with one RoPE per layer type (Gemma 3: base 10 000 on local layers, 1 000 000 with linear
@@ -133,10 +137,11 @@ class Packable(Protocol):
     @property
     def rotary(self) -> Tensor: ...
 
-    @property
-    def origin(self) -> Tensor | None: ...
+    def origin_keys(self, n: int) -> Tensor | None: ...
 
     def stored_keys(self) -> Tensor: ...
+
+    def write_keys(self, keys: Tensor) -> None: ...
 
     def keep_origin(self) -> None: ...
 
@@ -277,20 +282,19 @@ class CompactPositions:
             if moved.numel() == 0:
                 return
             end = int(moved[-1]) + 1
-        keys = g.stored_keys()[:, :end]
-        origin = g.origin
+        origin = g.origin_keys(end)
         if origin is None:
-            keys.copy_(g.rotator.rotate(keys, delta[:, :end]))
+            g.write_keys(g.rotator.rotate(g.stored_keys()[:, :end], delta[:, :end]))
             return
         to = (g.rotary[:, :end] + delta[:, :end]) if target is None else target[:end]
-        keys.copy_(g.rotator.rotate(origin[:, :end], to - g.positions[:, :end]))
+        g.write_keys(g.rotator.rotate(origin, to - g.positions[:, :end]))
 
     def original_keys(self, g: Packable, idx: Tensor) -> Tensor:
         """Keys of stored tokens ``idx`` [h, k] at their original positions (what the archive holds)."""
         expand = idx.unsqueeze(-1).expand(-1, -1, g.stored_keys().shape[-1])
-        origin = g.origin
+        origin = g.origin_keys(g.length)
         if origin is not None:
-            return origin[:, : g.length].gather(1, expand)
+            return origin.gather(1, expand)
         keys = g.stored_keys().gather(1, expand)
         if not self.compact:
             return keys

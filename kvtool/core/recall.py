@@ -54,7 +54,7 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
     for g in cache.groups():
         if not recallable(g):
             continue
-        dt = dtype or g.keys.dtype
+        dt = dtype or g.dtype
         g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store)
     weakref.finalize(cache, _close_all, archives(cache))  # released cache → its archive files closed
 
@@ -218,7 +218,7 @@ def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tens
     past that they are computed again (``chunks()`` a second time) — exact either way, in memory
     bounded by ``hold``. Scores are consumed in place.
     """
-    kept = torch.bmm(q, g.keys[0, :, g.off : g.off + g.length].float().cpu().transpose(1, 2)).mul_(scaling)
+    kept = torch.bmm(q, g.stored_keys().float().cpu().transpose(1, 2)).mul_(scaling)
     z = torch.logsumexp(kept, dim=2, keepdim=True)  # [h, r, 1]
     held: list[tuple[Tensor, Tensor]] = []
     count = 0

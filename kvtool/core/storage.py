@@ -8,7 +8,13 @@ Layout (one ``HeadGroup`` per group of KV heads of a layer that share a capacity
       rotary         [h, slots]            int64, the RoPE position each stored key holds now
       state          [F, h, slots]         float32, the policy's per-token running state
       mass           [h, slots]            float32, attention received while citing (registered on demand)
-      origin         [h, slots, d]         keys at their original position (compact positions, 16-bit only)
+      origin         [h, slots, d]         keys at their original position (compact positions, narrow K/V only)
+      key_scale, value_scale, origin_scale  [h, off + slots]  float16, one per token (int8 / int4 K/V only)
+
+With ``--kv-dtype`` other than the compute dtype (``kvtool/core/quant.py``) keys, values and origin hold
+codes (a narrower float, or int8 / int4 with a per-token scale); every reader goes through ``kv()``,
+``stored_keys()``, ``stored_values()`` or ``origin_keys()``, which decode into the cache's shared scratch,
+and every writer through ``_write``, ``write_keys`` or ``_set_lead``, which encode.
 
 Every per-token tensor lives in the registry, so eviction, recall's merge, growth and ``.kvc`` loading
 move all of them with the same index; a new per-token buffer is one ``add`` call. Within a group every
@@ -26,6 +32,7 @@ from torch import Tensor
 from kvtool.core.archive import GroupArchive, dropped_indices
 from kvtool.core.contract import GroupSpec, Policy
 from kvtool.core.positions import Rotator
+from kvtool.core.quant import SCALE_DTYPE, KVCodec, Scratch
 from kvtool.errors import UsageError
 
 #: a head group whose full buffers would exceed this starts small and grows (see ``HeadGroup.__init__``)
@@ -33,6 +40,8 @@ LAZY_GROUP_BYTES = 256 * 1024 * 1024
 LAZY_START_SLOTS = 4096
 #: buffers a ``.kvc`` file and a snapshot hold (the others are derived or transient)
 PERSISTED = ("keys", "values", "positions", "rotary", "state")
+#: the scale buffer of each coded K/V buffer (int8 / int4)
+SCALES = {"keys": "key_scale", "values": "value_scale", "origin": "origin_scale"}
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -162,7 +171,7 @@ class HeadGroup:
     """Storage for the KV heads of one layer that share a capacity and a policy."""
 
     def __init__(self, spec: GroupSpec, num_kv_heads: int, q_per_kv: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, codec: KVCodec | None = None) -> None:
         self.heads = list(spec.heads)
         self.capacity = spec.capacity
         self.base_capacity = spec.capacity  # recall raises ``capacity`` for one answer; restore lowers it
@@ -183,19 +192,23 @@ class HeadGroup:
         self.state_fields: tuple[str, ...] = tuple(self.policy.state_fields)
         self.device = device
         self.head_dim = head_dim
+        self.dtype = dtype  # the compute dtype: what attention, scores and the archive read
+        self.codec = codec  # how K/V are stored (None: in ``dtype``)
+        self.scratch: Scratch | None = None  # where coded K/V are decoded (BoundedCache shares one)
         h = len(self.heads)
         # What the run may need is capacity + one block; buffers start there unless that is large, then they
         # start small and double up to it as tokens arrive: a budget or block far above the document's length
         # allocates only what the document fills (growth happens a few times per run, never per token).
         self.max_slots = None if self.capacity is None else self.capacity + block_size
         self.block_size = block_size
-        per_slot = h * (2 * head_dim * torch.empty((), dtype=dtype).element_size() + 16 + 4 * len(self.state_fields))
+        per_slot = h * (2 * self.bytes_per_token_head() + 16 + 4 * len(self.state_fields))
         slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
         if slots * per_slot > LAZY_GROUP_BYTES:
             slots = min(slots, LAZY_START_SLOTS)
         self.buffers = TokenBuffers(slots)
-        self.buffers.add("keys", (h,), (head_dim,), dtype, device, lead=self.off)
-        self.buffers.add("values", (h,), (head_dim,), dtype, device, lead=self.off)
+        for name in ("keys", "values"):
+            self._add_coded(name, self.off)
+        self.persisted = PERSISTED + (("key_scale", "value_scale") if codec is not None and codec.integer else ())
         self.buffers.add("positions", (h,), (), torch.long, device)
         self.buffers.add("rotary", (h,), (), torch.long, device)
         self.buffers.add("state", (len(self.state_fields), h), (), torch.float32, device)
@@ -212,6 +225,7 @@ class HeadGroup:
     # -- buffer views (the registry's tensors; keys/values with a leading batch axis) --------------
     @property
     def keys(self) -> Tensor:
+        """The raw key buffer [1, h, off + slots, d'] (codes under ``--kv-dtype``: read through ``kv()``)."""
         return self.buffers["keys"].unsqueeze(0)
 
     @property
@@ -255,13 +269,91 @@ class HeadGroup:
         so a re-pack rotates from the model's own key and rounds once, not once per re-pack."""
         if "origin" in self.buffers or self.buffers["keys"].element_size() >= 4:
             return
-        self.buffers.add("origin", (self.num_heads,), (self.head_dim,), self.buffers["keys"].dtype, self.device)
+        self._add_coded("origin", 0)
         n = self.length
         if n:
-            keys = self.buffers.items["keys"].tokens(0, n)
+            keys = self.stored_keys()
             if self.rotator is not None:
                 keys = self.rotator.rotate(keys, self.positions[:, :n] - self.rotary[:, :n])
-            self.buffers.items["origin"].tokens(0, n).copy_(keys)
+            self._put("origin", 0, keys)
+
+    # -- coded K/V (kvtool/core/quant.py) -------------------------------------------------------
+    def _add_coded(self, name: str, lead: int) -> None:
+        """Register a [h, lead + slots, d] K/V buffer in the storage format, with its scale when integer."""
+        c, h = self.codec, (self.num_heads,)
+        if c is None:
+            self.buffers.add(name, h, (self.head_dim,), self.dtype, self.device, lead=lead)
+            return
+        self.buffers.add(name, h, (c.tail(self.head_dim),), c.storage_dtype, self.device, lead=lead)
+        if c.integer:
+            self.buffers.add(SCALES[name], h, (), SCALE_DTYPE, self.device, lead=lead)
+
+    def _encoded(self, name: str, x: Tensor) -> dict[str, Tensor | float]:
+        """Row entries of ``x`` [h, m, d] for buffer ``name``: the codes and, when integer, their scales."""
+        if self.codec is None:
+            return {name: x}
+        data, scale = self.codec.encode(x)
+        return {name: data} if scale is None else {name: data, SCALES[name]: scale}
+
+    def _put(self, name: str, start: int, x: Tensor) -> None:
+        """Overwrite tokens ``start`` … of buffer ``name`` (and its scale) with ``x`` [h, m, d], encoded."""
+        m = x.shape[1]
+        for key, value in self._encoded(name, x).items():
+            assert isinstance(value, Tensor)
+            self.buffers.items[key].tokens(start, start + m).copy_(value)
+
+    def _set_lead(self, name: str, x: Tensor) -> None:
+        """Write the compensation slot of ``name`` (keys or values) from ``x`` [h, d], encoded."""
+        for key, value in self._encoded(name, x.to(self.dtype).unsqueeze(1)).items():
+            assert isinstance(value, Tensor)
+            self.buffers[key].narrow(1, 0, 1).copy_(value)
+
+    def _decoded(self, name: str, start: int, stop: int, out: Tensor) -> Tensor:
+        """Buffer ``name``'s raw slots ``start`` … ``stop`` − 1 (leading slots counted) decoded into ``out``."""
+        assert self.codec is not None
+        data = self.buffers[name][:, start:stop]
+        scale = self.buffers[SCALES[name]][:, start:stop] if self.codec.integer else None
+        return self.codec.decode(data, scale, out)
+
+    def _scratch(self) -> tuple[Tensor, Tensor]:
+        """The shared decode buffers viewed as [h, off + slots, d] for this group."""
+        if self.scratch is None:
+            self.scratch = Scratch(self.dtype, self.device)
+        return self.scratch.views(self.num_heads, self.off + self.slots, self.head_dim)
+
+    def stored_values(self) -> Tensor:
+        """The stored values [h, length, d] as attention reads them (compensation slot excluded)."""
+        if self.codec is None:
+            return self.buffers.items["values"].tokens(0, self.length)
+        a, b = self.off, self.off + self.length
+        return self._decoded("values", a, b, self._scratch()[1][:, a:b])
+
+    def origin_keys(self, n: int) -> Tensor | None:
+        """The first ``n`` original-position keys [h, n, d] as read back, or None without them."""
+        if "origin" not in self.buffers:
+            return None
+        if self.codec is None:
+            return self.buffers.items["origin"].tokens(0, n)
+        return self._decoded("origin", 0, n, self._scratch()[0][:, self.off : self.off + n])
+
+    def write_keys(self, keys: Tensor) -> None:
+        """Overwrite the first ``keys.shape[1]`` stored keys with ``keys`` [h, e, d] (re-rotated), encoded.
+
+        Integer codes round the rotated key again, so the policy's per-token constants of those tokens
+        (KeyDiff's key norm) are computed again from what attention now reads.
+        """
+        e = keys.shape[1]
+        self._put("keys", 0, keys)
+        if self.codec is not None and self.codec.integer and self.state_fields:
+            consts = self.policy.constants(self.stored_keys()[:, :e], self.stored_values()[:, :e])
+            for name, value in consts.items():
+                self.state[self.state_fields.index(name), :, :e] = value
+
+    def bytes_per_token_head(self) -> int:
+        """Bytes of one token's key (or value) in one head as stored, its scale included."""
+        if self.codec is None:
+            return self.head_dim * self.dtype.itemsize
+        return self.codec.bytes_per_token_head(self.head_dim)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -273,10 +365,9 @@ class HeadGroup:
         return self.buffers.slots
 
     def allocated_bytes(self) -> int:
-        """Bytes of the K/V buffers, and of the original keys' copy when the group keeps one."""
-        kv = 2 * self.buffers["keys"].numel() * self.buffers["keys"].element_size()
-        origin = self.origin
-        return kv if origin is None else kv + origin.numel() * origin.element_size()
+        """Bytes of the K/V buffers (scales included), and of the original keys' copy when the group keeps one."""
+        names = ("keys", "values", "origin", *SCALES.values())
+        return sum(self.buffers[n].numel() * self.buffers[n].element_size() for n in names if n in self.buffers)
 
     def promised_tokens(self) -> int | None:
         """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""
@@ -284,8 +375,7 @@ class HeadGroup:
 
     def stored_bytes(self) -> int:
         """Bytes of K/V actually held (stored tokens and the compensation slot)."""
-        per_token = 2 * self.head_dim * self.buffers["keys"].element_size() * self.num_heads
-        return (self.length + self.off) * per_token
+        return (self.length + self.off) * 2 * self.bytes_per_token_head() * self.num_heads
 
     # -- appending ----------------------------------------------------------------------------
     def grow(self, needed: int) -> None:
@@ -326,15 +416,24 @@ class HeadGroup:
             key_states = key_states.index_select(1, self.kv_index)
             value_states = value_states.index_select(1, self.kv_index)
         keys, values = key_states[0], value_states[0]
-        self._write(keys, values, positions.expand(self.num_heads, m),
-                    (positions if rotary is None else rotary).expand(self.num_heads, m), original=keys)
+        pos = positions.expand(self.num_heads, m)
+        rot = (positions if rotary is None else rotary).expand(self.num_heads, m)
+        original = keys
+        if "origin" in self.buffers and self.rotator is not None:  # the model rotated the block to ``rot``
+            original = self.rotator.rotate(keys, pos - rot)  # a zero delta leaves the key bit-identical
+        self._write(keys, values, pos, rot, original=original)
 
     def _write(self, keys: Tensor, values: Tensor, positions: Tensor, rotary: Tensor, original: Tensor) -> None:
         """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions."""
-        row: dict[str, Tensor | float] = {"keys": keys, "values": values, "positions": positions, "rotary": rotary,
-                                          "state": self.new_state(keys, values)}
+        row: dict[str, Tensor | float] = {**self._encoded("keys", keys), **self._encoded("values", values),
+                                          "positions": positions, "rotary": rotary}
         if "origin" in self.buffers:
-            row["origin"] = original
+            row.update(self._encoded("origin", original))
+        if self.codec is not None and self.state_fields:  # scores see the K/V attention reads
+            keys = self.codec.decode(row["keys"], row.get("key_scale"), torch.empty_like(keys))  # type: ignore[arg-type]
+            values = self.codec.decode(row["values"], row.get("value_scale"),  # type: ignore[arg-type]
+                                       torch.empty_like(values))
+        row["state"] = self.new_state(keys, values)
         self.length += self.buffers.write(self.length, row)
 
     def insert(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
@@ -345,7 +444,7 @@ class HeadGroup:
             return
         if n + T > self.slots:
             raise RuntimeError(f"{T} recalled tokens do not fit: {n} stored, {self.slots} slots")
-        dt = self.buffers["keys"].dtype
+        dt = self.dtype
         keys, values, positions = keys.to(self.device, dt), values.to(self.device, dt), positions.to(self.device)
         self._write(keys, values, positions, positions, original=keys)
         order = torch.argsort(self.positions[:, : n + T], dim=1, stable=True)
@@ -389,13 +488,21 @@ class HeadGroup:
 
     # -- views ----------------------------------------------------------------------------------
     def kv(self) -> tuple[Tensor, Tensor]:
-        """Keys/values the block's queries attend to: [1, h, off + length, d]."""
+        """Keys/values the block's queries attend to: [1, h, off + length, d] (decoded when coded: valid
+        until the next read of any group of the cache)."""
         end = self.off + self.length
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        if self.codec is None:
+            return self.keys[:, :, :end], self.values[:, :, :end]
+        k, v = self._scratch()
+        k, v = self._decoded("keys", 0, end, k[:, :end]), self._decoded("values", 0, end, v[:, :end])
+        return k.unsqueeze(0), v.unsqueeze(0)
 
     def stored_keys(self) -> Tensor:
-        """The stored keys [h, length, d] (a view, compensation slot excluded)."""
-        return self.buffers.items["keys"].tokens(0, self.length)
+        """The stored keys [h, length, d] as attention reads them (a view, compensation slot excluded)."""
+        if self.codec is None:
+            return self.buffers.items["keys"].tokens(0, self.length)
+        a, b = self.off, self.off + self.length
+        return self._decoded("keys", a, b, self._scratch()[0][:, a:b])
 
     def comp_bias(self) -> float:
         """Logit bias of the compensation slot: log N_d (RazorAttention eq. 5), −inf when empty."""
@@ -407,7 +514,7 @@ class HeadGroup:
             return
         d = torch.full((self.num_heads, 1), delta, device=self.comp_key_sum.device)
         self.comp_key_sum.copy_(rotator.rotate(self.comp_key_sum.unsqueeze(1), d).squeeze(1))
-        self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
+        self._set_lead("keys", self.comp_key_sum / self.comp_count)
 
     def state_views(self) -> dict[str, Tensor]:
         n = self.length
@@ -430,13 +537,12 @@ class HeadGroup:
         """Add the dropped tokens to the compensation sums, in float32 (eq. 4 as a running mean): "all
         minus kept" would subtract two large sums and lose the small difference to cancellation."""
         assert self.comp_key_sum is not None and self.comp_value_sum is not None
-        n = self.length
         idx = dropped.unsqueeze(-1).expand(-1, -1, self.head_dim)
         self.comp_key_sum += self.stored_keys().gather(1, idx).float().sum(1)
-        self.comp_value_sum += self.buffers.items["values"].tokens(0, n).gather(1, idx).float().sum(1)
+        self.comp_value_sum += self.stored_values().gather(1, idx).float().sum(1)
         self.comp_count += dropped.shape[1]
-        self.keys[0, :, 0] = (self.comp_key_sum / self.comp_count).to(self.keys.dtype)
-        self.values[0, :, 0] = (self.comp_value_sum / self.comp_count).to(self.values.dtype)
+        self._set_lead("keys", self.comp_key_sum / self.comp_count)
+        self._set_lead("values", self.comp_value_sum / self.comp_count)
 
     def reset(self) -> None:
         self.length = 0
@@ -447,7 +553,7 @@ class HeadGroup:
 
     # -- persistence -----------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
-        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in PERSISTED}
+        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in self.persisted}
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
             out[f"{prefix}.comp_key_sum"] = self.comp_key_sum.clone()
             out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
@@ -459,7 +565,12 @@ class HeadGroup:
         self.capacity = self.base_capacity
         self.recalled = None
         n = keys.shape[1] - self.off
-        if keys.shape[0] != self.num_heads or keys.shape[-1] != self.head_dim:
+        stored = self.buffers["keys"]
+        mismatch = keys.dtype != stored.dtype and not (keys.is_floating_point() and stored.is_floating_point())
+        if mismatch or any(f"{prefix}.{s}" not in tensors for s in self.persisted):
+            raise ValueError(f"{prefix}: K/V stored as {str(keys.dtype).removeprefix('torch.')}, this run stores "
+                             f"them as {self.codec.name if self.codec else str(self.dtype).removeprefix('torch.')}")
+        if keys.shape[0] != self.num_heads or keys.shape[-1] != stored.shape[-1]:
             raise ValueError(f"{prefix}: shape {tuple(keys.shape)} does not match this model's cache layout")
         if n > self.slots:
             if self.capacity is not None and n > self.capacity:
@@ -468,7 +579,7 @@ class HeadGroup:
         st = tensors[f"{prefix}.state"]
         if st.shape[0] != self.state.shape[0]:
             raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
-        for name in PERSISTED:
+        for name in self.persisted:
             b = self.buffers[name]
             self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)
         self.length = n
@@ -476,6 +587,7 @@ class HeadGroup:
             self.buffers.items["mass"].tokens(0, n).zero_()
         if "origin" in self.buffers:  # back to the original frame: one rounding, not one per re-pack
             self.buffers.remove("origin")
+            self.buffers.remove("origin_scale")
             self.keep_origin()
         self.rotary_floor = int(self.rotary[:, 0].min()) if n else 0
         if self.comp_key_sum is not None and self.comp_value_sum is not None:

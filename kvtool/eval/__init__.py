@@ -141,6 +141,8 @@ class Run:
 #: a fingerprint records them only when they differ from it, so the old logs still match their commands
 LEGACY_DEFAULTS: dict[str, Any] = {"recall_page": 32, "archive_dtype": "auto", "repetition_penalty": 1.1,
                                    "no_repeat_ngram": 0, "recall": "off"}
+#: a reading setting added later (every task's fingerprint), with the value older logs meant
+LEGACY_READING: dict[str, Any] = {"kv_dtype": "auto"}
 
 
 @dataclass
@@ -176,6 +178,7 @@ class Grid:
             # settings added later appear only when changed: resume logs written before them still match
             **{k: getattr(s, k) for k, legacy in LEGACY_DEFAULTS.items()
                if answers and (recall or k != "recall") and getattr(s, k) != legacy},
+            **{k: getattr(s, k) for k, legacy in LEGACY_READING.items() if getattr(s, k) != legacy},
         }
 
 

@@ -5,7 +5,13 @@ A ``.kvc`` file is a plain safetensors file (see ``docs/kvc-format.md``)::
     8 bytes   little-endian length N of the JSON header
     N bytes   JSON header: "__metadata__" {format, format_version, kvtool: <JSON text>} + one entry per tensor
     ...       tensor data: per layer l and head group g, l{l}.g{g}.keys / .values / .positions / .rotary / .state
-              (and .comp_key_sum / .comp_value_sum / .comp_count for RazorAttention's compensated heads)
+              (and .comp_key_sum / .comp_value_sum / .comp_count for RazorAttention's compensated heads;
+              .key_scale / .value_scale for int8 / int4 K/V, ``--kv-dtype``)
+
+A file that needs something an older kvtool would misread lists it in ``required_features`` and is written
+as format ``FEATURES_FORMAT_VERSION``: a kvtool that reads only format 1 refuses it with its one-line
+version message, and this one refuses a feature it does not know the same way. Files without features stay
+format 1, readable by every kvtool.
 
 Everything here reads the header only, so ``kvtool inspect`` and input detection stay instant and never
 import torch. Every value a reader later allocates from is checked here first: types, ranges, agreement
@@ -23,12 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtool import __version__
-from kvtool.config import DTYPE_BYTES
+from kvtool.config import DTYPE_BYTES, KV_DTYPES
 from kvtool.errors import UsageError, first_line
 
 FORMAT = "kvtool-kvc"
-FORMAT_VERSION = 1  # bump on any change an older kvtool could misread
+FORMAT_VERSION = 1  # what a file without required features is written as; bump on any change an older kvtool misreads
+FEATURES_FORMAT_VERSION = 2  # a file with ``required_features`` (format-1 readers refuse it)
+READ_FORMAT_VERSION = 2  # newest format this kvtool loads
 MIN_FORMAT_VERSION = 1  # oldest format this kvtool still loads
+#: features a file may require that this kvtool reads: ``kv_dtype`` = K/V stored in another format than the
+#: model's dtype (``--kv-dtype``: a narrower float, or int8 / int4 codes with per-token scales)
+KNOWN_FEATURES = ("kv_dtype",)
 META_KEY = "kvtool"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # sanity limit on the JSON header
 _MARKER = b'"' + FORMAT.encode() + b'"'
@@ -62,7 +73,8 @@ class KvcHeader:
     @property
     def kv_bytes(self) -> int:
         """Bytes of K and V in the file (compensation slots included): what the budget promises to bound."""
-        return sum(_nbytes(info) for name, info in self.tensors.items() if name.endswith((".keys", ".values")))
+        kv = (".keys", ".values", ".key_scale", ".value_scale")
+        return sum(_nbytes(info) for name, info in self.tensors.items() if name.endswith(kv))
 
     def layer_lengths(self) -> list[list[int]]:
         """Tokens per KV head held, per layer and head group (from the tensor shapes)."""
@@ -315,7 +327,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     "settings": {"policy": _str, "policy_options": lambda v: v is None or isinstance(v, dict),
                  "budget": lambda v: v is None or isinstance(v, (str, int)), "budget_tokens": _opt_int(1),
                  "block_size": lambda v: is_int(v, 1), "sinks": lambda v: is_int(v), "recent": lambda v: is_int(v),
-                 "positions": _str, "dtype": _dtype, "quantize": _opt_str},
+                 "positions": _str, "dtype": _dtype, "quantize": _opt_str, "kv_dtype": lambda v: v in KV_DTYPES},
     "prompt": {"prefix": _str, "prefix_tokens": lambda v: is_int(v)},
     "document": {"name": _str, "sha256": _str, "tokens": lambda v: is_int(v)},
     "cache": {"seen": lambda v: is_int(v), "rotary_next": lambda v: v is None or is_int(v),
@@ -389,7 +401,8 @@ def _validate_layout(path: str, meta: dict[str, Any], tensors: dict[str, dict[st
             off = 1 if g.get("compensation") else 0
             if info["shape"] != [h, n] or len(keys["shape"]) != 3 or keys["shape"][:2] != [h, off + n]:
                 raise corrupt(path, f"{where} says {h} heads x {n} tokens, the tensors are {keys['shape']}")
-            if dims and keys["shape"][2] != dims["head_dim"]:
+            packed = (meta.get("settings") or {}).get("kv_dtype") == "int4"  # two values per byte
+            if dims and keys["shape"][2] != (dims["head_dim"] // 2 if packed else dims["head_dim"]):
                 raise corrupt(path, f"{where}: head size {keys['shape'][2]}, the model's is {dims['head_dim']}")
             if cap is not None and n > cap:
                 raise corrupt(path, f"{where} holds {n} tokens, more than its capacity {cap}")
@@ -416,11 +429,19 @@ def _check_version(path: str, md: dict[str, Any], meta: dict[str, Any]) -> None:
         version = int(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise corrupt(path, f"format_version {raw!r} is not a number") from None
-    if MIN_FORMAT_VERSION <= version <= FORMAT_VERSION:
-        return
     writer = meta.get("kvtool_version", "unknown")
-    supported = f"{MIN_FORMAT_VERSION}-{FORMAT_VERSION}" if MIN_FORMAT_VERSION < FORMAT_VERSION else str(FORMAT_VERSION)
-    hint = "upgrade kvtool" if version > FORMAT_VERSION else "prefill it again with this kvtool"
+    if MIN_FORMAT_VERSION <= version <= READ_FORMAT_VERSION:
+        features = meta.get("required_features", [])
+        if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+            raise corrupt(path, "bad required_features")
+        unknown = [f for f in features if f not in KNOWN_FEATURES]
+        if unknown:
+            raise UsageError(f"{path} was written by kvtool {writer} and needs {', '.join(unknown)[:200]}, which "
+                             f"this kvtool {__version__} does not read: upgrade kvtool")
+        return
+    supported = f"{MIN_FORMAT_VERSION}-{READ_FORMAT_VERSION}" if MIN_FORMAT_VERSION < READ_FORMAT_VERSION else str(
+        READ_FORMAT_VERSION)
+    hint = "upgrade kvtool" if version > READ_FORMAT_VERSION else "prefill it again with this kvtool"
     raise UsageError(
         f"{path} was written by kvtool {writer} (kvc format {version}); this kvtool {__version__} reads kvc "
         f"format {supported}: {hint}"

@@ -31,6 +31,7 @@ from kvtool import __version__
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.fileio import fsync_dir
 from kvtool.kvc.format import (
+    FEATURES_FORMAT_VERSION,
     FORMAT,
     FORMAT_VERSION,
     META_KEY,
@@ -176,7 +177,8 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
     clean_stale(directory)
     entries = sorted(entries, key=lambda e: e.name)
     meta = dict(meta)
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION, tensors_sha256=_PLACEHOLDER)
+    version = FEATURES_FORMAT_VERSION if meta.get("required_features") else FORMAT_VERSION  # see kvc/format.py
+    meta.update(format=FORMAT, format_version=version, tensors_sha256=_PLACEHOLDER)
     meta.setdefault("kvtool_version", __version__)
     meta = jsonable(meta)
     try:
@@ -212,7 +214,7 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
 def _header(entries: list[Entry], meta: dict[str, Any]) -> bytes:
     """The safetensors header for ``entries`` laid out in order, padded with spaces to 8 bytes."""
     meta = {**meta, "meta_sha256": meta_digest(meta)}
-    head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+    head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(meta["format_version"]),
                                              META_KEY: json.dumps(meta, sort_keys=True)}}
     offset = 0
     for e in entries:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvtool.config import DTYPE_BYTES, QUANT_BYTES_PER_PARAM, dtype_name
+from kvtool.config import DTYPE_BYTES, QUANT_BYTES_PER_PARAM, dtype_name, kv_token_head_bytes
 from kvtool.core.layout import layer_kinds, window_capacity
 
 DIM_KEYS: tuple[str, ...] = (
@@ -133,23 +133,40 @@ def embedding_params(dims: Dims, tie_word_embeddings: bool) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def kv_bytes_per_token(dims: Dims, elem: Any) -> dict[str, int]:
-    """Bytes of K plus V for one token: per (layer, KV head), per layer, and for the whole model."""
-    per_layer_per_head = 2 * dims["head_dim"] * dtype_bytes(elem)
+def coded_kv(elem: Any, kv_dtype: str) -> bool:
+    """Whether ``--kv-dtype`` stores K/V in another format than the compute dtype ``elem`` (decoded to read)."""
+    if kv_dtype == "auto":
+        return False
+    if kv_dtype in ("int8", "int4"):
+        return True
+    name = None
+    with contextlib.suppress(ValueError, TypeError):
+        name = dtype_name(elem)
+    return name != kv_dtype if name is not None else DTYPE_BYTES[kv_dtype] != dtype_bytes(elem)
+
+
+def kv_bytes_per_token(dims: Dims, elem: Any, kv_dtype: str = "auto") -> dict[str, int]:
+    """Bytes of K plus V for one token: per (layer, KV head), per layer, and for the whole model.
+
+    ``kv_dtype`` (``--kv-dtype``): how the cache stores them; int8 / int4 count their float16 scales.
+    """
+    per_layer_per_head = 2 * kv_token_head_bytes(kv_dtype, dims["head_dim"], dtype_bytes(elem))
     per_layer = per_layer_per_head * dims["num_kv_heads"]
     return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
 
 
 def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = None,
-                        doc_tokens: int | None = None) -> bool:
+                        doc_tokens: int | None = None, kv_dtype: str = "auto") -> bool:
     """Whether a run keeps each key's original copy beside its rotated one (``HeadGroup.keep_origin``).
 
     The cache does so for a 16-bit K/V dtype (bf16, fp16) once keys sit at compact positions, so that
     re-packing rotates from the model's own key and rounds once: ``positions="compact"`` from the first
     token, ``"auto"`` once the stream passes ``max_positions`` (never when the model states no range).
     With ``"auto"`` an unknown document length counts as passing: a plan must not under-count.
+    int8 / int4 K/V (``kv_dtype``) keep a quantized copy; a float ``kv_dtype`` decides by its own size.
     """
-    if dtype_bytes(elem) >= 4:
+    stored = dtype_bytes(elem) if kv_dtype == "auto" else 1 if kv_dtype in ("int8", "int4") else dtype_bytes(kv_dtype)
+    if stored >= 4:
         return False
     if positions == "compact":
         return True
@@ -159,7 +176,7 @@ def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = N
 
 
 def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int,
-                       original_keys: bool = False) -> dict[str, Any]:
+                       original_keys: bool = False, kv_dtype: str = "auto") -> dict[str, Any]:
     """KV memory at a budget of ``budget_tokens`` per KV head.
 
     ``promised``: what the budget guarantees after every eviction, the same for every policy
@@ -172,7 +189,7 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     original position, one more key per token, so ``allocated`` is 1.5x; ``promised`` stays the
     budget's K+V (what a byte budget buys), the copy being bookkeeping of the positions mode.
     """
-    per_layer = kv_bytes_per_token(dims, elem)["per_layer"]
+    per_layer = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer"]
     per_slot = per_layer + per_layer // 2 if original_keys else per_layer
     s = layer_split(dims, budget_tokens)
     glob = {"promised": s["global_layers"] * budget_tokens * per_layer,
@@ -186,10 +203,10 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     return out
 
 
-def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int) -> int:
-    """A clone of ``tokens`` stored tokens per KV head: K and V, int64 stream and RoPE positions, float32
-    policy state (``BoundedCache.snapshot``)."""
-    per_head_token = 2 * dims["head_dim"] * dtype_bytes(elem) + 2 * 8 + 4 * n_fields
+def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto") -> int:
+    """A clone of ``tokens`` stored tokens per KV head: K and V as stored, int64 stream and RoPE positions,
+    float32 policy state (``BoundedCache.snapshot``)."""
+    per_head_token = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"] + 2 * 8 + 4 * n_fields
     return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
 
 
@@ -223,6 +240,15 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
         expanded = 2 * keys * heads * dims["head_dim"] * dtype_bytes(elem)
     scores = block * keys * heads * 4
     return expanded + scores
+
+
+def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto") -> int:
+    """The buffer coded K/V (``--kv-dtype``) are decoded into for attention: one layer's K and V at the
+    compute dtype, capacity plus one block (``core/quant.py``'s ``Scratch``, shared by every layer); 0 when
+    K/V are stored in the compute dtype."""
+    if not coded_kv(elem, kv_dtype):
+        return 0
+    return 2 * (budget + block) * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes(elem)
 
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
@@ -282,6 +308,7 @@ def predict_peak(
     unquantized_params: int = 0,
     snapshot_tokens: int | None = None,
     original_keys: bool = False,
+    kv_dtype: str = "auto",
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -292,8 +319,9 @@ def predict_peak(
     ``runtime_baseline_bytes`` is the process's memory before weights are loaded, measured by the
     caller (RSS on CPU; 0 on CUDA, where the CUDA context is not counted by the allocator).
     ``original_keys``: the cache keeps each key's original copy too (``keeps_original_keys``).
+    ``kv_dtype``: how K/V are stored (``--kv-dtype``); a coded cache adds its decode scratch.
     """
-    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys)
+    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys, kv_dtype)
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
@@ -303,9 +331,11 @@ def predict_peak(
         "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
         "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
-        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields),
+        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype),
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
+    if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
+        parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype)
     # The promise is contained in the allocation, so it is not added twice.
     parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
     return parts

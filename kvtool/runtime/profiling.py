@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtool.config import kv_token_head_bytes
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.archive_disk import archive_dir, fits
@@ -63,6 +64,7 @@ class ModelInfo:
     resolved: bool = False  # budget_tokens/budget_note already resolved (None budget = policy full)
     budget_split: list[dict[str, Any]] | None = field(default=None, repr=False)
     max_positions: int | None = None  # the model's max_position_embeddings (when auto positions switch)
+    kv_dtype: str = "auto"  # how the cache stores K/V (``--kv-dtype``; auto: ``dtype``)
 
     @property
     def elem(self) -> int:
@@ -107,6 +109,7 @@ def model_info(session: Any) -> ModelInfo:
         resolved=True,
         budget_split=budget_split,
         max_positions=getattr(engine, "max_positions", None),
+        kv_dtype=session.settings.kv_dtype,
     )
 
 
@@ -122,12 +125,13 @@ def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> t
     if b.tokens is not None:
         return b.tokens, None
     assert b.nbytes is not None
-    elem = _mem.dtype_bytes(dtype)
+    elem, kv = _mem.dtype_bytes(dtype), settings.kv_dtype
     tokens = budget_tokens_from_bytes(b.nbytes, dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], elem,
-                                      dims.get("sliding_layers", 0), dims.get("sliding_window", 0))
-    per_token = _mem.kv_bytes_per_token(dims, elem)["total"]
+                                      dims.get("sliding_layers", 0), dims.get("sliding_window", 0),
+                                      kv_token_head_bytes(kv, dims["head_dim"], elem))
+    per_token = _mem.kv_bytes_per_token(dims, elem, kv)["total"]
     note = (f"budget {b.text} = {tokens} tokens per KV head "
-            f"({per_token} bytes of K+V per token in {dtype_name(dtype)})") + sliding_note(dims)
+            f"({per_token} bytes of K+V per token in {dtype_name(dtype) if kv == 'auto' else kv})") + sliding_note(dims)
     return tokens, note
 
 
@@ -152,14 +156,12 @@ def plan(
     available; adds the largest budget that fits and the longest document dense transformers could
     hold. ``runtime_baseline``: bytes of the process before weights (None: 0, e.g. on CUDA).
     """
-    limit = memory
+    limit, kv = memory, settings.kv_dtype
     info = session_or_model_info if isinstance(session_or_model_info, ModelInfo) else model_info(session_or_model_info)
     dims, elem, block = info.dims, info.elem, settings.block_size
     baseline = int(runtime_baseline or 0)
-    if info.resolved:
-        budget, note = info.budget_tokens, info.budget_note
-    else:
-        budget, note = resolve_budget(settings, dims, info.dtype)
+    budget, note = (info.budget_tokens, info.budget_note) if info.resolved else resolve_budget(settings, dims,
+                                                                                               info.dtype)
 
     formula_weights = _mem.weights_bytes(info.num_params, elem, info.quantize, info.unquantized_params)
     weights = info.weights_bytes if info.weights_bytes is not None else formula_weights
@@ -169,29 +171,31 @@ def plan(
     weights_offset = weights - formula_weights
     common = {"num_params": info.num_params, "elem": elem, "quantize": info.quantize,
               "unquantized_params": info.unquantized_params}
-    original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens)
+    original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens, kv)
 
     out: dict[str, Any] = {
         "model": info.name,
         "dtype": info.dtype,
         "device": info.device,
         "quantize": info.quantize,
+        "kv_dtype": info.dtype if kv == "auto" else kv,
         "policy": info.policy,
         "block_size": block,
         "budget_tokens": budget,
         "budget_conversion": note,
         "num_params": info.num_params,
-        "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem),
+        "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem, kv),
     }
     peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset,
-                 {**common, "original_keys": original_keys})
+                 {**common, "original_keys": original_keys, "kv_dtype": kv})
     out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
-                                              original_keys)
+                                              original_keys, kv)
     out["original_keys"] = original_keys
     out.update({
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
         "sdpa_scratch_bytes": peak["sdpa_scratch_bytes"],
+        "kv_decode_scratch_bytes": peak.get("kv_decode_scratch_bytes", 0),
         "policy_state_fields": info.n_fields,
         "policy_state_bytes": peak["policy_state_bytes"],
         "activation_bytes": peak["activation_bytes"],
@@ -209,18 +213,19 @@ def plan(
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
     if doc_tokens is not None:
-        out["dense"] = _dense_plan(dims, doc_tokens, out["kv_bytes_per_token"]["total"], baseline + weights_offset,
+        out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
+                                   baseline + weights_offset,
                                    common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common,
-                                original_keys)
+                                original_keys, kv)
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
 
 
 def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, cache_tokens: int | None,
-                  block: int, original_keys: bool) -> dict[str, Any] | None:
+                  block: int, original_keys: bool, kv_dtype: str = "auto") -> dict[str, Any] | None:
     """K/V bytes promised and allocated at the budget; a hybrid model's split into global and sliding layers."""
     if peak["kv_allocated_bytes"] is None:
         return None
@@ -230,20 +235,21 @@ def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, c
         out["by_layer_kind"] = {
             kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
             for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block,
-                                                   original_keys)["by_layer_kind"].items()
+                                                   original_keys, kv_dtype)["by_layer_kind"].items()
         }
     return out
 
 
 def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
-            common: dict[str, Any], original_keys: bool) -> dict[str, Any]:
-    """What fits in ``limit`` bytes: this plan, the largest budget, the longest dense document."""
+            common: dict[str, Any], original_keys: bool, kv_dtype: str = "auto") -> dict[str, Any]:
+    """What fits in ``limit`` bytes: this plan, the largest budget (K/V as ``kv_dtype`` stores them), the longest
+    dense document (K/V in the compute dtype)."""
     return {
         "limit_bytes": limit,
         "fits": predicted <= limit if predicted is not None else None,
         "largest_budget_tokens": _mem.largest_budget(
             limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, **common,
+            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, kv_dtype=kv_dtype, **common,
         ),
         "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
                                                   **common),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.config import kvtool_home
+from kvtool.config import kv_token_head_bytes, kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
@@ -202,6 +202,7 @@ class Session:
             archive_dtype=None if settings.archive_dtype == "auto" else torch.int8 if settings.archive_dtype == "int8"
             else resolve_dtype(settings.archive_dtype, self.loaded.device),
             archive_dir=self.archive_dir if self.recall_tokens else None,
+            kv_dtype=settings.kv_dtype,
         )
         self.engine_config.validate()
         if self.recall_mode == "set":
@@ -220,6 +221,12 @@ class Session:
         self.answers: list[Answer] = []
 
     # -- set-up -----------------------------------------------------------------------------------
+    @property
+    def kv_dtype(self) -> str:
+        """How the cache stores K/V (``--kv-dtype``; ``auto`` is the model's dtype)."""
+        kv = self.settings.kv_dtype
+        return str(self.loaded.dtype).replace("torch.", "") if kv == "auto" else kv
+
     def _resolve_budget(self) -> tuple[int | None, str | None]:
         if self.settings.policy.strip().lower() == "full":
             return None, None
@@ -229,10 +236,11 @@ class Session:
         assert b.nbytes is not None
         elem = dtype_bytes(self.loaded.dtype)
         d = self.dims
+        per_head = kv_token_head_bytes(self.settings.kv_dtype, d["head_dim"], elem)
         tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem,
-                                          d.get("sliding_layers", 0), d.get("sliding_window", 0))
-        per_token = 2 * d["num_layers"] * d["num_kv_heads"] * d["head_dim"] * elem
-        dtype = str(self.loaded.dtype).replace("torch.", "")
+                                          d.get("sliding_layers", 0), d.get("sliding_window", 0), per_head)
+        per_token = 2 * d["num_layers"] * d["num_kv_heads"] * per_head
+        dtype = self.kv_dtype
         note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
         return tokens, note + sliding_note(d)
 
@@ -485,6 +493,8 @@ class Session:
             "device": str(self.loaded.device),
             "dtype": str(self.loaded.dtype).replace("torch.", ""),
             "quantize": self.loaded.quantize,
+            "kv_dtype": self.kv_dtype,
+            "kv_bytes_per_token": cache.kv_bytes_per_token() if cache else None,
             "document_tokens": read.document_tokens if read else 0,
             "prefix_tokens": read.prefix_tokens if read else 0,
             "cached_tokens_max": c.max_cached if c else 0,

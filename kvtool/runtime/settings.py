@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, QUANTIZE, profile_dirs
+from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, KV_DTYPES, QUANTIZE, profile_dirs
 from kvtool.errors import UsageError
 from kvtool.policy_syntax import check_spec
 
@@ -40,6 +40,7 @@ class Settings:
     policy: str = "h2o"
     policy_options: dict[str, str] = field(default_factory=dict)
     budget: str = "1k"
+    kv_dtype: str = "auto"  # how the cache stores K/V (auto: the model's dtype; int8 / int4 with scales)
     block_size: int = 128
     sinks: int = 4
     recent: int = 8
@@ -181,19 +182,25 @@ def parse_size(text: str | int) -> int:
 
 
 def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                             sliding_layers: int = 0, sliding_window: int = 0) -> int:
+                             sliding_layers: int = 0, sliding_window: int = 0,
+                             token_head_bytes: int | None = None) -> int:
     """Tokens per KV head such that K and V of every layer and KV head fit in ``nbytes``.
+
+    ``token_head_bytes``: bytes of one token's key (or value) in one head as stored (``--kv-dtype``:
+    ``config.kv_token_head_bytes``, scales included); by default ``head_dim · dtype_bytes``. So int8 holds
+    2·d/(d + 2) times the tokens of a 16-bit cache in the same bytes.
 
     This is the budget's promise (see ``memory.kv_bytes_at_budget``), not the preallocated buffers,
     so "--budget 2GiB" means the same thing whatever the block size. A hybrid model's sliding layers
     hold at most ``W - 1`` tokens whatever the budget, so the bytes they do not need go to the
     global layers: the largest ``t`` with ``global·t + sliding·min(W − 1, t) <= nbytes / token-layer``.
     """
-    per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    per_head = head_dim * dtype_bytes if token_head_bytes is None else token_head_bytes
+    per_token = 2 * num_layers * num_kv_heads * per_head
     tokens = nbytes // per_token if per_token > 0 else 0
     glob = num_layers - sliding_layers
     if sliding_layers and glob > 0 and tokens > sliding_window - 1 > 0:
-        units = nbytes // (2 * num_kv_heads * head_dim * dtype_bytes)  # tokens x layers that fit
+        units = nbytes // (2 * num_kv_heads * per_head)  # tokens x layers that fit
         tokens = (units - sliding_layers * (sliding_window - 1)) // glob
     if tokens < 1:
         raise UsageError(
@@ -343,6 +350,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "policy": _policy,
     "policy_options": _policy_options,
     "budget": _budget,
+    "kv_dtype": _choice(KV_DTYPES),
     "block_size": _int(1),
     "sinks": _int(0),
     "recent": _int(0),

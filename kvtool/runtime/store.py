@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
-from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name
+from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name, kv_token_head_bytes
 from kvtool.errors import UsageError, first_line
 from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # torch is imported lazily: header-only work (inspect, detect
     from kvtool.runtime.session import ReadResult, Session
 
 #: Settings a ``.kvc`` fixes: they built the cache, so a later run must use the same values.
-FIXED_SETTINGS = ("policy", "policy_options", "budget", "block_size", "sinks", "recent", "positions", "dtype")
+FIXED_SETTINGS = ("policy", "policy_options", "budget", "block_size", "sinks", "recent", "positions", "dtype",
+                  "kv_dtype")
 _FLAGS = {
     "policy": "--policy",
     "policy_options": "--policy-opt",
@@ -40,6 +41,7 @@ _FLAGS = {
     "recent": "--recent",
     "positions": "--positions",
     "dtype": "--dtype",
+    "kv_dtype": "--kv-dtype",
 }
 
 
@@ -58,11 +60,12 @@ def settings_overrides(header: KvcHeader, overrides: dict[str, Any]) -> dict[str
     stored: dict[str, Any] = meta["settings"]
     if not isinstance(stored, dict):
         raise corrupt(header.path, "settings is not an object")
+    stored = {"kv_dtype": "auto", **stored}  # files from before --kv-dtype: K/V in the model's dtype
     require(stored, header.path, *FIXED_SETTINGS, "budget_tokens")
     out = dict(overrides)
     for key in FIXED_SETTINGS:
         given = overrides.get(key)
-        if given is not None and not (key == "dtype" and str(given).strip().lower() == "auto"):
+        if given is not None and not (key in ("dtype", "kv_dtype") and str(given).strip().lower() == "auto"):
             if not _same_setting(key, given, stored, meta):
                 raise UsageError(
                     f"{header.path} was prefilled with {_FLAGS[key]} {_show(key, stored)}; "
@@ -126,7 +129,7 @@ def _same_setting(key: str, given: Any, stored: dict[str, Any], meta: dict[str, 
         return all(str(k) in have and str(v).strip().lower() == have[str(k)].strip().lower() for k, v in given.items())
     if key == "dtype":
         return DTYPE_ALIASES.get(str(given).strip().lower()) == want
-    if key == "positions":
+    if key in ("positions", "kv_dtype"):
         return str(given).strip().lower() == str(want)
     if key == "budget":
         return _same_budget(given, stored, meta)
@@ -158,6 +161,7 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
         tokens = budget_tokens_from_bytes(
             b.nbytes or 0, int(dims["num_layers"]), int(dims["num_kv_heads"]), int(dims["head_dim"]),
             DTYPE_BYTES[stored["dtype"]], int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
+            kv_token_head_bytes(str(stored["kv_dtype"]), int(dims["head_dim"]), DTYPE_BYTES[stored["dtype"]]),
         )
     except (KeyError, TypeError, ValueError, UsageError):
         return False
@@ -185,7 +189,8 @@ def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], s
                 "length": int(tensors[f"l{li}.g{gi}.positions"].shape[1]),
             })  # fmt: skip
         layout.append(groups)
-    kv_stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.endswith((".keys", ".values")))
+    kv_names = (".keys", ".values", ".key_scale", ".value_scale")
+    kv_stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.endswith(kv_names))
     c = cache.counters
     prefix = prompt.document_prefix(session.tokenizer)
     return {
@@ -213,7 +218,10 @@ def build_meta(session: Session, read: ReadResult, tensors: dict[str, Tensor], s
             "positions": s.positions,
             "dtype": dtype_name(loaded.dtype),
             "quantize": loaded.quantize,
+            "kv_dtype": s.kv_dtype,
         },
+        # coded K/V (int8 / int4 with scales, or a float other than the model's): format 2, refused by older kvtool
+        **({"required_features": ["kv_dtype"]} if cache.codec is not None else {}),
         "prompt": {"prefix": prefix, "prefix_tokens": int(read.prefix_tokens)},
         "document": {
             "name": read.name, "sha256": read.sha256, "tokens": int(read.document_tokens), "format": read.fmt,

@@ -1,0 +1,429 @@
+"""Quantized K/V inside the bounded cache (``--kv-dtype``, kvtool/core/quant.py) on tiny random models.
+
+Oracles: every decoded element is within half a quantization step of the original (brute force, per
+element); attention over decoded K/V is within the analytic bound of full-precision attention over the
+same tokens; with nothing evicted, logits are within a measured tolerance of dense transformers; every
+policy and recall run on int8 and int4 caches, and scores see the K/V attention reads; a byte budget
+holds 2·d/(d + 2) times the tokens of bfloat16 in int8 (the float16 scale per token); ``.kvc``
+round trips and refusals; the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtool.core import recall
+from kvtool.core.cache import BoundedLayer
+from kvtool.core.engine import Engine, EngineConfig, model_env
+from kvtool.core.quant import KVCodec, codec_for
+from kvtool.errors import UsageError
+from kvtool.policies import build_policy
+from tests.helpers import ALL_POLICIES, VOCAB, dense_logits, stream_logits, tiny_llama, tiny_qwen2
+
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+INTS = ["int8", "int4"]
+
+
+def kv_engine(model, policy: str, budget: int | None, kv_dtype: str, block_size: int = 16,
+              positions: str = "absolute", recall_tokens: int = 0, retrieval=None) -> Engine:
+    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, kv_dtype=kv_dtype,
+                       recall=recall_tokens, page_size=8)
+    env = model_env(model, cfg, retrieval_heads=retrieval)
+    options = {"window": "8"} if policy.startswith("snapkv") else {}
+    return Engine(model, build_policy(policy, options, env), cfg, env=env)
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the codec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", INTS)
+def test_every_element_comes_back_within_half_a_step(name):
+    codec = KVCodec(name)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 16, generator=gen) * torch.logspace(-6, 4, 40).view(1, 40, 1)  # tiny to huge rows
+    x[0, 0] = 0.0  # an all-zero row
+    x[1, 1, 3] = 500.0  # an outlier channel
+    data, scale = codec.encode(x)
+    assert data.dtype == codec.storage_dtype and data.shape[-1] == codec.tail(16) and scale.dtype == torch.float16
+    got = codec.decode(data, scale, torch.empty_like(x))
+    step = scale.float()
+    for h in range(3):  # brute force, element by element
+        for t in range(40):
+            s = float(step[h, t])
+            for j in range(16):
+                assert abs(float(got[h, t, j]) - float(x[h, t, j])) <= s / 2, (h, t, j)
+                code = round(float(got[h, t, j]) / s)
+                assert -codec.qmax <= code <= codec.qmax and float(got[h, t, j]) == code * s
+    again, rescale = codec.encode(got)  # decoded values encode to the same codes: recall is lossless
+    assert torch.equal(again, data) and torch.equal(rescale, scale)
+
+
+def test_codec_choice_and_refusals():
+    assert codec_for("auto", torch.float32, 64) is None
+    assert codec_for("float32", torch.float32, 64) is None  # the compute dtype: stored as is
+    assert codec_for("bfloat16", torch.float32, 64) == KVCodec("bfloat16")
+    with pytest.raises(UsageError, match="odd"):
+        codec_for("int4", torch.float32, 63)
+    assert KVCodec("int8").bytes_per_token_head(64) == 66 and KVCodec("int4").bytes_per_token_head(64) == 34
+
+
+# -- attention over decoded K/V -------------------------------------------------------------------
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Dense causal attention in float64 (the query block is the whole sequence), K/V repeated per query head."""
+    rep, n = q.shape[1] // k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    s = (q.double() @ k.transpose(-1, -2)) * scaling
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("name", INTS)
+def test_attention_error_is_within_the_quantization_bound(name, monkeypatch):
+    """Each layer's output equals softmax(q K̂ᵀ) V̂ over the decoded K/V, and differs from full precision
+    over the same tokens by at most (e^{2ε} − 1)·max|V| + max δv per element, where ε bounds the
+    score error: scaling · Σ_d |q_d| · (key half-step) (softmax ratios move by at most e^{±2ε})."""
+    from kvtool.core import attention
+
+    model = tiny_llama()
+    ids = ids_of(64, 1)
+    codec = KVCodec(name)
+    seen = []
+    real_attend, real_update = attention._attend_group, BoundedLayer.update
+    block_kv = {}
+
+    def update(self, k, v, *a, **kw):
+        block_kv[self.layer_idx] = (k.clone(), v.clone())
+        return real_update(self, k, v, *a, **kw)
+
+    def attend(layer, g, query, scaling, softcap=None):
+        out = real_attend(layer, g, query, scaling, softcap)
+        seen.append((layer.layer_idx, query.clone(), out.clone(), scaling))
+        return out
+
+    monkeypatch.setattr(BoundedLayer, "update", update)
+    monkeypatch.setattr(attention, "_attend_group", attend)
+    engine = kv_engine(model, "full", None, name, block_size=64)  # one block: K/V of every token at once
+    stream_logits(engine, ids)
+    assert len(seen) == 2
+    for layer, q, out, scaling in seen:
+        k, v = block_kv[layer]
+        kq, ks = codec.encode(k)
+        vq, vs = codec.encode(v)
+        k_hat, v_hat = codec.decode(kq, ks, torch.empty_like(k)), codec.decode(vq, vs, torch.empty_like(v))
+        rep = q.shape[1] // k.shape[1]
+        torch.testing.assert_close(out.double(), causal_attention(q, k_hat, v_hat, scaling), atol=1e-5, rtol=1e-5)
+        dk = (ks.float() / 2).repeat_interleave(rep, 1)  # [1, H, n] key half-steps
+        eps = scaling * (q.abs().sum(-1, keepdim=True) * dk.unsqueeze(2)).amax(-1)  # [1, H, m]
+        bound = (torch.exp(2 * eps) - 1) * v.abs().amax() + vs.float().amax() / 2
+        err = (out.double() - causal_attention(q, k, v, scaling)).abs().amax(-1)
+        assert (err <= bound.double() + 1e-5).all()
+        assert err.max() > 0  # the quantization did something
+
+
+# measured max |Δlogit| against dense on these models (seed 1, 150 tokens): int8 ≈ 3e-3, int4 ≈ 4e-2,
+# bfloat16 ≈ 1e-3, float16 ≈ 1e-4; the tolerances leave a factor of ~3
+TOLERANCE = {"int8": 1e-2, "int4": 1.5e-1, "bfloat16": 5e-3, "float16": 1e-3}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("kv_dtype", list(TOLERANCE))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_nothing_evicted_stays_within_a_measured_tolerance_of_dense(family, kv_dtype, block_size):
+    model = MODELS[family]()
+    ids = ids_of(150 if block_size > 1 else 40, 1)
+    dense = dense_logits(model, ids)
+    got, cache = stream_logits(kv_engine(model, "full", None, kv_dtype, block_size=block_size), ids)
+    assert cache.kv_dtype == kv_dtype and cache.counters.evicted_tokens == 0
+    err = (got - dense).abs().max().item()
+    assert 0 < err <= TOLERANCE[kv_dtype], err
+
+
+# -- policies and recall on coded caches ----------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", INTS)
+@pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "full"] + ["razor"])
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(kv_dtype, policy, positions,
+                                                                               monkeypatch):
+    model = tiny_llama()
+    contexts = []
+    real = BoundedLayer.context
+
+    def spy(self, g, probs):
+        ctx = real(self, g, probs)
+        # the keys and values a policy scores are the decoded ones, and its per-token constants
+        # (KeyDiff's key norm, VATP's ‖v‖₁) were computed from them
+        assert ctx.keys.dtype == g.dtype and torch.equal(ctx.keys, g.stored_keys())
+        consts = g.policy.constants(ctx.keys, ctx.values)
+        for name, value in consts.items():
+            torch.testing.assert_close(ctx.state[name], value.float(), atol=1e-5, rtol=1e-5)
+        contexts.append(len(consts))
+        return ctx
+
+    monkeypatch.setattr(BoundedLayer, "context", spy)
+    retrieval = (lambda **_: {0: [1], 1: [0]}) if policy == "razor" else None
+    engine = kv_engine(model, policy, 40, kv_dtype, positions=positions, retrieval=retrieval)
+    got, cache = stream_logits(engine, ids_of(150, 2))
+    assert got.isfinite().all() and cache.counters.evicted_tokens > 0 and contexts
+    for g in cache.groups():
+        assert g.length <= g.capacity and g.buffers["keys"].dtype == KVCodec(kv_dtype).storage_dtype
+    ids, _ = engine.generate(cache, got[-1], 20, set())  # lazy decode evicts once per block of tokens
+    assert len(ids) == 20 and all(g.length <= g.capacity + 16 for g in cache.groups())
+
+
+@pytest.mark.parametrize("kv_dtype", INTS)
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_recall_on_a_quantized_cache_brings_back_what_attention_saw(kv_dtype, positions):
+    """The archive receives decoded K/V; recalling every archived token gives the logits of the same
+    coded cache with nothing evicted (re-encoding a decoded token is lossless), within float rounding."""
+    model = tiny_llama()
+    doc, question = ids_of(150, 3), ids_of(10, 4)
+    full = kv_engine(model, "full", None, kv_dtype, block_size=160, positions=positions)
+    ref, _ = stream_logits(full, torch.cat([doc, question]))
+    engine = kv_engine(model, "keydiff", 40, kv_dtype, block_size=160, positions=positions, recall_tokens=256)
+    cache = engine.new_cache()
+    engine.feed(cache, [doc], progress=False)
+    snap = cache.snapshot()
+    assert recall.archived_tokens(cache) > 0 and recall.archive_dtype(cache) == "float32"
+    logits, res = engine.feed_question(cache, question, lambda: cache.restore(snap))
+    assert res is not None and res.tokens == 150 - 40
+    tol = 2e-4 if positions == "absolute" else 5e-2  # compact: the re-pack re-encodes rotated keys
+    torch.testing.assert_close(logits[-1], ref[-1], atol=tol, rtol=tol)
+
+
+def test_compact_repacks_do_not_drift(monkeypatch):
+    """Keys re-packed many times stay within two quantizations of the model's keys: the re-pack
+    rotates the quantized original, not the stored (already rounded) key."""
+    model = tiny_llama()
+    engine = kv_engine(model, "sink", 24, "int8", block_size=4, positions="compact")
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(200, 6)], progress=False)
+    g = cache.layers[0].groups[0]
+    assert g.origin is not None and "origin_scale" in g.buffers
+    sinks = g.stored_keys()[:, :4].clone()  # rotated at every re-pack
+    origin = g.origin_keys(4)
+    want = g.rotator.rotate(origin, g.rotary[:, :4] - g.positions[:, :4])
+    step = g.buffers.items["key_scale"].tokens(0, 4).float().unsqueeze(-1)
+    assert ((sinks - want).abs() <= step / 2 + 1e-6).all()
+
+
+# -- budget -----------------------------------------------------------------------------------------
+def test_byte_budget_holds_twice_the_tokens_of_bfloat16_in_int8():
+    from kvtool.config import kv_token_head_bytes
+    from kvtool.runtime.settings import budget_tokens_from_bytes
+
+    dims = (30, 3, 64)  # SmolLM2-135M: layers, KV heads, head dim
+    nbytes = 64 * 2**20
+
+    def tokens(kv: str, compute: int = 4) -> int:
+        return budget_tokens_from_bytes(nbytes, *dims, compute, token_head_bytes=kv_token_head_bytes(kv, 64, compute))
+
+    bf16, fp32, int8, int4 = tokens("bfloat16"), tokens("float32"), tokens("int8"), tokens("int4")
+    per_scale = 64 / 66  # the float16 scale per token and head
+    assert bf16 == 2 * fp32 or bf16 == 2 * fp32 + 1
+    assert abs(int8 - 2 * bf16 * per_scale) <= 2 and abs(int8 - 4 * fp32 * per_scale) <= 4
+    assert abs(int4 - 4 * bf16 * 64 / 68) <= 4
+    assert int8 / bf16 > 1.93 and tokens("auto", 2) == bf16
+
+
+def test_allocated_bytes_count_codes_scales_and_the_scratch():
+    model = tiny_llama()
+    plain = kv_engine(model, "sink", 40, "auto").new_cache()
+    coded = kv_engine(model, "sink", 40, "int8").new_cache()
+    g0, g1 = plain.groups()[0], coded.groups()[0]
+    assert g1.bytes_per_token_head() == 16 + 2 and g0.bytes_per_token_head() == 16 * 4
+    assert g1.allocated_bytes() == g1.slots * g1.num_heads * 2 * 18
+    assert coded.kv_bytes_per_token() == 2 * 2 * 2 * 18  # layers · heads · K+V · bytes
+    assert coded.promised_bytes() == 2 * 2 * 2 * 18 * 40
+    assert math.isclose(coded.kv_scratch.nbytes(), 0)  # nothing read yet: no scratch
+
+
+# -- CLI, stats and .kvc ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qenv(tmp_path_factory):
+    import random
+
+    from tests.test_store import WORDS, _checkpoint
+
+    root = tmp_path_factory.mktemp("kvquant")
+    doc = root / "doc.txt"
+    rng = random.Random(3)
+    doc.write_text(" ".join(rng.choice(WORDS[20:]) for _ in range(300)) + "\n", encoding="utf-8")
+    return {"root": root, "model": str(_checkpoint(root / "tiny")), "doc": doc}
+
+
+SETTINGS = ["--policy", "h2o", "--block-size", "16", "--device", "cpu", "--max-new-tokens", "6"]
+
+
+def run_cli(capsys, *args):
+    from kvtool.cli.app import main
+
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_ask_with_int8_holds_more_tokens_in_the_same_bytes(qenv, capsys):
+    """The tiny model (2 layers, 2 KV heads, head dim 8, float32): K+V of a token is 256 bytes in float32,
+    128 in bfloat16 storage, 80 in int8 (8 codes + a 2-byte scale, per head, K and V)."""
+    import json
+
+    budget = 20480
+    stats = {}
+    for kv in ("auto", "bfloat16", "int8", "int4"):
+        rc, out, err = run_cli(capsys, "ask", qenv["doc"], "what is it", "--model", qenv["model"], *SETTINGS,
+                               "--budget", f"{budget}B", "--kv-dtype", kv, "--json", "-q")
+        assert rc == 0, err
+        stats[kv] = json.loads(out)["stats"]
+    per_token = {kv: s["kv_bytes_per_token"] for kv, s in stats.items()}
+    assert per_token == {"auto": 256, "bfloat16": 128, "int8": 80, "int4": 48}
+    assert {kv: s["kv_dtype"] for kv, s in stats.items()} == {"auto": "float32", "bfloat16": "bfloat16",
+                                                             "int8": "int8", "int4": "int4"}
+    for kv, s in stats.items():
+        assert s["budget"] == budget // per_token[kv] and s["kv_budget_bytes"] <= budget
+        assert "bytes of K+V per token in" in s["budget_conversion"]
+    assert stats["int8"]["budget"] == 256 and stats["bfloat16"]["budget"] == 160
+
+
+def test_profile_plans_the_quantized_cache(qenv, capsys):
+    import json
+
+    args = ["profile", "--model", qenv["model"], *SETTINGS[:6], "--budget", "64", "--json", "-q"]
+    plans = {}
+    for kv in ("auto", "int8"):
+        rc, out, err = run_cli(capsys, *args, "--kv-dtype", kv)
+        assert rc == 0, err
+        plans[kv] = json.loads(out)
+    auto, int8 = plans["auto"], plans["int8"]
+    assert auto["kv_dtype"] == "float32" and int8["kv_dtype"] == "int8"
+    assert int8["kv_bytes_per_token"]["total"] == 80 and auto["kv_bytes_per_token"]["total"] == 256
+    assert int8["kv_bytes_at_budget"]["promised"] == 64 * 80
+    assert auto["kv_decode_scratch_bytes"] == 0
+    assert int8["kv_decode_scratch_bytes"] == 2 * (64 + 16) * 2 * 8 * 4  # one layer's K, V in float32
+
+
+def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "q.kvc"
+    read = ["--model", qenv["model"], *SETTINGS[:-2], "--budget", "40"]
+    base = [*read, *SETTINGS[-2:]]
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", out, *read, "--kv-dtype", "int8", "-q")
+    assert rc == 0, err
+    plain = tmp_path / "p.kvc"
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", plain, *read, "-q")
+    assert rc == 0, err
+    rc, info, _ = run_cli(capsys, "inspect", out, "--json")
+    desc = json.loads(info)
+    meta = desc["metadata"]
+    assert meta["format_version"] == 2 and meta["required_features"] == ["kv_dtype"]
+    assert meta["settings"]["kv_dtype"] == "int8"
+    rc, pinfo, _ = run_cli(capsys, "inspect", plain, "--json")
+    pdesc = json.loads(pinfo)
+    assert pdesc["metadata"]["format_version"] == 1 and "required_features" not in pdesc["metadata"]
+    assert desc["kv_bytes"] == 2 * 2 * 40 * 2 * (8 + 2) and pdesc["kv_bytes"] == 2 * 2 * 40 * 2 * 8 * 4
+    assert out.stat().st_size < plain.stat().st_size
+
+    q = ["what is the castle", "where is the ship"]
+    rc, from_doc, err = run_cli(capsys, "ask", qenv["doc"], *q, *base, "--kv-dtype", "int8", "--json", "-q")
+    assert rc == 0, err
+    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6",
+                                "--json", "-q")
+    assert rc == 0, err
+    assert json.loads(from_doc)["answers"] == json.loads(from_kvc)["answers"]
+    assert json.loads(from_kvc)["stats"]["kv_dtype"] == "int8"
+    rc, _, err = run_cli(capsys, "ask", out, "q", "--model", qenv["model"], "--kv-dtype", "int4", "-q")
+    assert rc == 2 and "prefilled with --kv-dtype int8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qenv, tmp_path, capsys, monkeypatch):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from kvtool.kvc import format as kvc_format
+
+    src = tmp_path / "q.kvc"
+    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", src, "--model", qenv["model"], *SETTINGS[:-2],
+                         "--budget", "40", "--kv-dtype", "int4", "-q")
+    assert rc == 0, err
+    with safe_open(str(src), "pt") as f:
+        md = dict(f.metadata())
+    meta = json.loads(md["kvtool"])
+    meta["required_features"] = ["kv_dtype", "kv_magic"]
+    bad = tmp_path / "magic.kvc"
+    save_file(load_file(str(src)), str(bad), metadata={**md, "kvtool": json.dumps(meta)})
+    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 2")):
+        if path == src:  # a kvtool that reads format 1 only (what a release before --kv-dtype does)
+            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 1)
+        for args in (["ask", path, "q", "--model", qenv["model"], "-q"], ["inspect", path]):
+            rc, _, err = run_cli(capsys, *args)
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert rc == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "qwen3"])
+def test_every_family_reads_with_an_int8_cache(family):
+    """Sliding-window layers, softcapping and per-layer RoPE read coded K/V like the others."""
+    from tests.helpers import FAMILY_WINDOW, tiny_family
+
+    model = tiny_family(family)
+    ids = ids_of(2 * FAMILY_WINDOW + 30, 5)
+    dense = dense_logits(model, ids)
+    got, _ = stream_logits(kv_engine(model, "full", None, "int8", block_size=8), ids)
+    assert (got - dense).abs().max() <= 5e-2
+    got, cache = stream_logits(kv_engine(model, "h2o", 40, "int8", block_size=8, positions="compact"), ids)
+    assert got.isfinite().all() and cache.counters.evicted_tokens > 0
+
+
+def test_kv_dtype_is_a_validated_setting_and_profile_key(tmp_path):
+    from kvtool.runtime.settings import PROFILE_KEYS, resolve_settings
+
+    assert "kv_dtype" in PROFILE_KEYS
+    prof = tmp_path / "q.yaml"
+    prof.write_text("kv_dtype: int4\nbudget: 64MiB\n", encoding="utf-8")
+    assert resolve_settings(prof).kv_dtype == "int4"
+    assert resolve_settings(prof, {"kv_dtype": "int8"}).kv_dtype == "int8"
+    assert resolve_settings(None).kv_dtype == "auto"
+    for bad in ("int2", "fp8", 8):
+        with pytest.raises(UsageError, match="kv_dtype"):
+            resolve_settings(None, {"kv_dtype": bad})
+
+
+def test_eval_grids_take_kv_dtype(qenv, capsys):
+    import json
+
+    base = ["eval", "ppl", "--text", qenv["doc"], "--model", qenv["model"], "--context", "64", "--continuation", "6",
+            "--samples", "1", "--policies", "full", "--block-size", "32", "--device", "cpu", "--json", "-q"]
+    reports = {}
+    for kv in ("auto", "int8"):
+        rc, out, err = run_cli(capsys, *base, "--kv-dtype", kv)
+        assert rc == 0, err
+        reports[kv] = json.loads(out)
+    assert "kv_dtype" not in reports["auto"]["settings"] and reports["int8"]["settings"]["kv_dtype"] == "int8"
+    exact, coded = reports["auto"]["results"][0], reports["int8"]["results"][0]
+    assert exact["kl"] == pytest.approx(0.0, abs=1e-5) and 0 < coded["kl"] < 1e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_original_keys_of_blocks_read_after_a_renormalisation_are_at_their_original_position(kv_dtype):
+    """``origin`` holds each key at its stream position: a block appended while compact positions differ
+    from stream positions (after a renormalisation or the switch of ``auto``) is rotated back before it is
+    stored there, or every later re-pack would put its keys at the wrong distance (16-bit caches too)."""
+    model = tiny_llama(max_positions=64).to(torch.bfloat16)
+    engine = kv_engine(model, "h2o", 24, kv_dtype, block_size=4, positions="compact")
+    cache = engine.new_cache()
+    engine.feed(cache, [ids_of(203, 0)], progress=False)
+    g = cache.layers[0].groups[0]
+    n = g.length
+    with torch.inference_mode():
+        delta = g.rotary[:, :n] - g.positions[:, :n]
+        assert (delta != 0).all() and delta.unique().numel() > 1  # renormalised, tokens from both frames
+        stored, origin = g.stored_keys().float().clone(), g.origin_keys(n).float()
+        want = g.rotator.rotate(origin, delta)
+    assert (stored - want).abs().max() < 2e-2  # two roundings (bfloat16 or int8), not a wrong rotation

@@ -31,8 +31,8 @@ from kvtool.core.families import check_supported, window_specs
 from kvtool.core.layout import layer_windows, text_config
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
-from kvtool.core.sampling import Sampler, greedy
 from kvtool.core.quant import codec_for
+from kvtool.core.sampling import Sampler, greedy
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")

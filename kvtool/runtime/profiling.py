@@ -204,14 +204,7 @@ def plan(
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
-    recall_tokens = parse_recall(settings.recall) if budget is not None else 0
-    if recall_tokens:
-        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
-                                original_keys))
-        if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
-            out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
-        if out["predicted_peak_bytes"] is not None:
-            out["predicted_peak_bytes"] += out["recall_slots_bytes"]
+    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys)
     if doc_tokens is not None:
         out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
                                    baseline + weights_offset,
@@ -275,6 +268,19 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
     peak["predicted_peak_bytes"] += weights_offset
     peak["weights_bytes"] = weights
     return peak
+
+
+def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, dims: Mapping[str, int],
+                budget: int | None, doc_tokens: int | None, original_keys: bool) -> None:
+    """Recall's part of the plan (its slots in the peak; a document's archive on disk), in place."""
+    recall_tokens = parse_recall(settings.recall) if budget is not None else 0
+    if recall_tokens:
+        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
+                                original_keys))
+        if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
+            out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
+        if out["predicted_peak_bytes"] is not None:
+            out["predicted_peak_bytes"] += out["recall_slots_bytes"]
 
 
 def _archive_on_disk(per_token: Mapping[str, int], doc_tokens: int, budget: int, recall: str) -> dict[str, Any]:

@@ -267,7 +267,8 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     assert code == 0, err
     stats = json.loads(out)["stats"]
     split = stats["kv_cache_bytes_by_layer_kind"]
-    assert split["global"] == (120 + 16) * 256 and split["sliding"] == 2 * (23 + 16) * 256
+    recalled = stats["recalled_tokens_max"]  # recall (the default) grows the global layer's slots only
+    assert split["global"] == (120 + 16 + recalled) * 256 and split["sliding"] == 2 * (23 + 16) * 256
     assert split["global"] + split["sliding"] == stats["kv_cache_bytes"]
 
 

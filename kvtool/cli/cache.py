@@ -81,14 +81,23 @@ def inspect(
     _print_inspect(info)
 
 
-def _archive_rows(arch: dict[str, Any] | None) -> list[tuple[str, str]]:
+def _archive_rows(arch: Any) -> list[tuple[str, str]]:
+    """The archive's lines of ``inspect``; the metadata is the file's word, so nothing in it is trusted."""
     if not arch:
         return [("archive", "none (questions are answered without recall)")]
-    recall = arch.get("recall")
+    if not isinstance(arch, dict):
+        return [("archive", "unusable metadata (questions are answered without recall)")]
+
+    def count(key: str) -> int:
+        v = arch.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 else 0
+
+    recall = count("recall")
     return [
-        ("archive", f"{arch.get('file')} ({format_bytes(int(arch.get('bytes', 0)))})"),
-        ("archive pages", f"{arch.get('pages', 0):,} pages of {arch.get('page_size')} tokens, {arch.get('dtype')}"),
-        ("archived", f"{arch.get('tokens', 0):,} token-heads evicted"
+        ("archive", f"{printable(str(arch.get('file')), one_line=True)} ({format_bytes(count('bytes'))})"),
+        ("archive pages", f"{count('pages'):,} pages of {count('page_size')} tokens, "
+                          f"{printable(str(arch.get('dtype')), one_line=True)}"),
+        ("archived", f"{count('tokens'):,} token-heads evicted"
                      + (f"; asking recalls {recall} tokens per KV head" if recall else "")),
     ]
 

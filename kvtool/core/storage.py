@@ -401,9 +401,12 @@ class HeadGroup:
             return
         need = max(self.max_slots, (self.base_capacity or 0) + self.block_size + extra)
         self.max_slots = need
-        if self.slots < need:
-            _check_free(self, need, recalled=extra)
-            self.buffers.resize(need, self.length)
+        # buffers preallocated to capacity + block grow to ``need`` at once; buffers still growing lazily
+        # (a budget or block far above the document) grow by ``extra`` only, later appends grow them further
+        target = min(need, self.slots + extra)
+        if self.slots < target:
+            _check_free(self, target, recalled=extra)
+            self.buffers.resize(target, self.length)
 
     def append(self, key_states: Tensor, value_states: Tensor, positions: Tensor, rotary: Tensor | None = None) -> None:
         """Write a block's keys/values ([1, Hkv, m, d] for all KV heads of the layer)."""

@@ -1,4 +1,5 @@
-"""Attention error of quantized K/V on the embedded model: per-token scales (kvtool) vs KIVI's per-channel keys.
+"""Attention error of quantized K/V on the embedded model: per-token scales, Hadamard-rotated or not (kvtool
+rotates), vs KIVI's per-channel keys.
 
     python bench/kv_quant_error.py                 # 1,024 tokens of Pride and Prejudice, int8 and int4
 
@@ -62,12 +63,12 @@ def attend(q, k, v, scaling: float):
     return torch.softmax(s, -1) @ v
 
 
-def per_token(x, name: str):
+def per_token(x, name: str, rotate: bool = True):
     import torch
 
     from kvtool.core.quant import KVCodec
 
-    codec = KVCodec(name)
+    codec = KVCodec(name, rotate=rotate)
     data, scale = codec.encode(x)
     return codec.decode(data, scale, torch.empty_like(x))
 
@@ -91,11 +92,15 @@ def main() -> None:
     args = ap.parse_args()
     layers = capture(args.tokens, args.text)
     ways = {
-        "K and V per token": lambda k, v, n: (per_token(k, n), per_token(v, n)),
-        "K per token": lambda k, v, n: (per_token(k, n), v),
-        "V per token": lambda k, v, n: (k, per_token(v, n)),
+        "K and V per token, rotated (this cache)": lambda k, v, n: (per_token(k, n), per_token(v, n)),
+        "K and V per token, not rotated": lambda k, v, n: (per_token(k, n, False), per_token(v, n, False)),
+        "K per token, rotated": lambda k, v, n: (per_token(k, n), v),
+        "K per token, not rotated": lambda k, v, n: (per_token(k, n, False), v),
+        "V per token, rotated": lambda k, v, n: (k, per_token(v, n)),
+        "V per token, not rotated": lambda k, v, n: (k, per_token(v, n, False)),
         "K per channel (KIVI, 32)": lambda k, v, n: (per_channel(k, n), v),
-        "K per channel (KIVI, 32) + V per token": lambda k, v, n: (per_channel(k, n), per_token(v, n)),
+        "K per channel (KIVI, 32) + V per token, not rotated": lambda k, v, n: (per_channel(k, n),
+                                                                                per_token(v, n, False)),
     }
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("int8", "int4"):

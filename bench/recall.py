@@ -57,7 +57,7 @@ def child(args: argparse.Namespace, mode: str) -> dict:
     needle = " The secret number is 71432. Remember it: the secret number is 71432. "  # eval needle's wording
     doc = tok.decode(ids[:half]) + needle + tok.decode(ids[half:])
     over = {"budget": args.budget, "max_new_tokens": 16, "recall": args.recall if mode == "on" else "off",
-            "repetition_penalty": 1.0, "archive_dtype": args.archive_dtype}
+            "repetition_penalty": 1.0, "archive_dtype": args.archive_dtype, "kv_dtype": args.kv_dtype}
     if args.policy:
         over["policy"] = args.policy
     s = Session(resolve_settings(None, over), loaded=loaded)
@@ -81,7 +81,8 @@ def child(args: argparse.Namespace, mode: str) -> dict:
             "ask_seconds": t2 - t1, "wall_seconds": t2 - t0, "recall_seconds": st["recall_seconds"],
             "archive_bytes": st["archive_bytes"], "kv_cache_bytes": st["kv_cache_bytes"],
             "peak_memory_bytes": st["peak_memory_bytes"], "peak_rss_5ms_bytes": max(peak[0], st["peak_memory_bytes"]),
-            "policy": st["policy"], "found": "71432" in ans.answer}
+            "policy": st["policy"], "found": "71432" in ans.answer, "kv_dtype": st["kv_dtype"],
+            "budget_tokens": st["budget"], "kv_bytes_per_token": st["kv_bytes_per_token"]}
 
 
 def main() -> None:
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--recall", default="256")
     ap.add_argument("--policy", default=None, help="default: kvtool's default policy")
     ap.add_argument("--archive-dtype", default="auto", help="how archived K/V are stored (auto: the model's)")
+    ap.add_argument("--kv-dtype", default="auto", help="how the cache stores K/V (auto: the model's)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--text", default=str(ROOT.parent / "shared" / "corpus" / "sherlock_holmes.txt"))
     ap.add_argument("--pool", nargs="+", metavar="JSON",
@@ -111,7 +113,8 @@ def main() -> None:
     for i in range(args.repeats):
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):  # ABBA: a linear drift cancels
             argv = [sys.executable, __file__, "--child", mode, "--length", args.length, "--budget", args.budget,
-                    "--recall", args.recall, "--archive-dtype", args.archive_dtype, "--text", args.text]
+                    "--recall", args.recall, "--archive-dtype", args.archive_dtype, "--kv-dtype", args.kv_dtype,
+                    "--text", args.text]
             if args.policy:
                 argv += ["--policy", args.policy]
             proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)

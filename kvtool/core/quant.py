@@ -1,22 +1,29 @@
 """How a head group stores K/V when not in the model's compute dtype: a narrower float, or int8 / int4.
 
-    store:  x [.., d] (compute dtype) ──encode──▶ data [.., d'] + scale [..] (float16, integers only)
-    read:   data, scale ──decode──▶ a reused scratch [h, slots, d] in the compute dtype ──▶ attention
+    store:  x [.., d] (compute dtype) ──rotate──▶ x·H ──encode──▶ data [.., d'] + scale [..] (float16)
+    read:   data, scale ──decode──▶ (q · scale)·H into a reused scratch [h, slots, d] ──▶ attention
 
-Integer codes are symmetric, one scale per token and KV head (for keys and values alike):
-``scale = absmax / qmax`` (qmax = 127 for int8, 7 for int4), ``q = round(x / scale)``, read back as
-``q · scale``. Every element comes back within half a step (``scale / 2``) of the original. int4 packs two
-codes per byte (``q + 8`` in each nibble), so ``d' = d / 2``. The scale is stored in float16, rounded *up*
-so that ``|x| / scale`` never passes qmax (no clipping) and floored at float16's smallest normal number.
-Encoding what was decoded gives the same codes and scale back (recall re-inserts archived tokens losslessly).
+Integer codes are symmetric, one scale per token and KV head (for keys and values alike), taken after an
+orthonormal Walsh–Hadamard rotation ``H`` of the head dimension (in blocks of the largest power of two
+dividing it; ``H`` is its own inverse): ``y = x·H``, ``scale = absmax(y) / qmax`` (qmax = 127 for int8, 7
+for int4), ``q = round(y / scale)``, read back as ``(q · scale)·H``. In the rotated frame every element
+comes back within half a step (``scale / 2``) of ``y``; ``H`` is orthogonal, so the error's L2 norm per
+token is the same in the model's frame. int4 packs two codes per byte (``q + 8`` in each nibble), so
+``d' = d / 2``. The scale is stored in float16 (nearest; ``|y| / scale`` may pass qmax by 0.05%, which the
+clamp absorbs within the half step) and floored at float16's smallest normal number. In float32, encoding
+what was decoded gives the same codes and scale back (recall re-inserts archived tokens losslessly); a
+16-bit compute dtype's rounding of the decoded values can move a few codes by a step.
+
+Why the rotation: keys have outlier channels; a per-token scale must cover them, leaving a coarse step
+for every other channel. ``H`` spreads each channel over all of them (QuaRot; llama.cpp's rotated
+q4_0), so the scale fits the token's norm instead of its largest channel: on SmolLM2-135M it halves the
+attention error of int8 and of int4, to what KIVI's per-channel keys reach (``bench/kv_quant_error.py``,
+figures in docs/performance.md).
 
 Why per token and head rather than KIVI's per-channel keys: the bounded cache evicts single tokens. A
 per-token scale moves with its token through every gather, permute and ``.kvc`` save; a scale shared by
 a group of tokens along a channel would be left describing tokens that eviction has separated, forcing a
-re-quantization of the survivors on every eviction step (with its error each time). Keys with outlier
-channels pay for it with a coarser step on the other channels of that token: on SmolLM2-135M per-channel
-keys would halve the attention error (``bench/kv_quant_error.py``; the figures are in docs/performance.md),
-and int8 per token stays within a few percent of full precision at every layer.
+re-quantization of the survivors on every eviction step (with its error each time).
 
 Everything is quantized on insert, the block being fed and the recent window included: one code path,
 and the block's own queries see the K/V every later query will see.
@@ -24,6 +31,8 @@ and the block's own queries see the K/V every later query will see.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +50,31 @@ _SCALE_MAX = 65504.0
 _FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@functools.lru_cache(maxsize=16)
+def hadamard_matrix(d: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The orthonormal Walsh–Hadamard matrix [d, d], block-diagonal in blocks of ``b`` = the largest power of
+    two dividing ``d`` (symmetric, its own inverse); built once per (d, dtype, device)."""
+    b = d & -d
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return torch.block_diag(*[h / math.sqrt(b)] * (d // b)).to(dtype=dtype, device=device)
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """``x·H`` over the last dimension (a new tensor)."""
+    return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
+
+
 @dataclass(frozen=True)
 class KVCodec:
-    """A K/V storage format other than the compute dtype: ``name`` ∈ float32, bfloat16, float16, int8, int4."""
+    """A K/V storage format other than the compute dtype: ``name`` ∈ float32, bfloat16, float16, int8, int4.
+
+    ``rotate``: integer codes are taken in the Hadamard-rotated frame (the default; False only for
+    ``bench/kv_quant_error.py``'s comparison)."""
 
     name: str
+    rotate: bool = True
 
     @property
     def qmax(self) -> int:
@@ -75,29 +104,41 @@ class KVCodec:
         """``x`` [.., d] → (codes [.., d'], scale [..] float16, or None for a float format)."""
         if not self.integer:
             return x.to(self.storage_dtype), None
-        xf = x.float()
+        xf = hadamard(x.float()) if self.rotate else x.float()
         absmax = xf.abs().amax(-1)
-        exact = (absmax / self.qmax).clamp_(_SCALE_MIN, _SCALE_MAX)
-        scale = exact.to(SCALE_DTYPE)  # rounded up to float16, so |x| / scale <= qmax: no clipping
-        scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, _SCALE_MAX)), scale)
+        # nearest float16: |x| / scale ≤ qmax · (1 + 2⁻¹¹) < qmax + ½, so the clamp stays within half a step;
+        # re-encoding a decoded row finds the same scale (rounding up would move it one ulp each time)
+        scale = (absmax / self.qmax).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
         q = torch.round(xf / scale.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
         if self.name == "int8":
             return q.to(torch.int8), scale
         u = (q + 8).to(torch.uint8)
         return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
-    def decode(self, data: Tensor, scale: Tensor | None, out: Tensor) -> Tensor:
-        """Write the values ``data`` (and ``scale``) stand for into ``out`` [.., d] (any float dtype); returns it."""
+    def decode(self, data: Tensor, scale: Tensor | None, out: Tensor, work: Tensor | None = None) -> Tensor:
+        """Write the values ``data`` (and ``scale``) stand for into ``out`` [h, n, d] (any float dtype); returns it.
+
+        ``work``: a tensor of ``out``'s shape and dtype where rotated codes are scaled before one batched
+        product with ``H`` writes ``out`` (None: allocated here; the scratch passes its own)."""
         if not self.integer:
             return out.copy_(data)
         assert scale is not None
+        scaled = out
+        if self.rotate:
+            scaled = work if work is not None else torch.empty_like(out)
         if self.name == "int8":
-            return out.copy_(data).mul_(scale.unsqueeze(-1))
-        # in place on ``out`` (no temporaries): low nibble = byte mod 16, high nibble = byte // 16
-        pairs = out.unflatten(-1, (-1, 2))  # [.., d/2, 2]: the even and odd elements of each byte
-        pairs[..., 0].copy_(data).remainder_(16)
-        pairs[..., 1].copy_(data).div_(16, rounding_mode="floor")
-        return out.sub_(8).mul_(scale.unsqueeze(-1))
+            scaled.copy_(data).mul_(scale.unsqueeze(-1))
+        else:  # in place (no temporaries): low nibble = byte mod 16, high nibble = byte // 16
+            pairs = scaled.unflatten(-1, (-1, 2))  # [.., d/2, 2]: the even and odd elements of each byte
+            pairs[..., 0].copy_(data).remainder_(16)
+            pairs[..., 1].copy_(data).div_(16, rounding_mode="floor")
+            scaled.sub_(8).mul_(scale.unsqueeze(-1))
+        if not self.rotate:
+            return out
+        h = hadamard_matrix(out.shape[-1], out.dtype, out.device)
+        if out.dim() != 3:  # not the cache's [h, n, d] (a caller's own tensor): one product, allocated
+            return out.copy_(scaled @ h)
+        return torch.bmm(scaled, h.expand(out.shape[0], -1, -1), out=out)  # writes a strided ``out`` in place
 
 
 def codec_for(kv_dtype: str | None, compute: torch.dtype, head_dim: int) -> KVCodec | None:
@@ -116,7 +157,8 @@ class Scratch:
 
     Attention, the policy's scores and the archive read a group's K/V within one layer's step; every layer
     decodes into the same storage, so its size is one group's K/V at full precision (the largest group),
-    grown only when a group's slots grow, never per block or token.
+    grown only when a group's slots grow, never per block or token; plus one more such buffer where rotated
+    integer codes are scaled before the product with ``H`` writes the decoded K (or V).
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -124,6 +166,7 @@ class Scratch:
         self.device = device
         self.keys = torch.empty(0, dtype=dtype, device=device)
         self.values = torch.empty(0, dtype=dtype, device=device)
+        self.scaled = torch.empty(0, dtype=dtype, device=device)
 
     def views(self, h: int, slots: int, d: int) -> tuple[Tensor, Tensor]:
         """Key and value buffers viewed as [h, slots, d] (contents undefined until decoded into)."""
@@ -134,5 +177,12 @@ class Scratch:
             self.values = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.keys[:numel].view(h, slots, d), self.values[:numel].view(h, slots, d)
 
+    def work(self, shape: torch.Size) -> Tensor:
+        """A buffer of ``shape`` in the compute dtype where ``KVCodec.decode`` scales rotated codes."""
+        numel = shape.numel()
+        if numel > self.scaled.numel() or (self.scaled.is_inference() and not torch.is_inference_mode_enabled()):
+            self.scaled = torch.empty(max(numel, self.keys.numel()), dtype=self.dtype, device=self.device)
+        return self.scaled[:numel].view(shape)
+
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return (2 * self.keys.numel() + self.scaled.numel()) * self.keys.element_size()

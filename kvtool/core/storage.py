@@ -313,7 +313,8 @@ class HeadGroup:
         assert self.codec is not None
         data = self.buffers[name][:, start:stop]
         scale = self.buffers[SCALES[name]][:, start:stop] if self.codec.integer else None
-        return self.codec.decode(data, scale, out)
+        work = self.scratch.work(out.shape) if self.scratch is not None and self.codec.integer else None
+        return self.codec.decode(data, scale, out, work)
 
     def _scratch(self) -> tuple[Tensor, Tensor]:
         """The shared decode buffers viewed as [h, off + slots, d] for this group."""

@@ -200,10 +200,11 @@ def load_once(grid: Grid, say: Any = None) -> Any:
     return load_model(s.model, s.device, s.dtype, s.quantize, progress=say)
 
 
-def make_session(grid: Grid, run: Run, loaded: Any, say: Any = None) -> Any:
+def make_session(grid: Grid, run: Run, loaded: Any, say: Any = None, **overrides: Any) -> Any:
+    """A session for one run of the grid; ``overrides``: settings replaced for it (e.g. a reference's)."""
     from kvtool.runtime.session import Session
 
-    return Session(grid.settings_for(run), listener=None, say=say, loaded=loaded)
+    return Session(dataclasses.replace(grid.settings_for(run), **overrides), listener=None, say=say, loaded=loaded)
 
 
 def model_settings(loaded: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Fidelity to dense, reference-free: what eviction changes in the answers, whatever the model's ability.
 
-For one document and a list of questions, every question is answered by ``full`` (the dense cache:
-the reference) and by each (policy, budget) run of the grid, through the same path as ``kvtool ask``
-(greedy decoding, chat template, pinned question). Per question and run:
+For one document and a list of questions, every question is answered by ``full`` (the dense cache in
+the model's dtype, whatever ``--kv-dtype`` the runs use: the reference) and by each (policy, budget) run
+of the grid, through the same path as ``kvtool ask`` (greedy decoding, chat template, pinned question).
+Per question and run:
 
 * **exact match**, **token F1** (SQuAD's bag-of-words F1) and **ROUGE-L** of the run's answer against
   the dense answer (``kvtool.eval.metrics``);
@@ -86,7 +87,8 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
             reporter.doing(f"full: question {i + 1}/{Q}")
             if f"full|{i}" not in log or needs_logits[i]:
                 if dense_session is None:
-                    dense_session = make_session(task.grid, Run("full", None), loaded, reporter.say)
+                    # the reference is the model's own answer: K/V in its dtype whatever --kv-dtype the runs use
+                    dense_session = make_session(task.grid, Run("full", None), loaded, reporter.say, kv_dtype="auto")
                     dense_read = dense_session.read(open_document(str(task.doc_path)))
                 if f"full|{i}" not in log:
                     ans = dense_session.answer(dense_read, _suffix(dense_session, q), q,

@@ -244,11 +244,13 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
 
 def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto") -> int:
     """The buffer coded K/V (``--kv-dtype``) are decoded into for attention: one layer's K and V at the
-    compute dtype, capacity plus one block (``core/quant.py``'s ``Scratch``, shared by every layer); 0 when
-    K/V are stored in the compute dtype."""
+    compute dtype, capacity plus one block (``core/quant.py``'s ``Scratch``, shared by every layer), plus one
+    more K (or V) where integer codes are scaled before their rotation back; 0 when K/V are stored in the
+    compute dtype."""
     if not coded_kv(elem, kv_dtype):
         return 0
-    return 2 * (budget + block) * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes(elem)
+    buffers = 3 if kv_dtype in ("int8", "int4") else 2
+    return buffers * (budget + block) * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes(elem)
 
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:

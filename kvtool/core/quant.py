@@ -171,8 +171,7 @@ class Scratch:
     def views(self, h: int, slots: int, d: int) -> tuple[Tensor, Tensor]:
         """Key and value buffers viewed as [h, slots, d] (contents undefined until decoded into)."""
         numel = h * slots * d
-        # a buffer made under inference mode cannot be written outside it (a read after the engine's step)
-        if numel > self.keys.numel() or (self.keys.is_inference() and not torch.is_inference_mode_enabled()):
+        if _too_small(self.keys, numel):
             self.keys = torch.empty(numel, dtype=self.dtype, device=self.device)
             self.values = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.keys[:numel].view(h, slots, d), self.values[:numel].view(h, slots, d)
@@ -180,9 +179,15 @@ class Scratch:
     def work(self, shape: torch.Size) -> Tensor:
         """A buffer of ``shape`` in the compute dtype where ``KVCodec.decode`` scales rotated codes."""
         numel = shape.numel()
-        if numel > self.scaled.numel() or (self.scaled.is_inference() and not torch.is_inference_mode_enabled()):
+        if _too_small(self.scaled, numel):
             self.scaled = torch.empty(max(numel, self.keys.numel()), dtype=self.dtype, device=self.device)
         return self.scaled[:numel].view(shape)
 
     def nbytes(self) -> int:
         return (2 * self.keys.numel() + self.scaled.numel()) * self.keys.element_size()
+
+
+def _too_small(buf: Tensor, numel: int) -> bool:
+    """Whether ``buf`` must be replaced to hold ``numel`` elements now: too small, or made under inference
+    mode and read outside it (a read after the engine's step cannot write an inference tensor)."""
+    return numel > buf.numel() or (buf.is_inference() and not torch.is_inference_mode_enabled())

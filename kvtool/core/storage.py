@@ -313,16 +313,8 @@ class HeadGroup:
         assert self.codec is not None
         data = self.buffers[name][:, start:stop]
         scale = self.buffers[SCALES[name]][:, start:stop] if self.codec.integer else None
-        return self.codec.decode(data, scale, out, self._work(out.shape))
-
-    def _work(self, shape: torch.Size) -> Tensor | None:
-        """The shared buffer a rotated integer decode of ``shape`` scales its codes in (None: not needed)."""
-        c = self.codec
-        if c is None or not (c.integer and c.rotate):
-            return None
-        if self.scratch is None:
-            self.scratch = Scratch(self.dtype, self.device)
-        return self.scratch.work(shape)
+        work = self.scratch.work(out.shape) if self.scratch is not None and self.codec.integer else None
+        return self.codec.decode(data, scale, out, work)
 
     def _scratch(self) -> tuple[Tensor, Tensor]:
         """The shared decode buffers viewed as [h, off + slots, d] for this group."""
@@ -442,10 +434,9 @@ class HeadGroup:
         if "origin" in self.buffers:
             row.update(self._encoded("origin", original))
         if self.codec is not None and self.state_fields:  # scores see the K/V attention reads
-            keys = self.codec.decode(row["keys"], row.get("key_scale"),  # type: ignore[arg-type]
-                                     torch.empty_like(keys), self._work(keys.shape))
+            keys = self.codec.decode(row["keys"], row.get("key_scale"), torch.empty_like(keys))  # type: ignore[arg-type]
             values = self.codec.decode(row["values"], row.get("value_scale"),  # type: ignore[arg-type]
-                                       torch.empty_like(values), self._work(values.shape))
+                                       torch.empty_like(values))
         row["state"] = self.new_state(keys, values)
         self.length += self.buffers.write(self.length, row)
 

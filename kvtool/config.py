@@ -61,6 +61,18 @@ def kv_token_head_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int
     return head_dim * DTYPE_BYTES[dtype_name(kv_dtype)]
 
 
+#: ``--kv-dtype`` values whose newest tokens are also kept in 16 bits (KIVI's full-precision residual), and how
+#: many: int4's perplexity gap at equal tokens falls from +16% to within 1% with 128 (docs/results.md); int8
+#: is within 1% without one
+KV_WINDOW_TOKENS = {"int4": 128}
+
+
+def kv_window_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:
+    """Bytes of K plus V of the full-precision window in one layer and KV head (0 without one): kept in the
+    compute dtype when it is 16-bit, in bfloat16 for a float32 model."""
+    return 2 * KV_WINDOW_TOKENS.get(kv_dtype, 0) * head_dim * min(compute_bytes, 2)
+
+
 def kvtool_home() -> Path:
     """kvtool's per-user directory: ``$KVTOOL_HOME``, else ``$XDG_CACHE_HOME/kvtool``, else ``~/.cache/kvtool``.
 

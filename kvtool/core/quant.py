@@ -25,22 +25,27 @@ per-token scale moves with its token through every gather, permute and ``.kvc`` 
 a group of tokens along a channel would be left describing tokens that eviction has separated, forcing a
 re-quantization of the survivors on every eviction step (with its error each time).
 
-Everything is quantized on insert, the block being fed and the recent window included: one code path,
-and the block's own queries see the K/V every later query will see.
+Everything is quantized on insert, the block being fed included: one code path. int4 also keeps its newest
+``config.KV_WINDOW_TOKENS`` tokens in 16 bits beside their codes (``RecentWindow``, KIVI's full-precision
+residual): most of a query's attention goes to its nearest tokens, and int4's step on them is what cost
++16% perplexity at equal tokens; with the window it is within 1% (docs/results.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvtool.config import kv_token_head_bytes
+from kvtool.config import KV_WINDOW_TOKENS, kv_token_head_bytes
 from kvtool.errors import UsageError
 
+#: a layer's RoPE rotation: keys [h, n, d] turned by [h, n] positions (``positions.Rotator.rotate``)
+Rotate = Callable[[Tensor, Tensor], Tensor]
 #: ``--kv-dtype`` values that store integer codes (the others are float dtypes)
 INTEGER_KV = {"int8": 127, "int4": 7}
 #: the scales' dtype (2 bytes per token, head and K/V)
@@ -92,6 +97,11 @@ class KVCodec:
             return torch.uint8
         return _FLOATS[self.name]
 
+    @property
+    def window(self) -> int:
+        """Newest tokens also kept in 16 bits (``RecentWindow``; 0: none)."""
+        return KV_WINDOW_TOKENS.get(self.name, 0)
+
     def tail(self, head_dim: int) -> int:
         """Stored elements per token and head (int4: two codes per byte)."""
         return head_dim // 2 if self.name == "int4" else head_dim
@@ -115,11 +125,13 @@ class KVCodec:
         u = (q + 8).to(torch.uint8)
         return u[..., 0::2] | (u[..., 1::2] << 4), scale
 
-    def decode(self, data: Tensor, scale: Tensor | None, out: Tensor, work: Tensor | None = None) -> Tensor:
+    def decode(self, data: Tensor, scale: Tensor | None, out: Tensor, work: Tensor | None = None,
+               scratch: Scratch | None = None) -> Tensor:
         """Write the values ``data`` (and ``scale``) stand for into ``out`` [h, n, d] (any float dtype); returns it.
 
         ``work``: a tensor of ``out``'s shape and dtype where rotated codes are scaled before one batched
-        product with ``H`` writes ``out`` (None: allocated here; the scratch passes its own)."""
+        product with ``H`` writes ``out`` (None: allocated here; the scratch passes its own). ``scratch``:
+        where int4's nibbles are split (None: allocated here)."""
         if not self.integer:
             return out.copy_(data)
         assert scale is not None
@@ -128,10 +140,12 @@ class KVCodec:
             scaled = work if work is not None else torch.empty_like(out)
         if self.name == "int8":
             scaled.copy_(data).mul_(scale.unsqueeze(-1))
-        else:  # in place (no temporaries): low nibble = byte mod 16, high nibble = byte // 16
+        else:  # the nibbles split in uint8 (a float remainder and floor division cost 4× the whole decode)
+            low = torch.empty_like(data) if scratch is None else scratch.buffer("low", tuple(data.shape), data.dtype)
+            high = torch.empty_like(data) if scratch is None else scratch.buffer("high", tuple(data.shape), data.dtype)
             pairs = scaled.unflatten(-1, (-1, 2))  # [.., d/2, 2]: the even and odd elements of each byte
-            pairs[..., 0].copy_(data).remainder_(16)
-            pairs[..., 1].copy_(data).div_(16, rounding_mode="floor")
+            pairs[..., 0].copy_(torch.bitwise_and(data, 15, out=low))
+            pairs[..., 1].copy_(torch.bitwise_right_shift(data, 4, out=high))
             scaled.sub_(8).mul_(scale.unsqueeze(-1))
         if not self.rotate:
             return out
@@ -167,6 +181,7 @@ class Scratch:
         self.keys = torch.empty(0, dtype=dtype, device=device)
         self.values = torch.empty(0, dtype=dtype, device=device)
         self.scaled = torch.empty(0, dtype=dtype, device=device)
+        self.extra: dict[str, Tensor] = {}  # int4's window reads (``RecentWindow``), by name
 
     def views(self, h: int, slots: int, d: int) -> tuple[Tensor, Tensor]:
         """Key and value buffers viewed as [h, slots, d] (contents undefined until decoded into)."""
@@ -183,11 +198,84 @@ class Scratch:
             self.scaled = torch.empty(max(numel, self.keys.numel()), dtype=self.dtype, device=self.device)
         return self.scaled[:numel].view(shape)
 
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A named buffer viewed as ``shape`` (contents undefined), grown only when a larger one is asked for."""
+        numel = math.prod(shape)
+        buf = self.extra.get(name)
+        if buf is None or buf.dtype != dtype or _too_small(buf, numel):
+            buf = self.extra[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel].view(shape)
+
     def nbytes(self) -> int:
-        return (2 * self.keys.numel() + self.scaled.numel()) * self.keys.element_size()
+        extra = sum(b.numel() * b.element_size() for b in self.extra.values())
+        return (2 * self.keys.numel() + self.scaled.numel()) * self.keys.element_size() + extra
 
 
 def _too_small(buf: Tensor, numel: int) -> bool:
     """Whether ``buf`` must be replaced to hold ``numel`` elements now: too small, or made under inference
     mode and read outside it (a read after the engine's step cannot write an inference tensor)."""
     return numel > buf.numel() or (buf.is_inference() and not torch.is_inference_mode_enabled())
+
+
+class RecentWindow:
+    """The K/V of a group's newest ``size`` appended tokens in 16 bits, beside their codes (KIVI's residual).
+
+    Rows are indexed by original position modulo ``size`` and remember the position they hold, so eviction's
+    gathers, recall's merges and re-packs, which move slots, never touch it: a read decodes every stored
+    token from its codes, then a stored token whose position its row holds (one of the newest ``size``)
+    reads the row instead. Keys are kept at their original positions (the model's own rotation) and turned
+    to the RoPE position a token holds now when read, so a compact re-pack costs the window nothing.
+    Recalled tokens (older positions) never enter it. Kept in the compute dtype when it is 16-bit, in
+    bfloat16 for a float32 model (its rounding is 50× finer than int4's step).
+    """
+
+    def __init__(self, heads: int, size: int, head_dim: int, compute: torch.dtype, device: torch.device) -> None:
+        dtype = torch.bfloat16 if compute.itemsize > 2 else compute
+        self.size = size
+        self.keys = torch.zeros(heads, size, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.pos = torch.full((heads, size), -1, dtype=torch.long, device=device)
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size() + self.pos.numel() * self.pos.element_size()
+
+    def record(self, keys: Tensor, values: Tensor, positions: Tensor, scratch: Scratch) -> None:
+        """Remember appended tokens: ``keys`` [h, m, d] at their original positions, ``positions`` [h, m]
+        consecutive and the newest (only the last ``size`` of a longer block)."""
+        m = min(keys.shape[1], self.size)
+        rows = torch.remainder(positions[0, -m:], self.size, out=scratch.buffer("rows", (m,), torch.long))
+        self.keys.index_copy_(1, rows, keys[:, -m:].to(self.keys.dtype))
+        self.values.index_copy_(1, rows, values[:, -m:].to(self.values.dtype))
+        self.pos.index_copy_(1, rows, positions[:, -m:])
+
+    def overlay(self, name: str, out: Tensor, positions: Tensor, shift: Tensor | None, rotate: Rotate | None,
+                scratch: Scratch) -> None:
+        """Write the window's K (``name`` "keys" or "origin") or V ("values") over the stored tokens of
+        ``out`` [h, w, d] (the newest w ≤ ``size`` stored tokens, at ``positions`` [h, w]) it holds.
+
+        ``shift`` [h, w]: RoPE position minus original position of those tokens, ``rotate`` the layer's
+        rotation, for keys read at compact positions (None: keys read at their original positions).
+        Works in ``scratch``'s shared buffers: a read allocates nothing (but the rotation's)."""
+        h, w = positions.shape
+        table = self.values if name == "values" else self.keys
+        rows = torch.remainder(positions, self.size, out=scratch.buffer("rows", (h, w), torch.long))
+        held = torch.gather(self.pos, 1, rows, out=scratch.buffer("held", (h, w), torch.long))
+        ok = torch.eq(held, positions, out=scratch.buffer("ok", (h, w), torch.bool))
+        src = scratch.buffer("rows16", (h, w, table.shape[-1]), table.dtype)
+        torch.gather(table, 1, rows.unsqueeze(-1).expand(-1, -1, table.shape[-1]), out=src)
+        row = src if name != "keys" or rotate is None or shift is None else rotate(src, shift)
+        torch.where(ok.unsqueeze(-1), row, out, out=out)
+
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+
+    def state(self) -> dict[str, Tensor]:
+        return {"window_keys": self.keys, "window_values": self.values, "window_pos": self.pos}
+
+    def load(self, tensors: dict[str, Tensor]) -> None:
+        """Restore from ``state()``'s tensors; a file without them reads every token from its codes."""
+        if "window_pos" not in tensors or tensors["window_pos"].shape != self.pos.shape:
+            self.reset()
+            return
+        for name, t in self.state().items():
+            t.copy_(tensors[name])

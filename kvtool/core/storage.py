@@ -14,25 +14,27 @@ Layout (one ``HeadGroup`` per group of KV heads of a layer that share a capacity
 With ``--kv-dtype`` other than the compute dtype (``kvtool/core/quant.py``) keys, values and origin hold
 codes (a narrower float, or int8 / int4 with a per-token scale); every reader goes through ``kv()``,
 ``stored_keys()``, ``stored_values()`` or ``origin_keys()``, which decode into the cache's shared scratch,
-and every writer through ``_write``, ``write_keys`` or ``_set_lead``, which encode.
+and every writer through ``_write``, ``write_keys`` or ``_set_lead``, which encode. int4 also keeps its newest
+tokens in 16 bits (``quant.RecentWindow``, outside the registry: indexed by position, not slot), which those
+readers write over the decoded codes.
 
-Every per-token tensor lives in the registry, so eviction, recall's merge, growth and ``.kvc`` loading
-move all of them with the same index; a new per-token buffer is one ``add`` call. Within a group every
-head holds the same number of tokens, so no ragged masks are needed.
+Every per-token tensor lives in the registry (``kvtool/core/buffers.py``), so eviction, recall's merge, growth
+and ``.kvc`` loading move all of them with the same index; a new per-token buffer is one ``add`` call.
+Within a group every head holds the same number of tokens, so no ragged masks are needed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kvtool.core.archive import GroupArchive, dropped_indices
+from kvtool.core.buffers import TokenBuffers
 from kvtool.core.contract import GroupSpec, Policy
 from kvtool.core.positions import Rotator
-from kvtool.core.quant import SCALE_DTYPE, KVCodec, Scratch
+from kvtool.core.quant import SCALE_DTYPE, KVCodec, RecentWindow, Scratch
 from kvtool.errors import UsageError
 
 #: a head group whose full buffers would exceed this starts small and grows (see ``HeadGroup.__init__``)
@@ -56,102 +58,6 @@ def free_device_bytes(device: torch.device) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-@dataclass
-class TokenBuffer:
-    """One per-token tensor: ``data`` with its token axis (the head axis precedes it) and fixed leading slots."""
-
-    data: Tensor
-    axis: int
-    lead: int = 0
-
-    def tokens(self, start: int, stop: int) -> Tensor:
-        """The view of tokens ``start`` … ``stop`` − 1 (the leading slots excluded)."""
-        return self.data.narrow(self.axis, self.lead + start, stop - start)
-
-    def index(self, idx: Tensor) -> Tensor:
-        """``idx`` [h, c] shaped and expanded to gather this buffer's tokens along its axis."""
-        shape = [1] * self.data.dim()
-        shape[self.axis - 1], shape[self.axis] = idx.shape
-        size = list(self.data.shape)
-        size[self.axis] = idx.shape[1]
-        return idx.view(shape).expand(size)
-
-
-class TokenBuffers:
-    """A registry of per-token buffers sharing one slot count; every operation applies to all of them."""
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.items: dict[str, TokenBuffer] = {}
-
-    def add(self, name: str, head_shape: tuple[int, ...], tail: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device, lead: int = 0) -> Tensor:
-        """Register a zeroed buffer ``[*head_shape, lead + slots, *tail]`` (``head_shape`` ends with the heads)."""
-        data = torch.zeros(*head_shape, lead + self.slots, *tail, dtype=dtype, device=device)
-        self.items[name] = TokenBuffer(data, len(head_shape), lead)
-        return data
-
-    def remove(self, name: str) -> None:
-        self.items.pop(name, None)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.items
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self.items[name].data
-
-    def bytes_per_slot(self) -> int:
-        return sum(b.data.numel() // max(1, b.data.shape[b.axis]) * b.data.element_size()
-                   for b in self.items.values())
-
-    def resize(self, slots: int, keep: int) -> None:
-        """Reallocate every buffer with ``slots`` slots, keeping the first ``keep`` tokens (and leading slots)."""
-        for b in self.items.values():
-            shape = list(b.data.shape)
-            shape[b.axis] = b.lead + slots
-            data = torch.zeros(shape, dtype=b.data.dtype, device=b.data.device)
-            n = b.lead + keep
-            data.narrow(b.axis, 0, n).copy_(b.data.narrow(b.axis, 0, n))
-            b.data = data
-        self.slots = slots
-
-    def write(self, start: int, values: dict[str, Tensor | float]) -> int:
-        """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros.
-
-        Returns m, taken from the first tensor value.
-        """
-        m = next(v.shape[self.items[k].axis] for k, v in values.items() if isinstance(v, Tensor))
-        for name, b in self.items.items():
-            dst = b.tokens(start, start + m)
-            v = values.get(name, 0.0)
-            if isinstance(v, Tensor):
-                dst.copy_(v)
-            else:
-                dst.fill_(v)
-        return m
-
-    def gather(self, keep: Tensor, n: int) -> None:
-        """Keep tokens ``keep`` [h, c] (indices into the first ``n``) as tokens 0 … c − 1 of every buffer."""
-        c = keep.shape[1]
-        for b in self.items.values():
-            if b.data.numel() == 0:
-                continue
-            b.tokens(0, c).copy_(b.tokens(0, n).gather(b.axis, b.index(keep)))
-
-    def permute(self, order: Tensor) -> None:
-        """Reorder the first ``order.shape[1]`` tokens of every buffer by ``order`` [h, n] (a permutation)."""
-        self.gather(order, order.shape[1])
-
-    def saved(self, name: str, n: int) -> Tensor:
-        """The leading slots and first ``n`` tokens of a buffer, contiguous (snapshots, ``.kvc``)."""
-        b = self.items[name]
-        return b.data.narrow(b.axis, 0, b.lead + n).contiguous()
-
-    def load(self, name: str, t: Tensor, n: int) -> None:
-        b = self.items[name]
-        b.data.narrow(b.axis, 0, b.lead + n).copy_(t)
 
 
 def _check_free(g: HeadGroup, new_slots: int, recalled: int = 0) -> None:
@@ -196,6 +102,7 @@ class HeadGroup:
         self.codec = codec  # how K/V are stored (None: in ``dtype``)
         self.scratch: Scratch | None = None  # where coded K/V are decoded (BoundedCache shares one)
         h = len(self.heads)
+        self.recent = RecentWindow(h, codec.window, head_dim, dtype, device) if codec and codec.window else None
         # What the run may need is capacity + one block; buffers start there unless that is large, then they
         # start small and double up to it as tokens arrive: a budget or block far above the document's length
         # allocates only what the document fills (growth happens a few times per run, never per token).
@@ -314,13 +221,26 @@ class HeadGroup:
         data = self.buffers[name][:, start:stop]
         scale = self.buffers[SCALES[name]][:, start:stop] if self.codec.integer else None
         work = self.scratch.work(out.shape) if self.scratch is not None and self.codec.integer else None
-        return self.codec.decode(data, scale, out, work)
+        self.codec.decode(data, scale, out, work, self.scratch)
+        if self.recent is not None:  # the window's tokens among them read their 16-bit copy
+            lead = 0 if name == "origin" else self.off
+            a, b = max(start - lead, stop - lead - self.recent.size, 0), stop - lead
+            if b > a:  # keys at compact positions (with "origin" kept) turn from their original ones
+                shift = self.rotary[:, a:b] - self.positions[:, a:b] if "origin" in self.buffers else None
+                rotate = self.rotator.rotate if self.rotator is not None else None
+                self.recent.overlay(name, out[:, out.shape[1] - (b - a):], self.positions[:, a:b], shift, rotate,
+                                    self._shared())
+        return out
+
+    def _shared(self) -> Scratch:
+        """The cache's shared decode scratch (a group used alone makes its own)."""
+        if self.scratch is None:
+            self.scratch = Scratch(self.dtype, self.device)
+        return self.scratch
 
     def _scratch(self) -> tuple[Tensor, Tensor]:
         """The shared decode buffers viewed as [h, off + slots, d] for this group."""
-        if self.scratch is None:
-            self.scratch = Scratch(self.dtype, self.device)
-        return self.scratch.views(self.num_heads, self.off + self.slots, self.head_dim)
+        return self._shared().views(self.num_heads, self.off + self.slots, self.head_dim)
 
     def stored_values(self) -> Tensor:
         """The stored values [h, length, d] as attention reads them (compensation slot excluded)."""
@@ -343,12 +263,9 @@ class HeadGroup:
         Integer codes round the rotated key again, so the policy's per-token constants of those tokens
         (KeyDiff's key norm) are computed again from what attention now reads.
         """
-        e = keys.shape[1]
         self._put("keys", 0, keys)
         if self.codec is not None and self.codec.integer and self.state_fields:
-            consts = self.policy.constants(self.stored_keys()[:, :e], self.stored_values()[:, :e])
-            for name, value in consts.items():
-                self.state[self.state_fields.index(name), :, :e] = value
+            self._refresh_constants(0, keys.shape[1])
 
     def bytes_per_token_head(self) -> int:
         """Bytes of one token's key (or value) in one head as stored, its scale included."""
@@ -368,15 +285,17 @@ class HeadGroup:
     def allocated_bytes(self) -> int:
         """Bytes of the K/V buffers (scales included), and of the original keys' copy when the group keeps one."""
         names = ("keys", "values", "origin", *SCALES.values())
-        return sum(self.buffers[n].numel() * self.buffers[n].element_size() for n in names if n in self.buffers)
+        coded = sum(self.buffers[n].numel() * self.buffers[n].element_size() for n in names if n in self.buffers)
+        return coded + (self.recent.nbytes() if self.recent is not None else 0)
 
     def promised_tokens(self) -> int | None:
         """Tokens per head the budget promises for this group (compensation slot included; recall apart)."""
         return None if self.base_capacity is None else self.base_capacity + self.off
 
     def stored_bytes(self) -> int:
-        """Bytes of K/V actually held (stored tokens and the compensation slot)."""
-        return (self.length + self.off) * 2 * self.bytes_per_token_head() * self.num_heads
+        """Bytes of K/V actually held (stored tokens, the compensation slot and int4's window)."""
+        window = 0 if self.recent is None else 2 * self.recent.keys.numel() * self.recent.keys.element_size()
+        return (self.length + self.off) * 2 * self.bytes_per_token_head() * self.num_heads + window
 
     # -- appending ----------------------------------------------------------------------------
     def grow(self, needed: int) -> None:
@@ -425,20 +344,35 @@ class HeadGroup:
         original = keys
         if "origin" in self.buffers and self.rotator is not None:  # the model rotated the block to ``rot``
             original = self.rotator.rotate(keys, pos - rot)  # a zero delta leaves the key bit-identical
-        self._write(keys, values, pos, rot, original=original)
+        self._write(keys, values, pos, rot, original=original, newest=True)
 
-    def _write(self, keys: Tensor, values: Tensor, positions: Tensor, rotary: Tensor, original: Tensor) -> None:
-        """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions."""
+    def _write(self, keys: Tensor, values: Tensor, positions: Tensor, rotary: Tensor, original: Tensor,
+               newest: bool = False) -> None:
+        """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions;
+        ``newest``: the stream's next tokens (not recalled ones), which enter the full-precision window."""
         row: dict[str, Tensor | float] = {**self._encoded("keys", keys), **self._encoded("values", values),
                                           "positions": positions, "rotary": rotary}
         if "origin" in self.buffers:
             row.update(self._encoded("origin", original))
-        if self.codec is not None and self.state_fields:  # scores see the K/V attention reads
-            keys = self.codec.decode(row["keys"], row.get("key_scale"), torch.empty_like(keys))  # type: ignore[arg-type]
-            values = self.codec.decode(row["values"], row.get("value_scale"),  # type: ignore[arg-type]
-                                       torch.empty_like(values))
+        window = 0
+        if newest and self.recent is not None:
+            self.recent.record(original, values, positions, self._shared())
+            window = self.recent.size
         row["state"] = self.new_state(keys, values)
-        self.length += self.buffers.write(self.length, row)
+        n = self.length
+        self.length += self.buffers.write(n, row)
+        if self.codec is not None and isinstance(row["state"], Tensor):  # tokens leaving the window included
+            self._refresh_constants(max(0, n - window), self.length)
+
+    def _refresh_constants(self, a: int, b: int) -> None:
+        """Recompute the policy's per-token constants (KeyDiff's key norm, VATP's ‖v‖₁) of stored tokens
+        ``a`` … ``b`` − 1 from the K/V attention reads now: scores see what attention sees."""
+        lo, hi = self.off + a, self.off + b
+        k, v = self._scratch()
+        consts = self.policy.constants(self._decoded("keys", lo, hi, k[:, lo:hi]),
+                                       self._decoded("values", lo, hi, v[:, lo:hi]))
+        for name, value in consts.items():
+            self.state[self.state_fields.index(name), :, a:b] = value
 
     def insert(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Merge tokens ([h, T, d] keys at their original ``positions`` [h, T]) with the stored ones, in
@@ -551,6 +485,8 @@ class HeadGroup:
     def reset(self) -> None:
         self.length = 0
         self.comp_count = 0
+        if self.recent is not None:
+            self.recent.reset()
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
             self.comp_key_sum.zero_()
             self.comp_value_sum.zero_()
@@ -558,6 +494,8 @@ class HeadGroup:
     # -- persistence -----------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
         out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in self.persisted}
+        if self.recent is not None:
+            out.update({f"{prefix}.{name}": t.clone() for name, t in self.recent.state().items()})
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
             out[f"{prefix}.comp_key_sum"] = self.comp_key_sum.clone()
             out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
@@ -587,6 +525,8 @@ class HeadGroup:
             b = self.buffers[name]
             self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)
         self.length = n
+        if self.recent is not None:
+            self.recent.load({k: tensors[f"{prefix}.{k}"] for k in self.recent.state() if f"{prefix}.{k}" in tensors})
         if "mass" in self.buffers:
             self.buffers.items["mass"].tokens(0, n).zero_()
         if "origin" in self.buffers:  # back to the original frame: one rounding, not one per re-pack

@@ -21,7 +21,14 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvtool.config import DTYPE_BYTES, QUANT_BYTES_PER_PARAM, dtype_name, kv_token_head_bytes
+from kvtool.config import (
+    DTYPE_BYTES,
+    KV_WINDOW_TOKENS,
+    QUANT_BYTES_PER_PARAM,
+    dtype_name,
+    kv_token_head_bytes,
+    kv_window_bytes,
+)
 from kvtool.core.layout import layer_kinds, window_capacity
 
 DIM_KEYS: tuple[str, ...] = (
@@ -188,16 +195,18 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     ``original_keys`` (see ``keeps_original_keys``): every buffer slot also holds the key at its
     original position, one more key per token, so ``allocated`` is 1.5x; ``promised`` stays the
     budget's K+V (what a byte budget buys), the copy being bookkeeping of the positions mode.
+    int4's full-precision window (``config.kv_window_bytes``) counts in both, once per layer.
     """
     per_layer = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer"]
+    window = kv_window_bytes(kv_dtype, dims["head_dim"], dtype_bytes(elem)) * dims["num_kv_heads"]
     per_slot = per_layer + per_layer // 2 if original_keys else per_layer
     s = layer_split(dims, budget_tokens)
-    glob = {"promised": s["global_layers"] * budget_tokens * per_layer,
-            "allocated": s["global_layers"] * (budget_tokens + block_size) * per_slot}
+    glob = {"promised": s["global_layers"] * (budget_tokens * per_layer + window),
+            "allocated": s["global_layers"] * ((budget_tokens + block_size) * per_slot + window)}
     out: dict[str, Any] = dict(glob)
     if s["sliding_layers"]:
-        slide = {"promised": s["sliding_layers"] * s["sliding_tokens"] * per_layer,
-                 "allocated": s["sliding_layers"] * (s["sliding_tokens"] + block_size) * per_slot}
+        slide = {"promised": s["sliding_layers"] * (s["sliding_tokens"] * per_layer + window),
+                 "allocated": s["sliding_layers"] * ((s["sliding_tokens"] + block_size) * per_slot + window)}
         out = {k: glob[k] + slide[k] for k in glob}
         out["by_layer_kind"] = {"global": glob, "sliding": slide}
     return out
@@ -245,12 +254,15 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
 def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto") -> int:
     """The buffer coded K/V (``--kv-dtype``) are decoded into for attention: one layer's K and V at the
     compute dtype, capacity plus one block (``core/quant.py``'s ``Scratch``, shared by every layer), plus one
-    more K (or V) where integer codes are scaled before their rotation back; 0 when K/V are stored in the
-    compute dtype."""
+    more K (or V) where integer codes are scaled before their rotation back; int4 adds what reading its
+    16-bit window takes (one K or V of the window, its rows, held positions and matches); 0 when K/V are
+    stored in the compute dtype."""
     if not coded_kv(elem, kv_dtype):
         return 0
     buffers = 3 if kv_dtype in ("int8", "int4") else 2
-    return buffers * (budget + block) * dims["num_kv_heads"] * dims["head_dim"] * dtype_bytes(elem)
+    h, d, e = dims["num_kv_heads"], dims["head_dim"], dtype_bytes(elem)
+    window = h * KV_WINDOW_TOKENS.get(kv_dtype, 0) * (d * min(e, 2) + 8 + 8 + 1)
+    return buffers * (budget + block) * h * d * e + window
 
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:

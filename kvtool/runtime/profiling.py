@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.config import kv_token_head_bytes
+from kvtool.config import kv_token_head_bytes, kv_window_bytes
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.archive_disk import archive_dir, fits
@@ -128,7 +128,8 @@ def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> t
     elem, kv = _mem.dtype_bytes(dtype), settings.kv_dtype
     tokens = budget_tokens_from_bytes(b.nbytes, dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], elem,
                                       dims.get("sliding_layers", 0), dims.get("sliding_window", 0),
-                                      kv_token_head_bytes(kv, dims["head_dim"], elem))
+                                      kv_token_head_bytes(kv, dims["head_dim"], elem),
+                                      kv_window_bytes(kv, dims["head_dim"], elem))
     per_token = _mem.kv_bytes_per_token(dims, elem, kv)["total"]
     note = (f"budget {b.text} = {tokens} tokens per KV head "
             f"({per_token} bytes of K+V per token in {dtype_name(dtype) if kv == 'auto' else kv})") + sliding_note(dims)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.config import kv_token_head_bytes, kvtool_home
+from kvtool.config import kv_token_head_bytes, kv_window_bytes, kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
@@ -238,7 +238,8 @@ class Session:
         d = self.dims
         per_head = kv_token_head_bytes(self.settings.kv_dtype, d["head_dim"], elem)
         tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem,
-                                          d.get("sliding_layers", 0), d.get("sliding_window", 0), per_head)
+                                          d.get("sliding_layers", 0), d.get("sliding_window", 0), per_head,
+                                          kv_window_bytes(self.settings.kv_dtype, d["head_dim"], elem))
         per_token = 2 * d["num_layers"] * d["num_kv_heads"] * per_head
         dtype = self.kv_dtype
         note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"

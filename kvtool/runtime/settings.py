@@ -183,12 +183,14 @@ def parse_size(text: str | int) -> int:
 
 def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
                              sliding_layers: int = 0, sliding_window: int = 0,
-                             token_head_bytes: int | None = None) -> int:
+                             token_head_bytes: int | None = None, window_bytes: int = 0) -> int:
     """Tokens per KV head such that K and V of every layer and KV head fit in ``nbytes``.
 
     ``token_head_bytes``: bytes of one token's key (or value) in one head as stored (``--kv-dtype``:
     ``config.kv_token_head_bytes``, scales included); by default ``head_dim · dtype_bytes``. So int8 holds
-    2·d/(d + 2) times the tokens of a 16-bit cache in the same bytes.
+    2·d/(d + 2) times the tokens of a 16-bit cache in the same bytes. ``window_bytes``: what every layer and
+    KV head holds whatever the budget (int4's full-precision window, ``config.kv_window_bytes``), taken
+    off first.
 
     This is the budget's promise (see ``memory.kv_bytes_at_budget``), not the preallocated buffers,
     so "--budget 2GiB" means the same thing whatever the block size. A hybrid model's sliding layers
@@ -197,6 +199,11 @@ def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, he
     """
     per_head = head_dim * dtype_bytes if token_head_bytes is None else token_head_bytes
     per_token = 2 * num_layers * num_kv_heads * per_head
+    fixed = num_layers * num_kv_heads * window_bytes
+    if fixed and nbytes < fixed + per_token:
+        raise UsageError(f"budget of {nbytes} bytes holds no token: the full-precision window of every layer and"
+                         f" KV head takes {fixed} bytes, one token of K+V {per_token} more")
+    nbytes -= fixed
     tokens = nbytes // per_token if per_token > 0 else 0
     glob = num_layers - sliding_layers
     if sliding_layers and glob > 0 and tokens > sliding_window - 1 > 0:

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
-from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name, kv_token_head_bytes
+from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name, kv_token_head_bytes, kv_window_bytes
 from kvtool.errors import UsageError, first_line
 from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
@@ -162,6 +162,7 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
             b.nbytes or 0, int(dims["num_layers"]), int(dims["num_kv_heads"]), int(dims["head_dim"]),
             DTYPE_BYTES[stored["dtype"]], int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
             kv_token_head_bytes(str(stored["kv_dtype"]), int(dims["head_dim"]), DTYPE_BYTES[stored["dtype"]]),
+            kv_window_bytes(str(stored["kv_dtype"]), int(dims["head_dim"]), DTYPE_BYTES[stored["dtype"]]),
         )
     except (KeyError, TypeError, ValueError, UsageError):
         return False

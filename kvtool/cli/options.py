@@ -41,8 +41,9 @@ ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dt
                                                      "float32, float16 or bfloat16.")]
 KvDtypeOpt = Annotated[str | None, typer.Option("--kv-dtype", help="How the cache stores keys/values: auto (the "
                                                 "model's dtype, default), float32, bfloat16, float16, int8 or int4 "
-                                                "(a float16 scale per token and head; a byte budget then holds "
-                                                "about 2x / 4x the tokens of 16 bits).")]
+                                                "(a float16 scale per token and head; int4 also keeps its newest "
+                                                "128 tokens in 16 bits; a byte budget then holds about 2x / 3.5x "
+                                                "the tokens of 16 bits).")]
 SinksOpt = Annotated[int | None, typer.Option("--sinks", help="First tokens never evicted (default 4).")]
 RecentOpt = Annotated[int | None, typer.Option("--recent", help="Most recent tokens never evicted (default 8).")]
 MaxNewOpt = Annotated[int | None, typer.Option("--max-new-tokens", help="Longest answer in tokens (default 256).")]

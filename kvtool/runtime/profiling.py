@@ -29,11 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.config import kv_token_head_bytes, kv_window_bytes
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.archive_disk import archive_dir, fits
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
+from kvtool.runtime.settings import Settings, budget_tokens_for, parse_recall, sliding_note
 
 
 @dataclass
@@ -116,8 +115,8 @@ def model_info(session: Any) -> ModelInfo:
 def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> tuple[int | None, str | None]:
     """Tokens per KV head for the settings' budget and, for a byte budget, the conversion line.
 
-    Same rule and wording as ``Session._resolve_budget``: a byte budget is the promise of K+V for every layer and KV
-    head (``settings.budget_tokens_from_bytes``). Policy ``full`` has no budget (None, None).
+    A byte budget is the promise of K+V for every layer and KV head (``settings.budget_tokens_from_bytes``);
+    the session resolves its budget here too. Policy ``full`` has no budget (None, None).
     """
     if settings.policy.strip().lower() == "full":
         return None, None
@@ -126,10 +125,7 @@ def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> t
         return b.tokens, None
     assert b.nbytes is not None
     elem, kv = _mem.dtype_bytes(dtype), settings.kv_dtype
-    tokens = budget_tokens_from_bytes(b.nbytes, dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], elem,
-                                      dims.get("sliding_layers", 0), dims.get("sliding_window", 0),
-                                      kv_token_head_bytes(kv, dims["head_dim"], elem),
-                                      kv_window_bytes(kv, dims["head_dim"], elem))
+    tokens = budget_tokens_for(b.nbytes, dims, elem, kv)
     per_token = _mem.kv_bytes_per_token(dims, elem, kv)["total"]
     note = (f"budget {b.text} = {tokens} tokens per KV head "
             f"({per_token} bytes of K+V per token in {dtype_name(dtype) if kv == 'auto' else kv})") + sliding_note(dims)

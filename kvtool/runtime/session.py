@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.config import kv_token_head_bytes, kv_window_bytes, kvtool_home
+from kvtool.config import kvtool_home
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
@@ -32,9 +32,10 @@ from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
-from kvtool.runtime.memory import dims_from_config, dtype_bytes, format_bytes
+from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
-from kvtool.runtime.settings import Settings, budget_tokens_from_bytes, parse_recall, sliding_note
+from kvtool.runtime.profiling import resolve_budget
+from kvtool.runtime.settings import Settings, parse_recall
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -228,22 +229,7 @@ class Session:
         return str(self.loaded.dtype).replace("torch.", "") if kv == "auto" else kv
 
     def _resolve_budget(self) -> tuple[int | None, str | None]:
-        if self.settings.policy.strip().lower() == "full":
-            return None, None
-        b = self.settings.parsed_budget
-        if b.tokens is not None:
-            return b.tokens, None
-        assert b.nbytes is not None
-        elem = dtype_bytes(self.loaded.dtype)
-        d = self.dims
-        per_head = kv_token_head_bytes(self.settings.kv_dtype, d["head_dim"], elem)
-        tokens = budget_tokens_from_bytes(b.nbytes, d["num_layers"], d["num_kv_heads"], d["head_dim"], elem,
-                                          d.get("sliding_layers", 0), d.get("sliding_window", 0), per_head,
-                                          kv_window_bytes(self.settings.kv_dtype, d["head_dim"], elem))
-        per_token = 2 * d["num_layers"] * d["num_kv_heads"] * per_head
-        dtype = self.kv_dtype
-        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {dtype})"
-        return tokens, note + sliding_note(d)
+        return resolve_budget(self.settings, self.dims, self.loaded.dtype)
 
     def _wordy(self, ids: tuple[int, ...]) -> bool:
         """Whether tokens ``ids`` spell a letter: the n-grams the repeat guard stops (numbers may repeat)."""

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtool.config import ARCHIVE_DTYPES, DEVICE_HELP, DEVICE_RE, DTYPES, KV_DTYPES, QUANTIZE, profile_dirs
+from kvtool.config import (
+    ARCHIVE_DTYPES,
+    DEVICE_HELP,
+    DEVICE_RE,
+    DTYPES,
+    KV_DTYPES,
+    QUANTIZE,
+    kv_token_head_bytes,
+    kv_window_bytes,
+    profile_dirs,
+)
 from kvtool.errors import UsageError
 from kvtool.policy_syntax import check_spec
 
@@ -215,6 +225,16 @@ def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, he
             f" takes {per_token} bytes"
         )
     return int(tokens)
+
+
+def budget_tokens_for(nbytes: int, dims: Any, compute_bytes: int, kv_dtype: str = "auto") -> int:
+    """``budget_tokens_from_bytes`` for a model's ``dims`` (``memory.DIM_KEYS``) and a ``--kv-dtype``: the
+    stored size of a token and int4's window come from ``config``."""
+    d = int(dims["head_dim"])
+    return budget_tokens_from_bytes(nbytes, int(dims["num_layers"]), int(dims["num_kv_heads"]), d, compute_bytes,
+                                    int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
+                                    kv_token_head_bytes(kv_dtype, d, compute_bytes),
+                                    kv_window_bytes(kv_dtype, d, compute_bytes))
 
 
 def sliding_note(dims: Any) -> str:

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
-from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name, kv_token_head_bytes, kv_window_bytes
+from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name
 from kvtool.errors import UsageError, first_line
 from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
@@ -144,7 +144,7 @@ def _norm_policy(spec: str) -> str:
 
 
 def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bool:
-    from kvtool.runtime.settings import budget_tokens_from_bytes, parse_budget
+    from kvtool.runtime.settings import budget_tokens_for, parse_budget
 
     if stored["budget_tokens"] is None:  # policy full: the budget never mattered
         return True
@@ -158,12 +158,7 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
         return b.tokens == stored["budget_tokens"]
     dims = (meta.get("model") or {}).get("dims") or {}
     try:
-        tokens = budget_tokens_from_bytes(
-            b.nbytes or 0, int(dims["num_layers"]), int(dims["num_kv_heads"]), int(dims["head_dim"]),
-            DTYPE_BYTES[stored["dtype"]], int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
-            kv_token_head_bytes(str(stored["kv_dtype"]), int(dims["head_dim"]), DTYPE_BYTES[stored["dtype"]]),
-            kv_window_bytes(str(stored["kv_dtype"]), int(dims["head_dim"]), DTYPE_BYTES[stored["dtype"]]),
-        )
+        tokens = budget_tokens_for(b.nbytes or 0, dims, DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"]))
     except (KeyError, TypeError, ValueError, UsageError):
         return False
     return tokens == stored["budget_tokens"]

@@ -53,16 +53,27 @@ def cell_verdict(low: float, high: float, kind: str = "better", margin: float = 
     raise ValueError(f"unknown kind of claim {kind!r}")
 
 
-def claim_verdict(cells: list[str], quantifier: str = "every") -> str:
-    """A claim's verdict from its cells' (see the module docstring); no cell: inside the noise."""
+def claim_verdict(cells: list[str], quantifier: str = "every", expected: int | None = None) -> str:
+    """A claim's verdict from its cells' (see the module docstring); no cell: inside the noise.
+
+    ``expected``: how many cells the claim has once every table is run. With fewer, a verdict the
+    missing cells could still change says so: "holds so far (2 of 6 cells)".
+    """
     if not cells:
         return NOISE
     n, holds, fails = len(cells), cells.count(HOLDS), cells.count(FAILS)
     if quantifier == "every":
-        return FAILS if fails else HOLDS if holds == n else NOISE
-    if quantifier == "most":
-        return HOLDS if 2 * holds > n else FAILS if 2 * fails >= n else NOISE
-    raise ValueError(f"unknown quantifier {quantifier!r}")
+        verdict = FAILS if fails else HOLDS if holds == n else NOISE
+        final = verdict == FAILS
+    elif quantifier == "most":
+        verdict = HOLDS if 2 * holds > n else FAILS if 2 * fails >= n else NOISE
+        total = max(n, expected or n)
+        final = 2 * holds > total or 2 * fails >= total
+    else:
+        raise ValueError(f"unknown quantifier {quantifier!r}")
+    if expected is None or n >= expected or final:
+        return verdict
+    return f"{verdict} so far ({n} of {expected} cells)"
 
 
 def paired_cells(data: dict, a: str, b: str, budgets: list[int], seed: int = 0) -> list[dict]:
@@ -90,12 +101,12 @@ def fmt_cell(c: dict) -> str:
             f"{scale * c['high']:+.{digits}f}]")
 
 
-def judge(claim: Claim, cells: list[dict]) -> dict:
-    """The claim's row: its cells with their verdicts and the claim's verdict."""
+def judge(claim: Claim, cells: list[dict], expected: int | None = None) -> dict:
+    """The claim's row: its cells with their verdicts and the claim's verdict (``expected`` cells in all)."""
     for c in cells:  # one unit gives a degenerate interval: no verdict from it
         c["verdict"] = (cell_verdict(c["low"], c["high"], claim.kind, MARGINS[c["table"]])
                         if c.get("units", 2) >= 2 else NOISE)
-    verdict = claim_verdict([c["verdict"] for c in cells], claim.quantifier) if cells else "not run"
+    verdict = claim_verdict([c["verdict"] for c in cells], claim.quantifier, expected) if cells else "not run"
     return {"paper": claim.paper, "claim": claim.text, "cells": cells, "quote": claim.quote, "verdict": verdict}
 
 
@@ -148,7 +159,7 @@ CORRELATION = Claim("KeyDiff", "distinctive keys receive high attention: Spearma
 
 def claims_rows(data: dict, budgets: list[int]) -> list[dict]:
     """Every claim's row from the grid results (claims whose rows were not run have no cells)."""
-    rows = [judge(c, paired_cells(data, c.a, c.b, budgets)) for c in CLAIMS]
+    rows = [judge(c, paired_cells(data, c.a, c.b, budgets), len(TABLES) * len(budgets)) for c in CLAIMS]
     rows.insert(len(rows) - 3, judge(CORRELATION, correlation_cells(data.get("distinctiveness", {}).get("result"))))
     razor = razor_memory_row(data.get("razor-bytes", {}).get("result"))
     if razor is not None:
@@ -208,4 +219,5 @@ RULES = ("Verdicts. Each cell is the paired difference A − B over the same nee
          "of found-rate, 0.05 token F1, 2 points of perplexity gap. A claim made *at every budget* holds when "
          "every cell holds and does not hold when any cell does not; a claim made *on most tasks* holds when "
          "more than half the cells hold and does not hold when at least half do not. Otherwise: inside the "
-         "noise. Cells inside the noise are listed without a mark.")
+         "noise. While some of a claim's cells are not run yet, a verdict they could still change says *so far*. "
+         "Cells inside the noise are listed without a mark.")

@@ -8,6 +8,7 @@ questions, perplexity windows) that the claims table (``bench/claims.py``) compa
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 
 CORPUS = "../shared/corpus"
@@ -82,14 +83,25 @@ def merge(old: dict | None, new: dict) -> dict:
         return new
     res = dict(new["result"])
     fresh = {_row_key(r) for r in res["results"]}
-    res["results"] = [r for r in old["result"]["results"] if _row_key(r) not in fresh] + res["results"]
+    rows = [r for r in old["result"]["results"] if _row_key(r) not in fresh] + res["results"]
+    order = {p: i for i, p in enumerate(["full", *grid_policies()])}  # the grid's order, whatever ran last
+    res["results"] = sorted(rows, key=lambda r: order.get(r["policy"], len(order)))
     if res.get("task") == "needle":
         from kvtool.eval.needle import summarize
 
         res["summary"] = summarize(res["results"])
     elif res.get("task") == "ppl":
         _flag_ppl(res["results"])
-    return {**new, "result": res}
+    return {**new, "command": _with_policies(new["command"], res["results"]), "result": res}
+
+
+def _with_policies(command: str, rows: list[dict]) -> str:
+    """``command`` with its ``--policies`` naming every policy of the merged table (one command makes it)."""
+    argv = shlex.split(command)
+    if "--policies" not in argv:
+        return command
+    argv[argv.index("--policies") + 1] = ",".join(dict.fromkeys(r["policy"] for r in rows))
+    return shlex.join(argv)
 
 
 def _flag_ppl(rows: list[dict]) -> None:

@@ -86,8 +86,11 @@ def test_pool_agreement_concatenates_questions_and_flags_against_the_best_at_the
 def test_merge_replaces_the_rows_of_a_rerun_policy_and_keeps_the_others():
     old = _doc({("h2o", 256): [0.5], ("sink", 256): [0.1]}, "a.txt")
     new = _doc({("h2o", 256): [0.9]}, "a.txt")
-    merged = evidence.merge(old, new)["result"]["results"]
+    new["command"] += " --policies h2o --budgets 256"
+    out = evidence.merge(old, new)
+    merged = out["result"]["results"]
     assert [(r["policy"], r["answers"][0]["f1"]) for r in merged] == [("sink", 0.1), ("h2o", 0.9)]
+    assert out["command"] == "kvtool eval agreement --doc a.txt --policies sink,h2o --budgets 256"  # the whole table
 
 
 # --------------------------------------------------------------------------------------------- verdicts
@@ -116,6 +119,12 @@ def test_claim_verdict_every_and_most():
     assert claims.claim_verdict([H, N, N, N], "most") == N
     assert claims.claim_verdict([H, H, F, F], "most") == F  # no majority can hold
     assert claims.claim_verdict([], "every") == N
+    # with cells still to run, a verdict they could change says so; one they cannot change is final
+    assert claims.claim_verdict([H], "most", expected=6) == "holds so far (1 of 6 cells)"
+    assert claims.claim_verdict([H, H, H, H], "most", expected=6) == H
+    assert claims.claim_verdict([F, F, F], "most", expected=6) == F
+    assert claims.claim_verdict([H, H], "every", expected=6) == "holds so far (2 of 6 cells)"
+    assert claims.claim_verdict([H, F], "every", expected=6) == F
 
 
 def test_paired_cells_compare_the_same_units_with_higher_better():

@@ -260,6 +260,11 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     assert kinds["global"]["promised"] + kinds["sliding"]["promised"] <= 24 * 1024  # the byte budget holds
     assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]  # formula == real buffers
     assert f"slide over a {FAMILY_WINDOW}-token window" in p["budget_conversion"]
+    code = main(["profile", "--model", str(model_dir), "--budget", "120", "--block-size", "16", "--device", "cpu",
+                 "--recall", "24", "--json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["recall_slots_bytes"] == 24 * 256  # the global layer's slots only, as the ask below
 
     code = main(["ask", str(doc), "what is the pass key?", "--model", str(model_dir), "--budget", "120",
                  "--block-size", "16", "--max-new-tokens", "3", "--json", "--quiet"])

@@ -210,7 +210,8 @@ def test_cli_text_prints_conversion_and_table(tiny_dir: Path, capsys: pytest.Cap
         (["--doc-tokens", "0"], "--doc-tokens must be at least 1"),
         (["--budget", "3B"], "holds no token"),
         (["--budget", "many"], "budget must be"),
-        (["--block-size", "0"], "block_size must be"),
+        (["--block-size", "0"], "--block-size must be >= 1: got 0"),
+        (["--sinks", "-1"], "--sinks must be >= 0: got -1"),
         (["--doc", "/nonexistent/doc.txt"], "no such file"),
     ],
 )

@@ -270,8 +270,10 @@ def test_resolve_other_policy_drops_profile_options(tmp_path: Path) -> None:
 def test_resolve_without_profile_and_bad_overrides() -> None:
     assert resolve_settings(None, {}) == Settings()
     assert resolve_settings(None, {"budget": 512}).budget == "512"
-    with pytest.raises(UsageError, match="^block_size"):
+    with pytest.raises(UsageError, match="^--block-size"):  # overrides are flags: the error names the flag
         resolve_settings(None, {"block_size": 0})
+    with pytest.raises(UsageError, match="^--policy-opt"):
+        resolve_settings(None, {"policy_options": "x"})
     with pytest.raises(UsageError, match="unknown setting 'blocks'"):
         resolve_settings(None, {"blocks": 3})
 

@@ -96,13 +96,19 @@ class MemoryStore:
         self.rows = 0
 
 
-def _free(directory: str) -> str:
-    """Free space of ``directory``'s filesystem, as text ("unknown" when it cannot be read)."""
+def filesystem_bytes(directory: str) -> tuple[int, int] | None:
+    """(free, total) bytes of ``directory``'s filesystem for an unprivileged writer; None when unreadable."""
     try:
         st = os.statvfs(directory)
     except OSError:
-        return "unknown"
-    return f"{st.f_bavail * st.f_frsize / 2**20:,.0f} MiB"
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _free(directory: str) -> str:
+    """Free space of ``directory``'s filesystem, as text ("unknown" when it cannot be read)."""
+    fs = filesystem_bytes(directory)
+    return "unknown" if fs is None else f"{fs[0] / 2**20:,.0f} MiB"
 
 
 #: files a group's archive keeps open with ``FileStore``: rows, their positions, page summaries

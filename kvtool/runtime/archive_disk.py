@@ -13,6 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from kvtool.core.archive import filesystem_bytes
 from kvtool.runtime.memory import format_bytes
 
 #: the archive leaves at least this much of its filesystem free ...
@@ -49,11 +50,8 @@ class Disk:
 
 def disk(directory: str) -> Disk | None:
     """The filesystem of ``directory`` (None when it cannot be read: then nothing is promised)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return Disk(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+    fs = filesystem_bytes(directory)
+    return None if fs is None else Disk(free=fs[0], total=fs[1])
 
 
 def fits(predicted: int, directory: str) -> tuple[bool, str]:

@@ -297,15 +297,18 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
     archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
     Only global layers archive (a sliding window's evicted tokens are gone by the model's definition)."""
     elem = info.elem
-    heads = dims["num_kv_heads"] * (dims["num_layers"] - dims.get("sliding_layers", 0))
+    global_layers = dims["num_layers"] - dims.get("sliding_layers", 0)
+    heads = dims["num_kv_heads"] * global_layers
     int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
     archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
         settings.archive_dtype)
     per_head_token = 2 * dims["head_dim"] * archive_elem + (2 * 4 if int8 else 0)
     return {
         "recall_tokens": recall_tokens,
-        # recall slots are slots of the same buffers, so they hold the original keys' copy too
-        "recall_slots_bytes": recall_tokens * (per_token + per_token // 2 if original_keys else per_token),
+        # recall slots are slots of the same buffers, so they hold the original keys' copy too; only the
+        # global layers' groups get them (``per_token`` is summed over every layer, each holding the same)
+        "recall_slots_bytes": recall_tokens * (per_token + per_token // 2 if original_keys else per_token)
+        * global_layers // dims["num_layers"],
         "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
         "recall_page": settings.recall_page,
         "archive_bytes_per_evicted_token": {

@@ -494,6 +494,11 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     return out
 
 
+def flag_name(key: str) -> str:
+    """The command-line flag that sets setting ``key`` (``block_size`` → ``--block-size``)."""
+    return "--policy-opt" if key == "policy_options" else "--" + key.replace("_", "-")
+
+
 def resolve_settings(profile: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None) -> Settings:
     """Defaults, then the profile (if any), then CLI ``overrides``; the result is validated.
 
@@ -515,7 +520,7 @@ def resolve_settings(profile: str | os.PathLike[str] | None, overrides: Mapping[
         # The profile's options were written for its own policy; they mean nothing to another one.
         values.pop("policy_options", None)
     for key, value in given.items():
-        coerced = _FIELD_CHECKS[key](key, value)
+        coerced = _FIELD_CHECKS[key](flag_name(key), value)  # a bad flag's error names the flag the user typed
         if key == "policy_options":
             coerced = {**values.get("policy_options", {}), **coerced}
         values[key] = coerced

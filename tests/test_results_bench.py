@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import claims  # noqa: E402
+import defaults  # noqa: E402
 import evidence  # noqa: E402
 
 from kvtool.eval.distinctiveness import (  # noqa: E402
@@ -246,3 +247,37 @@ def test_the_evidence_sections_render_from_synthetic_results():
     corr = next(r for r in rows if r["claim"].startswith("distinctive keys"))
     assert [c["layer"] for c in corr["cells"]] == [0, 1, 2]
     assert corr["verdict"] == claims.HOLDS  # layers 1 and 2 have every window above 0
+
+
+# --------------------------------------------------------------------------------------------- the default settings
+def _needle(rows: list[tuple[str, int, int, int]]) -> dict:
+    return {"result": {"summary": [{"policy": p, "recall": r, "correct": k, "total": n} for p, r, k, n in rows]}}
+
+
+def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails():
+    data = {"default-number-1k": _needle([("h2o", 0, 23, 60), ("h2o", 256, 60, 60)]),
+            "default-number-1k-full": _needle([("full", 0, 30, 30)]),
+            "default-number-8k": _needle([("full", 0, 5, 9), ("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+            "needle-32k-full": _needle([("full", 0, 0, 30)]),
+            "default-number-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+            "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)])}
+    number_1k, name_1k, number_8k, name_8k, number_32k, name_32k = defaults.table_needles(data).splitlines()[2:]
+    assert "| 30/30 [89, 100] | 23/60 [27, 51] | **60/60** [94, 100] | 100% of `full`'s rate (+0 pp" in number_1k
+    assert "| not run | not run | not run | – |" in name_1k  # its log is missing: nothing is made up
+    assert "180% of `full`'s rate (+44 pp [+5, +73])" in number_8k and "noise" not in number_8k
+    assert "`full` fails; the default finds 100% (at least the 80% it should)" in number_32k
+    assert "**5/9** [27, 81] | `full` fails; the default finds 56% (below the 80% it should reach)" in name_32k
+
+
+def test_default_tasks_run_with_kvtools_own_answering_settings():
+    for name, argv in defaults.TASKS.items():
+        pinned = evidence.pinned_answering(argv)
+        if name.startswith("gen-"):  # the penalty it is compared with is spelled out
+            assert argv[argv.index("--repetition-penalty") + 1] == "1.1", name
+        else:  # results.py would pin kvtool 0.2's penalty and recall off: these tables must not be pinned
+            assert "--repetition-penalty" not in argv and pinned != argv, name
+
+
+def test_a_loop_is_a_phrase_repeated_back_to_back():
+    assert defaults._loops("the secret is the end the end the end")
+    assert not defaults._loops("not whether they are default alive but whether they are default dead")

@@ -8,7 +8,8 @@
 
 The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
 are merged into them); the claims table is bench/claims.py's; the default settings' section is
-bench/defaults.py's (its commands run with kvtool's own answering defaults, not pinned).
+bench/defaults.py's and the quantized K/V section bench/kv_tables.py's (their commands run with kvtool's own
+answering defaults, not pinned).
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
 table with its run time), so anyone can rerun one table; the kvpress side-by-side is
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import defaults
 import evidence
+import kv_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +43,8 @@ POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024", "distinctiveness", "razor-bytes",
          "peer", "needle-multi", "needle-name-1k", "needle-multi-1k", "needle-name-8k", "needle-multi-8k", "block-64",
          "block-256", "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
-         "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS)
+         "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
+         *kv_tables.TASKS)
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -68,6 +71,7 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
     return {
         **out,
         **defaults.TASKS,  # the default settings' section: kvtool's own answering defaults
+        **kv_tables.TASKS,  # --kv-dtype at equal tokens and equal bytes, with the default settings
         # recall for the best eviction-only policy at 256 (sink) and the default
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, *recall_rows, "--max-new-tokens", "16"],
@@ -129,7 +133,8 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 
 def run_eval(name: str, argv: list[str]) -> dict:
-    argv = argv if name in defaults.TASKS else evidence.pinned_answering(argv)
+    own = name in defaults.TASKS or name in kv_tables.TASKS  # measured with kvtool's own answering defaults
+    argv = argv if own else evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
     full = [sys.executable, "-m", "kvtool.cli.app", *argv, "--resume", os.path.relpath(resume, ROOT), "--json"]
@@ -491,6 +496,7 @@ def render(data: dict, total_seconds: float) -> str:
                   f"`{peer['command']}` — {peer.get('wall_seconds', peer['seconds']):.0f} s",
                   ""]
     parts += defaults.section(data)
+    parts += kv_tables.section(data, RESUME)
     parts += [f"Total run time of this regeneration: {total_seconds:.0f} s (resumed cells are not re-run).", ""]
     return "\n".join(parts)
 

@@ -3,6 +3,7 @@ correlation (against brute force) and razor's whole-heads budget. No real model.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -17,6 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import claims  # noqa: E402
 import defaults  # noqa: E402
 import evidence  # noqa: E402
+import kv_tables  # noqa: E402
 
 from kvtool.eval.distinctiveness import (  # noqa: E402
     distinctiveness,
@@ -281,3 +283,34 @@ def test_default_tasks_run_with_kvtools_own_answering_settings():
 def test_a_loop_is_a_phrase_repeated_back_to_back():
     assert defaults._loops("the secret is the end the end the end")
     assert not defaults._loops("not whether they are default alive but whether they are default dead")
+
+
+# --------------------------------------------------------------------------------------------- quantized K/V
+def _ppl_run(budgets: dict) -> dict:
+    return {"result": {"results": [{"policy": "h2o", "budget": b, "samples": [{"ppl": p, "dense_ppl": 10.0}
+                                                                              for p in ppls]}
+                                   for b, ppls in budgets.items()]}}
+
+
+def test_kv_perplexity_rows_pair_windows_against_the_float32_cache():
+    data = {"kv-ppl-auto": _ppl_run({256: [10.0, 20.0], 113: [12.0, 24.0]}),
+            "kv-ppl-int8": _ppl_run({256: [10.1, 19.8], 441: [10.0, 20.0]})}
+    tokens, gap, vs = kv_tables.ppl_rows(data)
+    assert "| – | +0.00% [" in tokens and "(noise)" in tokens  # +1% and −1%: the paired mean is 0
+    assert "| +80.00% [+20.00, +140.00] | +50.00% [+0.00, +100.00] | not run |" in gap  # each window against dense
+    assert "-16.67% [-16.67, -16.67]" in vs  # 10/12 and 20/24, paired
+
+
+def test_kv_speed_rows_take_each_dtype_from_the_newest_report(tmp_path):
+    def report(name, dtypes):
+        (tmp_path / name).write_text(json.dumps({"dtypes": dtypes}))
+
+    fig = {"prefill_tps": 100.0, "peak_rss_bytes": 1.1e9, "speed_ratio": 1.0, "speed_ratio_repeats": [1.0],
+           "peak_ratio": 1.0}
+    report("kv-dtype-8k.json", {"auto": {**fig, "prefill_tps": 84.0}, "int8": {**fig, "speed_ratio": 1.18,
+                                                                            "speed_ratio_repeats": [1.14, 1.22]},
+                                "int4": {**fig, "speed_ratio": 0.79}})
+    report("kv-dtype-8k-int4.json", {"auto": fig, "int4": {**fig, "speed_ratio": 0.88, "peak_ratio": 0.9}})
+    speed, peak = kv_tables.speed_rows(tmp_path)
+    assert "| 100 / 84 tok/s (one per run) | 1.18× (1.14, 1.22) | 0.88× (1.00) |" in speed  # int4: the newer run
+    assert peak.endswith("| 1.10 GB | 1.00× | 0.90× |")

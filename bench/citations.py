@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def main() -> None:
         row["overhead_pct"] = round(100 * (row["decode_cite_s"] - row["decode_s"]) / row["decode_s"], 1)
         row["rank_overhead_pct"] = round(100 * row["rank_s"] / row["decode_s"], 1)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # progress; the report is the last line, on stdout
     print(json.dumps({"length": args.length, "depths": DEPTHS, "rows": rows, "when": time.strftime("%F")}))
 
 

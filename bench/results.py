@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import cite_table
 import defaults
 import evidence
 import kv_tables
@@ -44,7 +45,7 @@ ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024
          "peer", "needle-multi", "needle-name-1k", "needle-multi-1k", "needle-name-8k", "needle-multi-8k", "block-64",
          "block-256", "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
-         *kv_tables.TASKS)
+         *kv_tables.TASKS, "citations")
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
 
@@ -413,8 +414,8 @@ def sections(data: dict) -> list[tuple]:
          "positions (`--positions auto`); recall scores each archived key where it would land among the kept "
          "ones. With the default penalty (1.1) `full` found 15/30 (0/10 at depth 0.1, 6/10 at 0.5, 9/10 at "
          "0.9). With the earlier per-head selection `h2o` + recall found 0/30 at 8K; with the shared ranking "
-         "and every suffix row voting, 30/30. Where a policy + recall misses a whole depth, see \"Recall: what "
-         "else was measured\" below the generated block.", table_needle),
+         "and every suffix row voting, 30/30. Where a policy + recall misses a whole depth, see "
+         "[recall-history.md](recall-history.md).", table_needle),
         ("needle-recall-32k", "Needle with recall on a 32K haystack",
          "The same on a 32K-token haystack (four times the model's trained positions). Recall scores all of "
          "the ~32,500 archived tokens per KV head exactly. Before the ranking used the question's own rows "
@@ -497,6 +498,7 @@ def render(data: dict, total_seconds: float) -> str:
                   ""]
     parts += defaults.section(data)
     parts += kv_tables.section(data, RESUME)
+    parts += cite_table.section(data.get("citations"))
     parts += [f"Total run time of this regeneration: {total_seconds:.0f} s (resumed cells are not re-run).", ""]
     return "\n".join(parts)
 
@@ -563,6 +565,14 @@ def run_task(name: str, table: dict, data: dict, args: argparse.Namespace) -> No
         old = data.get(name)
         if old is None or old["command"] != f"python {shlex.join(argv)}":  # exact bytes: nothing to resume
             data[name] = run_script(name, argv)
+    elif name == "citations":  # timings of a few trials: run once per command, again only when asked by name
+        old = data.get(name)
+        if old is None or old["command"] != cite_table.commands() or name in args.only.split(","):
+            main = run_script(name, cite_table.MAIN)
+            micro = [run_script(name, argv) for argv in cite_table.MICRO]
+            seconds = main["seconds"] + sum(m["seconds"] for m in micro)
+            data[name] = {"command": cite_table.commands(), "seconds": seconds,
+                          "result": {**main["result"], "micro": [m["result"] for m in micro]}}
     elif name in table:
         data[name] = evidence.merge(data.get(name), run_eval(name, table[name]))
     else:

@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import cite_table  # noqa: E402
 import claims  # noqa: E402
 import defaults  # noqa: E402
 import evidence  # noqa: E402
@@ -314,3 +315,11 @@ def test_kv_speed_rows_take_each_dtype_from_the_newest_report(tmp_path):
     speed, peak = kv_tables.speed_rows(tmp_path)
     assert "| 100 / 84 tok/s (one per run) | 1.18× (1.14, 1.22) | 0.88× (1.00) |" in speed  # int4: the newer run
     assert peak.endswith("| 1.10 GB | 1.00× | 0.90× |")
+
+
+def test_citation_table_puts_intervals_on_its_counts():
+    row = {"policy": "h2o", "budget": "512", "trials": 6, "answered": 5, "top_is_needle": 5, "same_answer": 6,
+           "ms_per_token": 100.0, "ms_per_token_cite": 105.0, "overhead_pct": 5.0, "rank_overhead_pct": 0.3}
+    line = cite_table.table({"rows": [row, {**row, "policy": "sink", "answered": 0, "top_is_needle": 0}]})
+    assert "| `h2o` @ 512 | 5/6 [44, 97] | 5/5 [57, 100] | 100.0 → 105.0 (+5.0%) | 0.3% of decode |" in line
+    assert "| `sink` @ 512 | 0/6 [0, 39] | – |" in line  # no right answer: nothing to cite

@@ -20,6 +20,7 @@ import claims  # noqa: E402
 import defaults  # noqa: E402
 import evidence  # noqa: E402
 import kv_tables  # noqa: E402
+import results  # noqa: E402
 
 from kvtool.eval.distinctiveness import (  # noqa: E402
     distinctiveness,
@@ -323,3 +324,14 @@ def test_citation_table_puts_intervals_on_its_counts():
     line = cite_table.table({"rows": [row, {**row, "policy": "sink", "answered": 0, "top_is_needle": 0}]})
     assert "| `h2o` @ 512 | 5/6 [44, 97] | 5/5 [57, 100] | 100.0 → 105.0 (+5.0%) | 0.3% of decode |" in line
     assert "| `sink` @ 512 | 0/6 [0, 39] | – |" in line  # no right answer: nothing to cite
+
+
+def test_the_default_rule_compares_only_policies_run_in_both_tables():
+    agreement = {"result": {"results": [{"policy": p, "budget": 256, "f1": {"value": f}, "significant": False}
+                                        for p, f in (("h2o", 0.63), ("sink", 0.62))]}}
+    needle = {"result": {"results": [{"policy": p, "budget": 256, "recall": 0, "correct": k, "trials": 30}
+                                     for p, k in (("h2o", 5), ("sink", 10), ("razor", 16))]}}
+    rule = results.choose_default(agreement, needle)
+    # razor (not in the agreement table yet) would put h2o significantly below it; it neither wins nor sets the bar
+    assert "razor" not in rule[1] and "`h2o` @ 256 17%," in rule[1]
+    assert rule[2].endswith("of these the highest mean F1: **`h2o`**.")

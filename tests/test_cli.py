@@ -107,7 +107,7 @@ def test_policies_json():
         (["ask", "{doc}", "q", "--policy", "h2o", "--policy-opt", "bogus=1"], "unknown policy option"),
         (["ask", "{doc}", "q", "--budget", "10"], "too small"),
         (["ask", "{doc}", "q", "--budget", "lots"], "budget"),
-        (["ask", "{doc}", "q", "--block-size", "0"], "block_size"),
+        (["ask", "{doc}", "q", "--block-size", "0"], "--block-size"),
         (["ask", "{doc}", "q", "--device", "tpu"], "device"),
         (["ask", "{doc}", "q", "--model", "{missing}"], "does not exist"),
         (["ask", "{doc}", "q", "--quantize", "4bit", "--device", "cpu"], "CUDA"),

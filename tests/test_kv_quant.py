@@ -575,8 +575,11 @@ def test_kv_dtype_is_a_validated_setting_and_profile_key(tmp_path):
     assert resolve_settings(prof, {"kv_dtype": "int8"}).kv_dtype == "int8"
     assert resolve_settings(None).kv_dtype == "auto"
     for bad in ("int2", "fp8", 8):
-        with pytest.raises(UsageError, match="kv_dtype"):
+        with pytest.raises(UsageError, match="^--kv-dtype must be one of"):  # the flag the user typed
             resolve_settings(None, {"kv_dtype": bad})
+    prof.write_text("kv_dtype: int2\n", encoding="utf-8")
+    with pytest.raises(UsageError, match="kv_dtype must be one of"):  # a profile's value: its key
+        resolve_settings(prof)
 
 
 def test_eval_grids_take_kv_dtype(qenv, capsys):

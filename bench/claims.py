@@ -212,7 +212,8 @@ def table_claims(rows: list[dict]) -> str:
 
 RULES = ("Verdicts. Each cell is the paired difference A − B over the same needle trials (found: 1/0), agreement "
          "questions (token F1 against the dense answer, three documents pooled) or perplexity windows (minus the "
-         "gap to dense, %), at one budget, with a 95% bootstrap interval over those units; higher is better in "
+         "gap to dense, %), at one budget, with a 95% interval over those units (Newcombe's paired score "
+         "interval for found/not found, a bootstrap for means); higher is better in "
          "every table. *Beats*: a cell holds when its interval is above 0, does not hold when it is below 0, and "
          "is inside the noise when it contains 0. *Competitive* / *near dense*: the same against −δ. *Close*: "
          "holds when the interval lies inside [−δ, δ], does not hold when it lies wholly outside. δ = 10 points "

@@ -179,7 +179,8 @@ INTRO = ("What `--kv-dtype int8` and `int4` buy and cost, on the default policy 
          "(its 128-token 16-bit window takes 2.9 MB of the 5 MiB first; at a GPU-sized budget the window is a "
          "rounding error). **Equal tokens** keeps 256 tokens per head in each: the cost of quantization alone. "
          "Paired rows share their windows, trials and questions; intervals are 95% (Wilson for rates, bootstrap for "
-         "means and paired differences), and a difference beside a cell is against float32.")
+         "means and paired differences of means, Newcombe's paired score interval for paired rates), and a "
+         "difference beside a cell is against float32.")
 NOTES = ("int8 needs no window: at equal tokens its perplexity is the float32 cache's within the noise. int4 keeps "
          "its newest 128 tokens in 16 bits beside their codes (KIVI's full-precision residual); without that window "
          "it cost +16.8% [+10.2, +26.5] perplexity at equal tokens, even with the Hadamard rotation. A first "

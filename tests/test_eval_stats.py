@@ -12,8 +12,12 @@ from kvtool.eval.metrics import exact_match, rouge_l, token_f1
 from kvtool.eval.stats import (
     best_in_group,
     bootstrap_mean,
+    holm,
     newcombe_difference,
+    newcombe_paired,
     paired_difference,
+    paired_p_value,
+    sign_test,
     wilson,
 )
 
@@ -62,6 +66,52 @@ def test_paired_difference_sees_a_consistent_shift_that_unpaired_noise_hides() -
     assert iv.value == pytest.approx(0.5) and iv.low == pytest.approx(0.5) and iv.excludes(0.0)
     with pytest.raises(ValueError):
         paired_difference([1.0], [1.0, 2.0])
+
+
+def test_newcombe_paired_matches_the_published_example() -> None:
+    """Cavo et al. 2012 in Fagerland, Lydersen & Laake, *Statistical Analysis of Contingency Tables*, ch. 8:
+    59 both, 6 / 16 one only, 80 neither: −0.0621 (95% CI −0.1186 to −0.0046)."""
+    iv = newcombe_paired(59, 6, 16, 80)
+    assert (round(iv.value, 4), round(iv.low, 4), round(iv.high, 4)) == (-0.0621, -0.1186, -0.0046)
+
+
+def test_paired_rates_use_newcombe_and_keep_their_coverage() -> None:
+    """1/0 outcomes on the same trials: 4 found by a only, none by b only, in 30 trials. A percentile
+    bootstrap calls that significant; the paired score interval does not (McNemar mid-p 0.0625). Over
+    simulated pairs the interval covers the true difference about 95% of the time."""
+    import random
+
+    a = [1.0] * 9 + [0.0] * 21
+    b = [1.0] * 5 + [0.0] * 25
+    assert not paired_difference(a, b).excludes(0.0)
+    assert bootstrap_mean([x - y for x, y in zip(a, b, strict=True)]).excludes(0.0)
+    assert sign_test(4, 0) == pytest.approx(0.0625)
+    rng = random.Random(7)
+    for p11, p10, p01, n in ((0.15, 0.1, 0.02, 30), (0.4, 0.1, 0.1, 30), (0.6, 0.2, 0.05, 20)):
+        hits = 0
+        for _ in range(1500):
+            cells = [0, 0, 0, 0]
+            for _ in range(n):
+                u = rng.random()
+                cells[0 if u < p11 else 1 if u < p11 + p10 else 2 if u < p11 + p10 + p01 else 3] += 1
+            iv = newcombe_paired(*cells)
+            hits += iv.low <= p10 - p01 <= iv.high
+        assert 0.93 <= hits / 1500 <= 0.99
+
+
+def test_p_values_match_brute_force_and_holm_steps_down() -> None:
+    from math import comb
+
+    for wins, losses in ((5, 0), (7, 2), (3, 3), (0, 0)):
+        n, k = wins + losses, min(wins, losses)
+        # mid-p: P(X < k) + P(X = k) / 2, doubled, X ~ Binomial(n, 1/2)
+        brute = 1.0 if n == 0 else min(1.0, 2 * (sum(comb(n, i) for i in range(k)) + comb(n, k) / 2) / 2**n)
+        assert sign_test(wins, losses) == pytest.approx(brute)
+    assert paired_p_value([1.0, 0.0, 1.0], [0.0, 0.0, 1.0]) == sign_test(1, 0)  # 1/0 outcomes: McNemar
+    # means: every sign pattern of the differences 1, 2, 3 — |sum| ≥ 6 in 2 of 8
+    assert paired_p_value([1.5, 2.5, 3.5, 0.2], [0.5, 0.5, 0.5, 0.2]) == pytest.approx(2 / 8)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.001]) == pytest.approx([0.5, 0.002])
 
 
 def test_best_in_group_compares_rows_within_their_budget() -> None:

@@ -42,6 +42,34 @@ def ids_of(n: int, seed: int) -> torch.Tensor:
 
 
 # -- the codec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("name", INTS)
+def test_encoding_in_place_matches_the_formula_in_chunks_without_new_buffers(name, rotate):
+    """``encode_into`` writes into strided views of a cache buffer what the formula gives (scale = absmax/qmax
+    in float16, codes = round(y / scale) clamped, int4 nibbles low-first), ``chunk`` tokens at a time; a
+    second write reuses the scratch's buffers."""
+    codec = KVCodec(name, rotate=rotate)
+    h, m, d, chunk = 3, 2 * 32 + 13, 16, 32
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(h, m, d, generator=gen) * torch.logspace(-3, 3, m).view(1, m, 1)
+    y = hadamard(x) if rotate else x  # the oracle, written out
+    ref_scale = (y.abs().amax(-1) / codec.qmax).clamp(2.0**-14, 65504.0).to(torch.float16)
+    q = torch.round(y / ref_scale.float().unsqueeze(-1)).clamp(-codec.qmax, codec.qmax).to(torch.int64)
+    ref = q if name == "int8" else (q[..., 0::2] + 8) | ((q[..., 1::2] + 8) << 4)
+    data = torch.zeros(h, m + 7, codec.tail(d), dtype=codec.storage_dtype)  # a buffer with slots around
+    scale = torch.zeros(h, m + 7, dtype=torch.float16)
+    scratch = quant.Scratch(torch.float32, torch.device("cpu"))
+    codec.encode_into(x, data[:, 5 : 5 + m], scale[:, 5 : 5 + m], scratch, chunk)
+    assert torch.equal(scale[:, 5 : 5 + m], ref_scale)
+    assert torch.equal(data[:, 5 : 5 + m].to(torch.int64), ref)
+    assert not data[:, :5].any() and not data[:, 5 + m :].any()  # nothing written outside the view
+    held = {k: b.data_ptr() for k, b in scratch.extra.items()}
+    assert all(b.shape[0] <= h * chunk * d for b in scratch.extra.values())
+    codec.encode_into(x, data[:, 5 : 5 + m], scale[:, 5 : 5 + m], scratch, chunk)
+    assert {k: b.data_ptr() for k, b in scratch.extra.items()} == held
+    assert torch.equal(codec.encode(x)[0], data[:, 5 : 5 + m])  # the allocating form is the same code
+
+
 @pytest.mark.parametrize("name", INTS)
 def test_every_element_comes_back_within_half_a_step(name):
     """In the rotated frame (x·H, where the codes are taken) every element is within half a step; H is
@@ -383,20 +411,21 @@ def test_allocated_bytes_count_codes_scales_and_the_scratch():
     assert math.isclose(coded.kv_scratch.nbytes(), 0)  # nothing read yet: no scratch
 
 
-def test_the_plan_counts_the_scratch_and_its_work_buffer():
-    """The scratch holds one group's K and V in the compute dtype and one more K (or V) where rotated codes
-    are scaled; the profile's ``decode_scratch_bytes`` is that, at capacity plus a block."""
-    from kvtool.core.quant import Scratch
+@pytest.mark.parametrize("budget", [64, 160])  # int4's 128-token window: more than a read holds, or less
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "int4"])
+def test_the_plan_counts_the_scratch_a_read_uses(kv, budget):
+    """The profile's ``decode_scratch_bytes`` is exactly the scratch a read grows: one layer's K and V
+    decoded at capacity plus a block, the work buffer of rotated codes, int4's nibbles and window reads,
+    and the encoder's float32 work for one block."""
     from kvtool.runtime.memory import decode_scratch_bytes
 
-    h, budget, block, d = 2, 40, 8, 16
-    dims = {"num_kv_heads": h, "head_dim": d}
-    for dtype in (torch.bfloat16, torch.float32):
-        scratch = Scratch(dtype, torch.device("cpu"))
-        keys, _ = scratch.views(h, budget + block, d)
-        scratch.work(keys.shape)
-        assert scratch.nbytes() == decode_scratch_bytes(dims, dtype, budget, block, "int8")
-        assert scratch.nbytes() == 3 * h * (budget + block) * d * dtype.itemsize
+    model = tiny_llama()
+    block = 32
+    engine = kv_engine(model, "h2o", budget, kv, block_size=block)
+    _, cache = stream_logits(engine, ids_of(budget + 3 * block + 9, 0))
+    dims = {"num_kv_heads": model.config.num_key_value_heads,
+            "head_dim": model.config.hidden_size // model.config.num_attention_heads}
+    assert cache.kv_scratch.nbytes() == decode_scratch_bytes(dims, torch.float32, budget, block, kv)
 
 
 # -- CLI, stats and .kvc ----------------------------------------------------------------------------------
@@ -464,9 +493,13 @@ def test_profile_plans_the_quantized_cache(qenv, capsys):
     # int4's 128-token window in bfloat16: 2 · 128 · 8 · 2 bytes of K+V per layer and KV head, on top
     assert plans["int4"]["kv_bytes_at_budget"]["promised"] == 64 * 48 + 2 * 2 * (2 * 128 * 8 * 2)
     assert auto["kv_decode_scratch_bytes"] == 0
-    assert int8["kv_decode_scratch_bytes"] == 3 * (64 + 16) * 2 * 8 * 4  # one layer's K, V and the work buffer
-    # and int4's window reads: one K (or V) of it in bfloat16, two int64 indices and a flag per row
-    assert plans["int4"]["kv_decode_scratch_bytes"] == 3 * (64 + 16) * 2 * 8 * 4 + 2 * 128 * (8 * 2 + 17)
+    # one layer's K, V and the work buffer; the encoder's two float32 K (or V) and scale, one block
+    encode = 2 * 16 * (2 * 8 * 4 + 4)
+    assert int8["kv_decode_scratch_bytes"] == 3 * (64 + 16) * 2 * 8 * 4 + encode
+    # int4: the nibbles split, its window reads over the 80 tokens a read holds (one K or V in bfloat16,
+    # two int64 indices and a flag per row), and the encoder's unpacked codes and high nibbles
+    assert plans["int4"]["kv_decode_scratch_bytes"] == (3 * (64 + 16) * 2 * 8 * 4 + (64 + 16) * 2 * 8
+                                                        + 2 * 80 * (8 * 2 + 17) + encode + 2 * 16 * (8 + 4))
 
 
 def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):

@@ -326,12 +326,32 @@ def test_citation_table_puts_intervals_on_its_counts():
     assert "| `sink` @ 512 | 0/6 [0, 39] | – |" in line  # no right answer: nothing to cite
 
 
+def _rule_data(needle: dict[str, int], f1: dict[str, list[float]], trials: int = 30) -> dict:
+    """Tables as the rule reads them: needle trials (the first k of each policy found) and F1 per question."""
+    cells = [{"policy": p, "budget": 256, "recall": 0, "correct": k, "trials": trials,
+              "answers": [{"correct": i < k} for i in range(trials)]} for p, k in needle.items()]
+    rows = [{"policy": p, "budget": 256, "f1": {"value": sum(v) / len(v)}, "significant": False,
+             "answers": [{"f1": x} for x in v]} for p, v in f1.items()]
+    return {"needle": {"result": {"results": cells}}, "agreement": {"result": {"results": rows}}}
+
+
 def test_the_default_rule_compares_only_policies_run_in_both_tables():
-    agreement = {"result": {"results": [{"policy": p, "budget": 256, "f1": {"value": f}, "significant": False}
-                                        for p, f in (("h2o", 0.63), ("sink", 0.62))]}}
-    needle = {"result": {"results": [{"policy": p, "budget": 256, "recall": 0, "correct": k, "trials": 30}
-                                     for p, k in (("h2o", 5), ("sink", 10), ("razor", 16))]}}
-    rule = results.choose_default(agreement, needle)
+    data = _rule_data({"h2o": 5, "sink": 10, "razor": 16}, {"h2o": [0.63] * 12, "sink": [0.62] * 12})
+    rule = results.choose_default(data, "h2o")
     # razor (not in the agreement table yet) would put h2o significantly below it; it neither wins nor sets the bar
     assert "razor" not in rule[1] and "`h2o` @ 256 17%," in rule[1]
-    assert rule[2].endswith("of these the highest mean F1: **`h2o`**.")
+    assert "the default stays **`h2o`**" in rule[-1]
+
+
+def test_the_default_moves_only_on_a_win_that_survives_the_number_of_comparisons():
+    """Five trials more of 30 found, all by the challenger (mid-p 0.031), is significant alone but not once
+    Holm adjusts for the other challengers' cells; seven more (mid-p 0.008, 0.047 adjusted over six cells)
+    moves it, though the two rates alone (16/30 against 9/30, unpaired) are inside each other's interval."""
+    f1 = {p: [0.6, 0.7] * 6 for p in ("h2o", "a", "b", "c", "d")}
+    close = _rule_data({"h2o": 5, "a": 10, "b": 5, "c": 6, "d": 4}, f1)
+    rule = results.choose_default(close, "h2o")
+    assert "the default stays **`h2o`**" in rule[-1] and "`a` needle @ 256 +17 pp (p = 0.031;" in rule[-1]
+    far = _rule_data({"h2o": 9, "a": 16, "b": 9, "c": 10, "d": 8}, f1)
+    rule = results.choose_default(far, "h2o")
+    assert "`h2o`" in rule[2] and rule[-1].endswith("the data supports **`a`**.")
+    assert "`a` needle @ 256 +23 pp (p = 0.008; 0.047 after Holm over 6 cells)" in rule[-1]

@@ -6,6 +6,7 @@ so eviction's gather, recall's merge, growth and ``.kvc`` loading move all of th
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -71,13 +72,16 @@ class TokenBuffers:
             b.data = data
         self.slots = slots
 
-    def write(self, start: int, values: dict[str, Tensor | float]) -> int:
-        """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros.
+    def write(self, start: int, values: dict[str, Tensor | float], written: Collection[str] = ()) -> int:
+        """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros, but
+        those in ``written`` (already filled by the caller, e.g. encoded K/V) are left as they are.
 
         Returns m, taken from the first tensor value.
         """
         m = next(v.shape[self.items[k].axis] for k, v in values.items() if isinstance(v, Tensor))
         for name, b in self.items.items():
+            if name in written:
+                continue
             dst = b.tokens(start, start + m)
             v = values.get(name, 0.0)
             if isinstance(v, Tensor):

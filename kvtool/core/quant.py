@@ -46,6 +46,8 @@ from kvtool.errors import UsageError
 
 #: a layer's RoPE rotation: keys [h, n, d] turned by [h, n] positions (``positions.Rotator.rotate``)
 Rotate = Callable[[Tensor, Tensor], Tensor]
+#: ``Scratch.encoder``'s views: rotated values, a second float32 buffer, the scales, int4's codes and high nibbles
+EncoderViews = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 #: ``--kv-dtype`` values that store integer codes (the others are float dtypes)
 INTEGER_KV = {"int8": 127, "int4": 7}
 #: the scales' dtype (2 bytes per token, head and K/V)
@@ -111,19 +113,52 @@ class KVCodec:
         return kv_token_head_bytes(self.name, head_dim, self.storage_dtype.itemsize)
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``x`` [.., d] → (codes [.., d'], scale [..] float16, or None for a float format)."""
+        """``x`` [.., d] → (codes [.., d'], scale [..] float16, or None for a float format), newly allocated
+        (tests and benches; the cache writes through ``encode_into``)."""
+        data = torch.empty(*x.shape[:-1], self.tail(x.shape[-1]), dtype=self.storage_dtype, device=x.device)
+        scale = torch.empty(x.shape[:-1], dtype=SCALE_DTYPE, device=x.device) if self.integer else None
+        self.encode_into(x, data, scale, Scratch(x.dtype, x.device))
+        return data, scale
+
+    def encode_into(self, x: Tensor, data: Tensor, scale: Tensor | None, scratch: Scratch,
+                    chunk: int | None = None) -> None:
+        """Encode ``x`` [.., m, d] into ``data`` [.., m, d'] and ``scale`` [.., m] (None for a float format),
+        which may be strided views of the cache's own buffers.
+
+        The float32 work runs in ``scratch``'s encode buffers, ``chunk`` tokens at a time (None: all at
+        once). The cache passes its block size, so writing a block, a decoded token or a longer passage
+        (a recalled one, a long question) allocates nothing once the buffers exist."""
         if not self.integer:
-            return x.to(self.storage_dtype), None
-        xf = hadamard(x.float()) if self.rotate else x.float()
-        absmax = xf.abs().amax(-1)
+            data.copy_(x)
+            return
+        assert scale is not None
+        m = x.shape[-2]
+        c = m if chunk is None else max(1, chunk)
+        if m <= c:
+            self._encode_chunk(x, data, scale, scratch)
+            return
+        for a in range(0, m, c):
+            n = min(c, m - a)
+            self._encode_chunk(x.narrow(-2, a, n), data.narrow(-2, a, n), scale.narrow(-1, a, n), scratch)
+
+    def _encode_chunk(self, x: Tensor, data: Tensor, scale: Tensor, scratch: Scratch) -> None:
+        y, work, s, nibbles, high = scratch.encoder(tuple(x.shape), self.name == "int4")
+        if self.rotate:
+            src = x if x.dtype == torch.float32 else work.copy_(x)
+            torch.matmul(src, hadamard_matrix(x.shape[-1], torch.float32, x.device), out=y)
+        else:
+            y.copy_(x)
+        torch.amax(torch.abs(y, out=work), -1, out=s)  # the largest |y| of each token and head
         # nearest float16: |x| / scale ≤ qmax · (1 + 2⁻¹¹) < qmax + ½, so the clamp stays within half a step;
         # re-encoding a decoded row finds the same scale (rounding up would move it one ulp each time)
-        scale = (absmax / self.qmax).clamp_(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
-        q = torch.round(xf / scale.float().unsqueeze(-1)).clamp_(-self.qmax, self.qmax)
-        if self.name == "int8":
-            return q.to(torch.int8), scale
-        u = (q + 8).to(torch.uint8)
-        return u[..., 0::2] | (u[..., 1::2] << 4), scale
+        scale.copy_(s.div_(self.qmax).clamp_(_SCALE_MIN, _SCALE_MAX))
+        s.copy_(scale)  # the codes are taken against the stored (float16) scale
+        q = torch.div(y, s.unsqueeze(-1), out=work).round_().clamp_(-self.qmax, self.qmax)
+        if nibbles is None or high is None:
+            data.copy_(q)
+            return
+        nibbles.copy_(q.add_(8))
+        torch.bitwise_or(nibbles[..., 0::2], torch.bitwise_left_shift(nibbles[..., 1::2], 4, out=high), out=data)
 
     def decode(self, data: Tensor, scale: Tensor | None, out: Tensor, work: Tensor | None = None,
                scratch: Scratch | None = None) -> Tensor:
@@ -172,7 +207,8 @@ class Scratch:
     Attention, the policy's scores and the archive read a group's K/V within one layer's step; every layer
     decodes into the same storage, so its size is one group's K/V at full precision (the largest group),
     grown only when a group's slots grow, never per block or token; plus one more such buffer where rotated
-    integer codes are scaled before the product with ``H`` writes the decoded K (or V).
+    integer codes are scaled before the product with ``H`` writes the decoded K (or V). Integer codes are
+    also taken here (``encoder``): float32 work for one block of tokens at most.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -181,7 +217,8 @@ class Scratch:
         self.keys = torch.empty(0, dtype=dtype, device=device)
         self.values = torch.empty(0, dtype=dtype, device=device)
         self.scaled = torch.empty(0, dtype=dtype, device=device)
-        self.extra: dict[str, Tensor] = {}  # int4's window reads (``RecentWindow``), by name
+        self.extra: dict[str, Tensor] = {}  # int4's window reads (``RecentWindow``) and the encoder's, by name
+        self.encoders: dict[tuple[tuple[int, ...], bool], EncoderViews] = {}  # ``encoder``'s, by chunk shape
 
     def views(self, h: int, slots: int, d: int) -> tuple[Tensor, Tensor]:
         """Key and value buffers viewed as [h, slots, d] (contents undefined until decoded into)."""
@@ -204,7 +241,22 @@ class Scratch:
         buf = self.extra.get(name)
         if buf is None or buf.dtype != dtype or _too_small(buf, numel):
             buf = self.extra[name] = torch.empty(numel, dtype=dtype, device=self.device)
+            self.encoders.clear()  # views of the buffer replaced are stale
         return buf[:numel].view(shape)
+
+    def encoder(self, shape: tuple[int, ...], int4: bool) -> EncoderViews:
+        """``KVCodec.encode_into``'s work for a chunk of ``shape`` [.., m, d]: the rotated values and a second
+        float32 buffer, a float32 scale per token, and for int4 the unpacked codes and shifted high nibbles.
+        The views are made once per chunk shape (a block, a decoded token), until a buffer is replaced."""
+        views = self.encoders.get((shape, int4))
+        if views is None or _too_small(views[0], 0):
+            half = (*shape[:-1], shape[-1] // 2)
+            views = (self.buffer("enc_y", shape, torch.float32), self.buffer("enc_work", shape, torch.float32),
+                     self.buffer("enc_scale", shape[:-1], torch.float32),
+                     self.buffer("enc_nibbles", shape, torch.uint8) if int4 else None,
+                     self.buffer("enc_high", half, torch.uint8) if int4 else None)
+            self.encoders[(shape, int4)] = views
+        return views
 
     def nbytes(self) -> int:
         extra = sum(b.numel() * b.element_size() for b in self.extra.values())

@@ -195,25 +195,26 @@ class HeadGroup:
         if c.integer:
             self.buffers.add(SCALES[name], h, (), SCALE_DTYPE, self.device, lead=lead)
 
-    def _encoded(self, name: str, x: Tensor) -> dict[str, Tensor | float]:
-        """Row entries of ``x`` [h, m, d] for buffer ``name``: the codes and, when integer, their scales."""
-        if self.codec is None:
-            return {name: x}
-        data, scale = self.codec.encode(x)
-        return {name: data} if scale is None else {name: data, SCALES[name]: scale}
+    def _coded_names(self, name: str) -> tuple[str, ...]:
+        """Buffer ``name`` and, when the codes are integer, its scale's buffer."""
+        return (name, SCALES[name]) if self.codec is not None and self.codec.integer else (name,)
 
     def _put(self, name: str, start: int, x: Tensor) -> None:
-        """Overwrite tokens ``start`` … of buffer ``name`` (and its scale) with ``x`` [h, m, d], encoded."""
+        """Overwrite tokens ``start`` … of buffer ``name`` (and its scale) with ``x`` [h, m, d], encoded in place."""
         m = x.shape[1]
-        for key, value in self._encoded(name, x).items():
-            assert isinstance(value, Tensor)
-            self.buffers.items[key].tokens(start, start + m).copy_(value)
+        views = [self.buffers.items[key].tokens(start, start + m) for key in self._coded_names(name)]
+        self._encode(x, *views)
 
     def _set_lead(self, name: str, x: Tensor) -> None:
         """Write the compensation slot of ``name`` (keys or values) from ``x`` [h, d], encoded."""
-        for key, value in self._encoded(name, x.to(self.dtype).unsqueeze(1)).items():
-            assert isinstance(value, Tensor)
-            self.buffers[key].narrow(1, 0, 1).copy_(value)
+        views = [self.buffers[key].narrow(1, 0, 1) for key in self._coded_names(name)]
+        self._encode(x.to(self.dtype).unsqueeze(1), *views)
+
+    def _encode(self, x: Tensor, data: Tensor, scale: Tensor | None = None) -> None:
+        if self.codec is None:
+            data.copy_(x)
+        else:
+            self.codec.encode_into(x, data, scale, self._shared(), chunk=self.block_size)
 
     def _decoded(self, name: str, start: int, stop: int, out: Tensor) -> Tensor:
         """Buffer ``name``'s raw slots ``start`` … ``stop`` − 1 (leading slots counted) decoded into ``out``."""
@@ -350,17 +351,17 @@ class HeadGroup:
                newest: bool = False) -> None:
         """Append tokens after the stored ones: [h, m, d] keys (rotated to ``rotary``), [h, m] positions;
         ``newest``: the stream's next tokens (not recalled ones), which enter the full-precision window."""
-        row: dict[str, Tensor | float] = {**self._encoded("keys", keys), **self._encoded("values", values),
-                                          "positions": positions, "rotary": rotary}
-        if "origin" in self.buffers:
-            row.update(self._encoded("origin", original))
+        n = self.length
+        coded = {"keys": keys, "values": values, **({"origin": original} if "origin" in self.buffers else {})}
+        for name, x in coded.items():  # encoded straight into their slots
+            self._put(name, n, x)
+        row: dict[str, Tensor | float] = {"positions": positions, "rotary": rotary}
         window = 0
         if newest and self.recent is not None:
             self.recent.record(original, values, positions, self._shared())
             window = self.recent.size
         row["state"] = self.new_state(keys, values)
-        n = self.length
-        self.length += self.buffers.write(n, row)
+        self.length += self.buffers.write(n, row, written={c for name in coded for c in self._coded_names(name)})
         if self.codec is not None and isinstance(row["state"], Tensor):  # tokens leaving the window included
             self._refresh_constants(max(0, n - window), self.length)
 

@@ -252,17 +252,26 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
 
 
 def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto") -> int:
-    """The buffer coded K/V (``--kv-dtype``) are decoded into for attention: one layer's K and V at the
-    compute dtype, capacity plus one block (``core/quant.py``'s ``Scratch``, shared by every layer), plus one
-    more K (or V) where integer codes are scaled before their rotation back; int4 adds what reading its
-    16-bit window takes (one K or V of the window, its rows, held positions and matches); 0 when K/V are
-    stored in the compute dtype."""
+    """The buffers coded K/V (``--kv-dtype``) are read and written through (``core/quant.py``'s ``Scratch``,
+    shared by every layer); 0 when K/V are stored in the compute dtype.
+
+    Reading: one layer's K and V decoded to the compute dtype, capacity plus one block; integer codes add
+    one more K (or V) where they are scaled before their rotation back, and int4 the nibbles split (one
+    byte per element) and what reading its 16-bit window takes (one K or V of the window, its rows, held
+    positions and matches). Writing integer codes: two float32 K (or V) and a float32 scale per token,
+    one block long (int4: also its codes unpacked and the shifted high nibbles)."""
     if not coded_kv(elem, kv_dtype):
         return 0
-    buffers = 3 if kv_dtype in ("int8", "int4") else 2
     h, d, e = dims["num_kv_heads"], dims["head_dim"], dtype_bytes(elem)
-    window = h * KV_WINDOW_TOKENS.get(kv_dtype, 0) * (d * min(e, 2) + 8 + 8 + 1)
-    return buffers * (budget + block) * h * d * e + window
+    if kv_dtype not in ("int8", "int4"):
+        return 2 * (budget + block) * h * d * e
+    read = 3 * (budget + block) * h * d * e
+    write = h * block * (2 * d * 4 + 4)
+    if kv_dtype == "int4":
+        window = min(KV_WINDOW_TOKENS["int4"], budget + block)  # the window's tokens among those stored
+        read += (budget + block) * h * d + h * window * (d * min(e, 2) + 8 + 8 + 1)
+        write += h * block * (d + d // 2)
+    return read + write
 
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:

@@ -355,3 +355,9 @@ def test_the_default_moves_only_on_a_win_that_survives_the_number_of_comparisons
     rule = results.choose_default(far, "h2o")
     assert "`h2o`" in rule[2] and rule[-1].endswith("the data supports **`a`**.")
     assert "`a` needle @ 256 +23 pp (p = 0.008; 0.047 after Holm over 6 cells)" in rule[-1]
+    # a default significantly below the needle's best is no candidate: the others' best F1 is named, and the
+    # line says the tool's default has not moved with it
+    gone = _rule_data({"h2o": 5, "a": 25, "b": 24}, {"h2o": [0.7] * 12, "a": [0.6] * 12, "b": [0.65] * 12})
+    rule = results.choose_default(gone, "h2o")
+    assert "significantly below the best in the needle table" in rule[-1] and "**`b`**" in rule[-1]
+    assert "kvtool still defaults to `h2o`" in rule[-1]

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import cite_table
 import defaults
@@ -329,17 +330,30 @@ def table_archive(data: dict) -> str:
     return "\n".join(lines)
 
 
-def choose_default(data: dict, incumbent: str = DEFAULT) -> list[str]:
-    """Which policy the data supports as the default, and whether it should replace ``incumbent``.
+#: the default-policy rule, as the page states it (``choose_default`` applies it)
+DEFAULT_RULE = ("The rule: a candidate is never significantly below the best policy at its budget in the agreement "
+                "table (token F1) nor in the needle table (found-rate), and only policies run in both compete. A "
+                "candidate replaces the default (`{default}`) only when it beats it in some table and budget with a "
+                "p-value under 0.05 after Holm's adjustment over every comparison made (McNemar's mid-p test on the "
+                "paired needle trials, a sign-flip permutation test on F1 per question), and is significantly worse "
+                "in none: with many policies compared, some beat the default at 95% by chance.")
 
-    A candidate is never significantly below the best policy at its budget, in the agreement table (token
-    F1) nor in the needle table (found-rate); only policies run in both tables compete (a policy the
-    agreement table has not run yet can neither win nor set the bar). A candidate replaces the incumbent
-    only when it beats it in some cell (table and budget) with a p-value that stays under 0.05 after Holm's
-    adjustment over every cell of every candidate compared, and is not significantly worse in any cell:
-    with many policies compared, some would beat it at 95% by chance, and the table's best mean F1 is one
-    of a dozen draws inside each other's noise.
-    """
+
+class Cell(NamedTuple):
+    """One comparison of a candidate with the default: mean difference and p-value over the same units."""
+
+    policy: str
+    table: str
+    budget: int
+    diff: float
+    p: float
+
+
+def choose_default(data: dict, incumbent: str = DEFAULT) -> list[str]:
+    """Which policy the data supports as the default, and whether it should replace ``incumbent``: the rule
+    ``DEFAULT_RULE`` states (printed above its outcome on the page). A policy the agreement table has not run
+    yet can neither win nor set the bar; a default that is itself no candidate leaves the candidates' highest
+    mean F1 named, the others being inside each other's noise."""
     from kvtool.eval.needle import summarize
     from kvtool.eval.stats import holm, paired_p_value
 
@@ -376,7 +390,7 @@ def choose_default(data: dict, incumbent: str = DEFAULT) -> list[str]:
                       f"inside each other's noise; of them the highest mean F1 is **`{candidates[0]}`**. kvtool "
                       f"still defaults to `{incumbent}`: the default-settings section below was measured with it, "
                       "and moves with the default."]
-    cells = []  # (candidate, table, budget, difference, p) against the incumbent, on the same units
+    cells: list[Cell] = []  # every candidate against the incumbent, on the same units
     for cand in (c for c in candidates if c != incumbent):
         for table in ("needle", "agreement"):
             for budget in budgets:
@@ -384,23 +398,23 @@ def choose_default(data: dict, incumbent: str = DEFAULT) -> list[str]:
                 if xa is None or xb is None or len(xa) != len(xb) or len(xa) < 2:
                     continue
                 diff = sum(xa) / len(xa) - sum(xb) / len(xb)
-                cells.append((cand, table, budget, diff, paired_p_value(xa, xb)))
+                cells.append(Cell(cand, table, budget, diff, paired_p_value(xa, xb)))
     if not cells:
         return out + [f"No candidate shares units with `{incumbent}`: the default stays **`{incumbent}`**."]
-    adjusted = holm([c[4] for c in cells])
-    worse_somewhere = {c[0] for c in cells if c[3] < 0 and c[4] <= 0.05}
-    wins = sorted(((a, c) for c, a in zip(cells, adjusted, strict=True)
-                   if c[3] > 0 and a <= 0.05 and c[0] not in worse_somewhere), key=lambda w: w[0])
+    adjusted = holm([c.p for c in cells])
+    worse_somewhere = {c.policy for c in cells if c.diff < 0 and c.p <= 0.05}
+    better = sorted((a, c) for c, a in zip(cells, adjusted, strict=True) if c.diff > 0)  # most significant first
 
-    def cell(c: tuple, adj: float) -> str:
-        unit = f"{100 * c[3]:+.0f} pp" if c[1] == "needle" else f"{c[3]:+.2f} F1"
-        return f"`{c[0]}` {c[1]} @ {c[2]} {unit} (p = {c[4]:.3f}; {adj:.3f} after Holm over {len(cells)} cells)"
+    def cell(c: Cell, adj: float) -> str:
+        unit = f"{100 * c.diff:+.0f} pp" if c.table == "needle" else f"{c.diff:+.2f} F1"
+        return (f"`{c.policy}` {c.table} @ {c.budget} {unit} (p = {c.p:.3f}; {adj:.3f} after Holm over "
+                f"{len(cells)} cells)")
 
+    wins = [(a, c) for a, c in better if a <= 0.05 and c.policy not in worse_somewhere]
     if wins:
         return out + [f"Beats the default `{incumbent}` beyond the noise: {cell(wins[0][1], wins[0][0])}: the "
-                      f"data supports **`{wins[0][1][0]}`**."]
-    best = min(((a, c) for c, a in zip(cells, adjusted, strict=True) if c[3] > 0), default=None, key=lambda w: w[0])
-    closest = f" The closest: {cell(best[1], best[0])}." if best else ""
+                      f"data supports **`{wins[0][1].policy}`**."]
+    closest = f" The closest: {cell(better[0][1], better[0][0])}." if better else ""
     return out + [f"No candidate beats `{incumbent}` in any cell once the {len(cells)} comparisons are adjusted "
                   f"(Holm): the default stays **`{incumbent}`**.{closest}"]
 
@@ -530,13 +544,7 @@ def render(data: dict, total_seconds: float) -> str:
                   *[f"- {c}" for c in cmds], ""]
     parts += evidence.evidence_sections(data, DEFAULT)
     rule = choose_default(data) + beside_the_rule(data)
-    parts += ["## Choosing the default policy", "",
-              "The rule: a candidate is never significantly below the best policy at its budget in the agreement "
-              "table (token F1) nor in the needle table (found-rate), and only policies run in both compete. A "
-              f"candidate replaces the default (`{DEFAULT}`) only when it beats it in some table and budget with a "
-              "p-value under 0.05 after Holm's adjustment over every comparison made (McNemar's mid-p test on "
-              "the paired needle trials, a sign-flip permutation test on F1 per question), and is significantly "
-              "worse in none: with many policies compared, some beat the default at 95% by chance.", "",
+    parts += ["## Choosing the default policy", "", DEFAULT_RULE.format(default=DEFAULT), "",
               *[f"- {x}" for x in rule], ""]
     if data.get("peer"):
         peer = data["peer"]

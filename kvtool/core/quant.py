@@ -133,10 +133,7 @@ class KVCodec:
             return
         assert scale is not None
         m = x.shape[-2]
-        c = m if chunk is None else max(1, chunk)
-        if m <= c:
-            self._encode_chunk(x, data, scale, scratch)
-            return
+        c = max(1, m if chunk is None else chunk)
         for a in range(0, m, c):
             n = min(c, m - a)
             self._encode_chunk(x.narrow(-2, a, n), data.narrow(-2, a, n), scale.narrow(-1, a, n), scratch)

@@ -8,7 +8,7 @@ the engine reads the L tokens that lead up to the passage, then feeds the passag
 time (eviction runs as in generation) and records its perplexity. Comparing different passages
 would mostly measure how hard each passage is. SmolLM2-135M was trained on 8,192 positions: with
 ``absolute`` every length past that asks the model for positions it never saw.
-The target (issue 8): compact stays within 10% of its 4K figure at every length.
+The target: compact stays within 10% of its 4K figure at every length.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Ratios to dense and chunked come from the same run. Issue 15 adds the decode flo
 decoding after a budget-sized document), the decode split (scoring + eviction share of decode
 time) and two concurrent processes against one (``--concurrency-length``, at kvtool's default —
 each process shares the cores with the other kvtool processes, ``kvtool/runtime/cores.py`` — and at
-an explicit cores / 2 threads each). Targets (issues 9 and 15) are checked at the end and
+an explicit cores / 2 threads each). Targets are checked at the end and
 every miss says by how much. ``--json PATH`` writes all rows.
 """
 
@@ -116,7 +116,7 @@ def run_one(spec: dict) -> dict:
     torch.set_grad_enabled(False)
     out_threads = set_threads(spec.get("threads"))  # kvtool's own choice unless the spec says
     share = None
-    if spec.get("threads") is None and spec["kind"] == "kvtool":  # as the CLI does: share the cores (issue 15)
+    if spec.get("threads") is None and spec["kind"] == "kvtool":  # as the CLI does: share the cores
         from kvtool.runtime.cores import process_share
 
         share = process_share()
@@ -261,7 +261,7 @@ def children(specs: list[dict]) -> list[dict]:
 
 
 def concurrency(base: dict, policy: str, n: int, threads: int | None) -> float | None:
-    """Per-process prefill tok/s of two concurrent processes / that of one process alone (issue 15)."""
+    """Per-process prefill tok/s of two concurrent processes / that of one process alone."""
     spec = {**base, "kind": "kvtool", "policy": policy, "length": n, "decode_tokens": 0, "threads": threads}
     alone = child(spec)
     pair = children([spec, spec])
@@ -377,7 +377,7 @@ def main() -> None:
     mem_lengths = [parse_tokens(x) for x in args.memory_lengths.split(",") if x]
     floor_policies = {"sink", "keydiff", "tova", "snapkv+caote"} & set(policies)
     if floor_policies and budget not in lengths:
-        # the decode floor: transformers decoding after a budget-sized document (issue 15)
+        # the decode floor: transformers decoding after a budget-sized document
         r = child({**base, "kind": "dense", "length": budget})
         rows.append(r)
         print_row(r, roof, rows)
@@ -414,7 +414,7 @@ def main() -> None:
     ratios = {}
     if args.concurrency_length:
         n = parse_tokens(args.concurrency_length)
-        print(f"\ntwo concurrent processes (issue 15), {os.cpu_count()} CPUs:", flush=True)
+        print(f"\ntwo concurrent processes, {os.cpu_count()} CPUs:", flush=True)
         ratios["default"] = concurrency(base, args.concurrency_policy, n, args.threads)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if args.threads is None and cores > 1:
@@ -508,7 +508,7 @@ def decode_tps(r: dict | None) -> float:
 
 def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[int],
                   ratios: dict[str, float | None] | None = None) -> None:
-    print("\ntargets (issues 9 and 15):")
+    print("\ntargets:")
 
     def report(name: str, value: float, target: float, higher_is_better: bool = True, unit: str = "") -> None:
         ok = value >= target if higher_is_better else value <= target

@@ -6,7 +6,7 @@ For each repeat, the same ~L-token text (Sherlock Holmes with a secret number at
 asked about with recall off and on (in the order off-on, on-off, off-on, …, so that a drift of the
 machine's speed — on this shared VM the first run after a pause is often the fastest — hits both alike), each in
 its own child process so its peak memory is its own. Prints one JSON object: prefill tokens/s of
-both and their ratio (issue 13's target: ≥ 0.9), the peak memory with recall against the peak
+both and their ratio (the target: ≥ 0.9), the peak memory with recall against the peak
 without plus the recall slots (≤ 1.05; RSS sampled every 5 ms by the bench itself, since kvtool's
 own 50 ms sampler can miss recall's short-lived buffers — its figure is printed beside), recall's
 share of the run's wall time (read + ask; ≤ 0.10),
@@ -130,7 +130,7 @@ def main() -> None:
         "recall": args.recall, "archive_dtype": args.archive_dtype, "repeats": args.repeats,
         "prefill_tps_off": med("off", "prefill_tokens_per_second"),
         "prefill_tps_on": med("on", "prefill_tokens_per_second"),
-        # issue 13's targets: ≥ 0.9, ≤ 1.05, ≤ 0.10
+        # the targets: ≥ 0.9, ≤ 1.05, ≤ 0.10
         "prefill_speed_ratio": round(med("on", "prefill_tokens_per_second")
                                      / med("off", "prefill_tokens_per_second"), 3),
         # each pair's own ratio: their spread is this machine's run-to-run noise

@@ -65,6 +65,9 @@ def kv_token_head_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int
 #: many: int4's perplexity gap at equal tokens falls from +16% to within 1% with 128 (docs/results.md); int8
 #: is within 1% without one
 KV_WINDOW_TOKENS = {"int4": 128}
+#: tokens compact positions rotate per step (``positions.Rotator.rotate``): the float64 angles and float32
+#: terms of one step are the rotation's work buffers, however many keys a re-pack turns
+ROTATE_CHUNK = 1024
 
 
 def kv_window_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:

@@ -1,4 +1,4 @@
-"""Hostile inputs and faults (issue 16): one line on stderr, the documented exit code, nothing left behind.
+"""Hostile inputs and faults: one line on stderr, the documented exit code, nothing left behind.
 
 The table drives ``kvtool.cli.app.main`` in-process on a tiny random checkpoint; each case checks the exit
 code, that stderr is exactly one ``kvtool: error:`` line containing the expected words, that no traceback

@@ -299,7 +299,7 @@ def brute_greedy(alpha: Tensor, values: Tensor, m: int, objective: str) -> list[
 
 @pytest.mark.parametrize("objective", ["step", "joint"])
 def test_greedy_equals_the_literal_step_by_step_eviction(objective):
-    """The closed forms (eq. 27, and the expanded "joint" of issue 15) pick the same tokens, in the
+    """The closed forms (eq. 27, and the expanded "joint" objective) pick the same tokens, in the
     same order, as evicting and recomputing the output at every step."""
     gen = torch.Generator().manual_seed(21)
     h, n, d, m = 5, 14, 6, 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtool.config import ROTATE_CHUNK
 from kvtool.core.cache import HeadGroup
 from kvtool.core.positions import Rotator
 from kvtool.errors import UsageError
@@ -131,3 +132,53 @@ def test_unsupported_position_schemes_are_clear_errors():
     with pytest.raises(UsageError, match="dynamic"):
         make_engine(model, "sink", 64, positions="compact")
     make_engine(model, "sink", 64, positions="absolute")  # absolute needs no rotation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_equals_the_rope_formula_and_reuses_its_buffers(dtype):
+    """``Rotator.rotate`` against RoPE written out in float64 (the pairs (k1, k2) turned by δ·θ), over
+    several work steps and with a shared [n] delta; calls no larger than the largest one reuse every buffer."""
+    d = 16
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    rot = Rotator(inv, d)
+    g = torch.Generator().manual_seed(0)
+    n = 2 * ROTATE_CHUNK + 7
+    keys = torch.randn(3, n, d, generator=g).to(dtype)
+    for delta in (torch.randint(-40000, 40000, (3, n), generator=g), torch.randint(-9, 9, (n,), generator=g)):
+        angles = delta.expand(3, n).double().unsqueeze(-1) * inv.double()
+        k = keys.double()
+        k1, k2 = k[..., : d // 2], k[..., d // 2 :]
+        want = torch.cat((k1 * angles.cos() - k2 * angles.sin(), k2 * angles.cos() + k1 * angles.sin()), -1)
+        got = rot.rotate(keys, delta)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), atol=tol, rtol=tol)
+    buffers = {key: b.data_ptr() for key, b in rot.work.buffers.items()}
+    rot.rotate(keys[:, :5], torch.zeros(3, 5, dtype=torch.long))
+    assert torch.equal(rot.rotate(keys[:, :5], torch.zeros(3, 5, dtype=torch.long)), keys[:, :5])  # δ = 0: identical
+    assert {key: b.data_ptr() for key, b in rot.work.buffers.items()} == buffers
+
+
+@pytest.mark.parametrize("positions", ["compact", "auto"])
+def test_compact_reads_rotate_in_buffers_the_plan_counts_and_never_grow_them_per_block(positions):
+    """Once a compact read has re-packed a full group, later blocks and decoded tokens rotate in the same
+    buffers (no allocation per block or token), and ``rotation_scratch_bytes`` covers them."""
+    from kvtool.runtime.memory import rotation_scratch_bytes
+
+    model = tiny_llama(max_positions=64)
+    budget, block = 40, 8
+    engine = make_engine(model, "h2o", budget, block_size=block, positions=positions)
+    ids = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(6))
+    cache = engine.new_cache()
+    seen: list[dict] = []
+    for s in range(0, 400, block):
+        engine.step(cache, ids[s : s + block], 1)
+        seen.append({key: b.data_ptr() for key, b in engine.rotator.work.buffers.items()})
+    for tok in ids[:20]:
+        engine.step(cache, tok.view(1), 1)
+    assert engine.rotator.calls > 0
+    assert all(x == seen[-1] for x in seen[len(seen) // 2 :])  # the second half of the read allocates nothing
+    assert {key: b.data_ptr() for key, b in engine.rotator.work.buffers.items()} == seen[-1]  # nor decoding
+    dims = {"num_kv_heads": model.config.num_key_value_heads,
+            "head_dim": model.config.hidden_size // model.config.num_attention_heads}
+    assert 0 < engine.rotator.work.nbytes() <= rotation_scratch_bytes(dims, torch.float32, budget + block)

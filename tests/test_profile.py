@@ -79,6 +79,27 @@ def test_plan_matches_hand_computation() -> None:
     assert "memory" not in p and "measured" not in p and "budget_split" not in p
 
 
+def test_plan_counts_the_rotation_of_compact_positions() -> None:
+    base = plan(_info(), _settings(), doc_tokens=1000)
+    p = plan(_info(), _settings(positions="compact"), doc_tokens=1000)
+    assert base["rotation_scratch_bytes"] == 0
+    # rotated keys: 2 KV heads x 80 slots x 16 dims x 4 B; one step of those 80 tokens: float64 angles and
+    # four float32 half-dimension terms, 12 B per dimension
+    assert p["rotation_scratch_bytes"] == 2 * 80 * 16 * 4 + 2 * 80 * 16 * 12 == 40960
+    assert p["predicted_peak_bytes"] == base["predicted_peak_bytes"] + 40960
+    # a 16-bit key adds its float32 copy and result (8 B per dimension)
+    half = plan(_info(dtype="bfloat16"), _settings(positions="compact"), doc_tokens=1000)
+    assert half["rotation_scratch_bytes"] == 2 * 80 * 16 * 2 + 2 * 80 * 16 * 20
+    # recall: a group holding its recalled tokens is re-packed whole (64 + 16 + 256 slots, in one step)
+    r = plan(_info(), _settings(positions="compact", recall="auto"), doc_tokens=1000)
+    assert r["rotation_scratch_bytes"] == 2 * 336 * 16 * 4 + 2 * 336 * 16 * 12
+    a = plan(_info(), _settings(recall="auto"), doc_tokens=1000)
+    assert r["predicted_peak_bytes"] == a["predicted_peak_bytes"] + r["rotation_scratch_bytes"]
+    # auto positions rotate only past the model's range
+    inside, past = (plan(_info(max_positions=m), _settings(positions="auto"), doc_tokens=1000) for m in (2000, 500))
+    assert inside["rotation_scratch_bytes"] == 0 and past["rotation_scratch_bytes"] == 40960
+
+
 def test_plan_agrees_with_predict_peak_and_real_weight_bytes() -> None:
     base = plan(_info(), _settings())
     ref = predict_peak(DIMS, num_params=1000, elem=4, budget_tokens=64, block_size=16, rows=16, n_fields=1)
@@ -287,5 +308,5 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
     assert 1500 <= m["document_tokens"] <= 2600
     assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
     # Every buffer kvtool allocates is a term of the formula (the per-question snapshot included); what is
-    # left is allocator and library slack in RSS: measured 1.066 here (issue 16), so ±10% is the claim.
+    # left is allocator and library slack in RSS: measured 1.066 here, so ±10% is the claim.
     assert 0.90 <= m["ratio"] <= 1.10

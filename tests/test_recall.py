@@ -286,7 +286,7 @@ def test_recalled_kv_equal_what_was_evicted(positions, monkeypatch):
             k = before[0][h, gone]
             if positions == "compact":
                 delta = before[2][h, gone] - before[3][h, gone]
-                k = cache.rotator.rotate(k.unsqueeze(0), delta.unsqueeze(0))[0]
+                k = cache.rotator.rotate(k.unsqueeze(0), delta.unsqueeze(0))[0].clone()  # a view of its buffer
             for kk, vv, pp in zip(k, before[1][h, gone], before[2][h, gone], strict=True):
                 evicted[(self.layer_idx, h, int(pp))] = (kk, vv)
 
@@ -594,7 +594,12 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     def peak(plan):  # the runtime baseline is a measured RSS: it differs between the two runs
         return plan["predicted_peak_bytes"] - plan["runtime_baseline_bytes"]
 
-    assert peak(r) - peak(p) == 24 * per_token
+    # with compact positions (auto, past the range) a group holding its recalled tokens is re-packed whole
+    # (24 more float32 keys, and 24 more tokens in the step's 12 B per dimension of float work)
+    rotated = r["rotation_scratch_bytes"] - p["rotation_scratch_bytes"]
+    heads_x_dim = r["kv_bytes_per_token"]["per_layer"] // (2 * 4)  # K and V of float32 per KV head and dim
+    assert r["dtype"] == "float32" and rotated == 24 * heads_x_dim * (4 + 12)
+    assert peak(r) - peak(p) == 24 * per_token + rotated
     assert r["archive_bytes_per_evicted_token"]["file"] == per_token  # the model's dtype
     rc, default, err = run_cli(capsys, *args)  # recall auto: 256 slots, an int8 archive
     assert rc == 0, err

@@ -398,7 +398,7 @@ def test_wrong_model(env, kvc, capsys):
 
 def test_cache_from_an_older_policy_state_layout(env, kvc, capsys, monkeypatch):
     """A cache whose per-token policy state differs from this kvtool's (a policy gained a per-token
-    constant, issue 15) is refused with one line, not loaded into the wrong fields."""
+    constant) is refused with one line, not loaded into the wrong fields."""
     from kvtool.policies.h2o import H2O
 
     monkeypatch.setattr(H2O, "state_fields", ("acc", "extra"))

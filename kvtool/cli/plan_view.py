@@ -52,6 +52,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         *([("K/V decode scratch", _b(p["kv_decode_scratch_bytes"]),
             f"one layer's ({keys}) K + V decoded to {p['dtype']} for attention")] if p.get("kv_decode_scratch_bytes")
           else []),
+        *([("rotation scratch", _b(p["rotation_scratch_bytes"]),
+            "keys turned to compact positions: the largest re-pack, and one step's float work")]
+          if p.get("rotation_scratch_bytes") else []),
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
         ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),

@@ -25,11 +25,13 @@ a re-pack rotates every key with the frequencies it was rotated with in the firs
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from kvtool.config import ROTATE_CHUNK
 from kvtool.errors import UsageError
 
 # Rope types whose frequencies do not depend on the sequence length, so a fixed inv_freq is exact.
@@ -48,13 +50,14 @@ def _rope_type(config, layer_type: str | None = None) -> str:
 class Rotator:
     """Rotates stored keys by per-token position deltas."""
 
-    def __init__(self, inv_freq: Tensor, head_dim: int) -> None:
+    def __init__(self, inv_freq: Tensor, head_dim: int, work: RotationWork | None = None) -> None:
         if inv_freq.numel() * 2 != head_dim:
             raise UsageError(
                 f"compact positions support full-dimension RoPE only (rotary dim {inv_freq.numel() * 2} "
                 f"!= head dim {head_dim}); use absolute positions", field="positions")
         self.inv_freq = inv_freq.detach().float()
         self._inv64: Tensor | None = None
+        self.work = work if work is not None else RotationWork()
         self.calls = 0  # rotations performed (tests count them)
         self.layers: list[Rotator] | None = None  # per-layer rotators when layer types use different RoPEs
 
@@ -84,35 +87,82 @@ class Rotator:
         # one RoPE per layer type (Gemma 3): ``{layer_type}_inv_freq`` buffers
         types = list(getattr(config, "layer_types", None) or [])
         per_type: dict[str, Rotator] = {}
+        work = RotationWork()  # one layer rotates at a time: the rotators share their buffers
         for t in dict.fromkeys(types):
             inv = getattr(rope, f"{t}_inv_freq", None)
             if not isinstance(inv, Tensor):
                 raise UsageError(f"compact positions: no RoPE frequencies for layer type {t!r}; "
                                  "use absolute positions", field="positions")
             _check_static(_rope_type(config, t))
-            per_type[t] = cls(inv, head_dim)
+            per_type[t] = cls(inv, head_dim, work)
         if not per_type:
             raise UsageError("compact positions: the rotary embedding has no plain inv_freq and the model no "
                              "layer types; use absolute positions", field="positions")
         first = per_type[types[0]]
-        out = cls(first.inv_freq, head_dim)
+        out = cls(first.inv_freq, head_dim, work)
         out.layers = [per_type[t] for t in types[: config.num_hidden_layers]]
         return out
 
     def rotate(self, keys: Tensor, delta: Tensor) -> Tensor:
-        """keys [h, n, d] rotated by delta [h, n] (or [n]) positions, returned in keys' dtype."""
+        """keys [h, n, d] rotated by delta [h, n] (or [n]) positions, in keys' dtype.
+
+        Returns a view of the rotator's output buffer (``RotationWork``), valid until its next call: every
+        caller copies it (into the cache, the archive) or consumes it first. Works ``ROTATE_CHUNK`` tokens at
+        a time in the shared buffers, so a re-pack, a block's or a decoded token's rotation allocates nothing.
+        """
         self.calls += 1
-        if self._inv64 is None or self._inv64.device != keys.device:
-            self._inv64 = self.inv_freq.to(keys.device, torch.float64)
-        angles = delta.to(torch.float64).unsqueeze(-1) * self._inv64  # [h, n, d/2]: each angle serves both halves
-        cos, sin = angles.cos().float(), angles.sin().float()
-        k = keys.float()
-        half = k.shape[-1] // 2
-        k1, k2 = k[..., :half], k[..., half:]
-        out = torch.empty_like(k)
-        torch.sub(k1 * cos, k2 * sin, out=out[..., :half])  # rotate_half: (k1, k2) → (−k2, k1)
-        torch.add(k2 * cos, k1 * sin, out=out[..., half:])
-        return out.to(keys.dtype)
+        h, n, d = keys.shape
+        half, dev = d // 2, keys.device
+        if self._inv64 is None or self._inv64.device != dev:
+            self._inv64 = self.inv_freq.to(dev, torch.float64)
+        delta = delta.expand(h, n)
+        out = self.work.buffer("out", (h, n, d), keys.dtype, dev)
+        c = max(1, min(n, ROTATE_CHUNK))
+        angles = self.work.buffer("angles", (h, c, half), torch.float64, dev)
+        cos, sin, t1, t2 = (self.work.buffer(name, (h, c, half), torch.float32, dev)
+                            for name in ("cos", "sin", "t1", "t2"))
+        wide = keys.dtype != torch.float32  # a 16-bit key is rotated in float32 and rounded once
+        if wide:
+            k32, o32 = (self.work.buffer(name, (h, c, d), torch.float32, dev) for name in ("k32", "o32"))
+        for s in range(0, n, c):
+            e = min(n, s + c)
+            w = e - s
+            a, co, si, p1, p2 = (x[:, :w] for x in (angles, cos, sin, t1, t2))
+            torch.mul(delta[:, s:e].unsqueeze(-1), self._inv64, out=a)  # each angle serves both halves
+            torch.cos(a, out=co)  # computed in float64, rounded to float32 once
+            torch.sin(a, out=si)
+            k, o = keys[:, s:e], out[:, s:e]
+            if wide:
+                k = k32[:, :w].copy_(k)
+                o = o32[:, :w]
+            k1, k2 = k[..., :half], k[..., half:]
+            torch.sub(torch.mul(k1, co, out=p1), torch.mul(k2, si, out=p2), out=o[..., :half])  # rotate_half
+            torch.add(torch.mul(k2, co, out=p1), torch.mul(k1, si, out=p2), out=o[..., half:])  # (k1, k2) → (−k2, k1)
+            if wide:
+                out[:, s:e].copy_(o)
+        return out
+
+
+class RotationWork:
+    """The buffers ``Rotator.rotate`` works in, per device and dtype, grown to the largest call and never
+    per call: the rotated keys (as many as the largest rotation: a group's slots, a recall's scan chunk)
+    and one chunk's float64 angles and float32 terms."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Buffer ``name`` viewed as ``shape`` (contents undefined)."""
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
 def _check_static(rtype: str) -> None:

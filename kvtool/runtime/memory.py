@@ -25,6 +25,7 @@ from kvtool.config import (
     DTYPE_BYTES,
     KV_WINDOW_TOKENS,
     QUANT_BYTES_PER_PARAM,
+    ROTATE_CHUNK,
     dtype_name,
     kv_token_head_bytes,
     kv_window_bytes,
@@ -162,6 +163,18 @@ def kv_bytes_per_token(dims: Dims, elem: Any, kv_dtype: str = "auto") -> dict[st
     return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
 
 
+def compact_positions(positions: str, max_positions: int | None = None, doc_tokens: int | None = None) -> bool:
+    """Whether a run's keys move to compact positions (``CompactPositions``) and are rotated there:
+    ``positions="compact"`` from the first token, ``"auto"`` once the stream passes ``max_positions``
+    (never when the model states no range). With ``"auto"`` an unknown document length counts as
+    passing: a plan must not under-count."""
+    if positions == "compact":
+        return True
+    if positions == "auto" and max_positions is not None:
+        return doc_tokens is None or doc_tokens > max_positions
+    return False
+
+
 def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = None,
                         doc_tokens: int | None = None, kv_dtype: str = "auto") -> bool:
     """Whether a run keeps each key's original copy beside its rotated one (``HeadGroup.keep_origin``).
@@ -173,13 +186,7 @@ def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = N
     int8 / int4 K/V (``kv_dtype``) keep a quantized copy; a float ``kv_dtype`` decides by its own size.
     """
     stored = dtype_bytes(elem) if kv_dtype == "auto" else 1 if kv_dtype in ("int8", "int4") else dtype_bytes(kv_dtype)
-    if stored >= 4:
-        return False
-    if positions == "compact":
-        return True
-    if positions == "auto" and max_positions is not None:
-        return doc_tokens is None or doc_tokens > max_positions
-    return False
+    return stored < 4 and compact_positions(positions, max_positions, doc_tokens)
 
 
 def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int,
@@ -274,6 +281,19 @@ def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtyp
     return read + write
 
 
+def rotation_scratch_bytes(dims: Dims, elem: Any, tokens: int) -> int:
+    """The buffers compact positions rotate keys through (``core/positions.py``'s ``RotationWork``, shared
+    by every layer): the rotated keys of the largest rotation, ``tokens`` per KV head in the compute dtype
+    (at most a group's slots), and one step's work, ``ROTATE_CHUNK`` tokens at most: float64 angles and
+    four float32 half-dimension terms (8 + 16 bytes per pair of channels), plus a float32 copy of the key
+    and of its result for a 16-bit key. 0 tokens (no compact positions) cost nothing."""
+    if tokens <= 0:
+        return 0
+    h, d, e = dims["num_kv_heads"], dims["head_dim"], dtype_bytes(elem)
+    step = min(ROTATE_CHUNK, tokens)
+    return h * tokens * d * e + h * step * d * (12 + (8 if e != 4 else 0))
+
+
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
     """Per-token float32 policy state (``Policy.state_fields``) kept next to K/V, in the same
     capacity-plus-one-block buffers, for every KV head of every global layer (sliding layers have
@@ -332,6 +352,7 @@ def predict_peak(
     snapshot_tokens: int | None = None,
     original_keys: bool = False,
     kv_dtype: str = "auto",
+    compact: bool = False,
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -343,6 +364,7 @@ def predict_peak(
     caller (RSS on CPU; 0 on CUDA, where the CUDA context is not counted by the allocator).
     ``original_keys``: the cache keeps each key's original copy too (``keeps_original_keys``).
     ``kv_dtype``: how K/V are stored (``--kv-dtype``); a coded cache adds its decode scratch.
+    ``compact``: keys move to compact positions (``compact_positions``), which adds the rotation's buffers.
     """
     kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys, kv_dtype)
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
@@ -359,6 +381,8 @@ def predict_peak(
     }
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
         parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype)
+    if compact:
+        parts["rotation_scratch_bytes"] = rotation_scratch_bytes(dims, elem, budget_tokens + block_size)
     # The promise is contained in the allocation, so it is not added twice.
     parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
     return parts

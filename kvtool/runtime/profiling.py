@@ -169,6 +169,7 @@ def plan(
     common = {"num_params": info.num_params, "elem": elem, "quantize": info.quantize,
               "unquantized_params": info.unquantized_params}
     original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens, kv)
+    compact = _mem.compact_positions(settings.positions, info.max_positions, doc_tokens)
 
     out: dict[str, Any] = {
         "model": info.name,
@@ -184,7 +185,7 @@ def plan(
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem, kv),
     }
     peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset,
-                 {**common, "original_keys": original_keys, "kv_dtype": kv})
+                 {**common, "original_keys": original_keys, "kv_dtype": kv, "compact": compact})
     out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
                                               original_keys, kv)
     out["original_keys"] = original_keys
@@ -193,6 +194,7 @@ def plan(
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
         "sdpa_scratch_bytes": peak["sdpa_scratch_bytes"],
         "kv_decode_scratch_bytes": peak.get("kv_decode_scratch_bytes", 0),
+        "rotation_scratch_bytes": peak.get("rotation_scratch_bytes", 0),
         "policy_state_fields": info.n_fields,
         "policy_state_bytes": peak["policy_state_bytes"],
         "activation_bytes": peak["activation_bytes"],
@@ -201,14 +203,14 @@ def plan(
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
     })
-    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys)
+    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys, compact)
     if doc_tokens is not None:
         out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
                                    baseline + weights_offset,
                                    common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common,
-                                original_keys, kv)
+                                original_keys, kv, compact)
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
@@ -231,7 +233,8 @@ def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, c
 
 
 def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
-            common: dict[str, Any], original_keys: bool, kv_dtype: str = "auto") -> dict[str, Any]:
+            common: dict[str, Any], original_keys: bool, kv_dtype: str = "auto",
+            compact: bool = False) -> dict[str, Any]:
     """What fits in ``limit`` bytes: this plan, the largest budget (K/V as ``kv_dtype`` stores them), the longest
     dense document (K/V in the compute dtype)."""
     return {
@@ -239,7 +242,8 @@ def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shif
         "fits": predicted <= limit if predicted is not None else None,
         "largest_budget_tokens": _mem.largest_budget(
             limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, kv_dtype=kv_dtype, **common,
+            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, kv_dtype=kv_dtype, compact=compact,
+            **common,
         ),
         "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
                                                   **common),
@@ -268,8 +272,9 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
 
 
 def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, dims: Mapping[str, int],
-                budget: int | None, doc_tokens: int | None, original_keys: bool) -> None:
-    """Recall's part of the plan (its slots in the peak; a document's archive on disk), in place."""
+                budget: int | None, doc_tokens: int | None, original_keys: bool, compact: bool) -> None:
+    """Recall's part of the plan (its slots in the peak, and in the largest rotation with compact positions;
+    a document's archive on disk), in place."""
     recall_tokens = parse_recall(settings.recall) if budget is not None else 0
     if recall_tokens:
         out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
@@ -278,6 +283,11 @@ def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, dims: 
             out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
         if out["predicted_peak_bytes"] is not None:
             out["predicted_peak_bytes"] += out["recall_slots_bytes"]
+        if compact and budget is not None:  # a group holding its recalled tokens is re-packed whole
+            grown = _mem.rotation_scratch_bytes(dims, info.elem, budget + settings.block_size + recall_tokens)
+            if out["predicted_peak_bytes"] is not None:
+                out["predicted_peak_bytes"] += grown - out["rotation_scratch_bytes"]
+            out["rotation_scratch_bytes"] = grown
 
 
 def _archive_on_disk(per_token: Mapping[str, int], doc_tokens: int, budget: int, recall: str) -> dict[str, Any]:

@@ -112,53 +112,77 @@ class Rotator:
         """
         self.calls += 1
         h, n, d = keys.shape
-        half, dev = d // 2, keys.device
-        if self._inv64 is None or self._inv64.device != dev:
-            self._inv64 = self.inv_freq.to(dev, torch.float64)
-        delta = delta.expand(h, n)
-        out = self.work.buffer("out", (h, n, d), keys.dtype, dev)
-        c = max(1, min(n, ROTATE_CHUNK))
-        angles = self.work.buffer("angles", (h, c, half), torch.float64, dev)
-        cos, sin, t1, t2 = (self.work.buffer(name, (h, c, half), torch.float32, dev)
-                            for name in ("cos", "sin", "t1", "t2"))
-        wide = keys.dtype != torch.float32  # a 16-bit key is rotated in float32 and rounded once
-        if wide:
-            k32, o32 = (self.work.buffer(name, (h, c, d), torch.float32, dev) for name in ("k32", "o32"))
-        for s in range(0, n, c):
-            e = min(n, s + c)
-            w = e - s
-            a, co, si, p1, p2 = (x[:, :w] for x in (angles, cos, sin, t1, t2))
-            torch.mul(delta[:, s:e].unsqueeze(-1), self._inv64, out=a)  # each angle serves both halves
-            torch.cos(a, out=co)  # computed in float64, rounded to float32 once
-            torch.sin(a, out=si)
-            k, o = keys[:, s:e], out[:, s:e]
-            if wide:
-                k = k32[:, :w].copy_(k)
-                o = o32[:, :w]
+        if self._inv64 is None or self._inv64.device != keys.device:
+            self._inv64 = self.inv_freq.to(keys.device, torch.float64)
+        out, steps = self.work.views(h, n, d, keys.dtype, keys.device)
+        delta = delta.expand(h, n)  # a shared [n] delta too: every out= below has its exact shape
+        half, whole = d // 2, len(steps) == 1
+        for s, e, angles, cos, sin, t1, t2, k32, o32, o1, o2 in steps:
+            dk = (delta, keys) if whole else (delta[..., s:e], keys[:, s:e])
+            torch.mul(dk[0].unsqueeze(-1), self._inv64, out=angles)  # each angle serves both halves
+            torch.cos(angles, out=cos)  # computed in float64, rounded to float32 once
+            torch.sin(angles, out=sin)
+            k = dk[1] if k32 is None else k32.copy_(dk[1])  # a 16-bit key turns in float32
             k1, k2 = k[..., :half], k[..., half:]
-            torch.sub(torch.mul(k1, co, out=p1), torch.mul(k2, si, out=p2), out=o[..., :half])  # rotate_half
-            torch.add(torch.mul(k2, co, out=p1), torch.mul(k1, si, out=p2), out=o[..., half:])  # (k1, k2) → (−k2, k1)
-            if wide:
-                out[:, s:e].copy_(o)
+            torch.sub(torch.mul(k1, cos, out=t1), torch.mul(k2, sin, out=t2), out=o1)  # rotate_half:
+            torch.add(torch.mul(k2, cos, out=t1), torch.mul(k1, sin, out=t2), out=o2)  # (k1, k2) → (−k2, k1)
+            if o32 is not None:
+                out[:, s:e].copy_(o32)  # rounded once, to the key's dtype
         return out
+
+
+#: one step of ``Rotator.rotate``: its token range, float64 angles, float32 cos, sin and two terms, the key's
+#: float32 copy and result (None for a float32 key, which is rotated straight into the output) and the two
+#: halves of where the float32 result is written
+Step = tuple[int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]
 
 
 class RotationWork:
     """The buffers ``Rotator.rotate`` works in, per device and dtype, grown to the largest call and never
     per call: the rotated keys (as many as the largest rotation: a group's slots, a recall's scan chunk)
-    and one chunk's float64 angles and float32 terms."""
+    and one step's float64 angles and float32 terms. The views of a call's shape are made once."""
+
+    #: shapes whose views are kept (a cache's rotations come in a few shapes: a block, a token, a group)
+    MAX_SHAPES = 64
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self.shapes: dict[tuple[int, int, int, torch.dtype, torch.device], tuple[Tensor, list[Step]]] = {}
 
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Buffer ``name`` viewed as ``shape`` (contents undefined)."""
+    def views(self, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, list[Step]]:
+        """The output [h, n, d] in ``dtype`` and the steps of a rotation of that shape."""
+        key = (h, n, d, dtype, device)
+        got = self.shapes.get(key)
+        if got is None:
+            half, c = d // 2, max(1, min(n, ROTATE_CHUNK))
+            out = self._buffer("out", (h, n, d), dtype, device)
+            angles = self._buffer("angles", (h, c, half), torch.float64, device)
+            cos, sin, t1, t2 = (self._buffer(name, (h, c, half), torch.float32, device)
+                                for name in ("cos", "sin", "t1", "t2"))
+            wide = dtype != torch.float32
+            k32, o32 = ((self._buffer(name, (h, c, d), torch.float32, device) for name in ("k32", "o32")) if wide
+                        else (None, None))
+            steps: list[Step] = []
+            for s in range(0, n, c):
+                w = min(n, s + c) - s
+                k, o = (None, None) if k32 is None or o32 is None else (k32[:, :w], o32[:, :w])
+                res = out[:, s : s + w] if o is None else o
+                steps.append((s, s + w, angles[:, :w], cos[:, :w], sin[:, :w], t1[:, :w], t2[:, :w], k, o,
+                              res[..., :half], res[..., half:]))
+            if len(self.shapes) >= self.MAX_SHAPES:
+                self.shapes.clear()
+            got = self.shapes[key] = (out, steps)
+        return got
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Buffer ``name`` viewed as ``shape`` (contents undefined); replacing one drops the views made of it."""
         numel = math.prod(shape)
         key = (name, dtype, device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
                 buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.shapes.clear()
         return buf[:numel].view(shape)
 
     def nbytes(self) -> int:

@@ -309,7 +309,8 @@ def evidence_sections(data: dict, default: str) -> list[str]:
 def pinned_answering(argv: list[str]) -> list[str]:
     """``argv`` of an ``eval needle``/``eval agreement`` table with the answering settings every table here
     was measured with: kvtool 0.2's defaults (repetition penalty 1.1 unless the table sets it, no n-gram
-    guard, recall only where the table asks for it, the archive in the model's dtype). kvtool's own
+    guard, recall only where the table asks for it, the archive in the model's dtype, recalled passages at
+    their document positions). kvtool's own
     defaults now recall and guard repeats instead; docs/results.md measures them in their own section.
     Pinning them keeps every table's resume log (its fingerprint) and its meaning."""
     if argv[:2] not in (["eval", "needle"], ["eval", "agreement"]):
@@ -318,6 +319,8 @@ def pinned_answering(argv: list[str]) -> list[str]:
     extra += ["--no-repeat-ngram", "0"]
     if "--archive-dtype" not in argv:
         extra += ["--archive-dtype", "auto"]
+    if "--recall-placement" not in argv:
+        extra += ["--recall-placement", "document"]
     if "--recall" not in argv:
         extra += ["--recall", "0" if argv[1] == "needle" else "off"]
     return [*argv, *extra]

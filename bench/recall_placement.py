@@ -1,16 +1,19 @@
 """Where recalled passages sit with compact positions, and how much to recall: one read, several answers.
 
-    python bench/recall_placement.py --length 32k --kind name --cells 0.1:1,0.5:1,0.9:0,0.9:1 --modes document,last
+    python bench/recall_placement.py --length 32k --kind name --cells 0.1:1,0.5:1 --modes document,relevance --show 8
     python bench/recall_placement.py --length 8k --kind name --modes document,last,threshold0.5,recall512
 
-kvtool merges a recalled passage at its document position: recalling every archived token then gives
-exactly ``full`` (the oracle in tests/test_recall.py, in both position modes). With compact positions
-(documents past the model's range) the positions are synthetic anyway, so a passage could sit elsewhere.
-This measures alternatives without changing kvtool, on the needles of ``kvtool eval needle`` (seed 0):
+With compact positions (documents past the model's range) positions are synthetic, so a recalled passage
+can sit anywhere. kvtool places a selection by relevance (``--recall-placement relevance``, the default); the
+whole archive goes back at its document positions, so recalling every archived token gives exactly ``full``
+(the oracle in tests/test_recall.py, in both position modes). This compares placements and recall sizes on
+the needles of ``kvtool eval needle`` (seed 0):
 
-    document      kvtool's recall (the default settings, ``--budget 256``)
+    document      recall merged at document positions (``--recall-placement document``; ``--budget 256``)
     last          the recalled tokens packed after every kept one, right before the question, in
                   document order (a compact re-pack with the recalled ranks moved last)
+    relevance     kvtool's default (``--recall-placement relevance``): a selection after the kept tokens,
+                  passage by passage in ascending relevance, the best right before the question
     recallN       N tokens per KV head recalled instead of the default
     thresholdA    only archived positions whose relevance is at least A × the best one's
 
@@ -36,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvtool.core import positions as P  # noqa: E402
+from kvtool.core import recall as R  # noqa: E402
 from kvtool.core.archive import GroupArchive  # noqa: E402
+from kvtool.core.engine import Engine  # noqa: E402
 from kvtool.documents import text_document  # noqa: E402
 from kvtool.eval import load_text  # noqa: E402
 from kvtool.eval import needle as N  # noqa: E402
@@ -68,15 +73,55 @@ def pack_recalled_last(self: P.CompactPositions, g) -> None:
 
 ORIGINAL_SETTLE = P.CompactPositions.settle
 ORIGINAL_TOP = GroupArchive.top_by_position
+ORIGINAL_RANKING = R._ranking
+#: the ranking of the last recall (``--show``)
+LAST: list[Tensor] = []
+
+
+def recorded(ranking_fn):
+    def ranking(relevance: Tensor) -> Tensor:
+        out = ranking_fn(relevance)
+        LAST[:] = [out]
+        return out
+    return ranking
+
+
+def recalled_passages(tok, ranking: Tensor, tokens: int, show: int) -> list[str]:
+    """The text of the ``show`` best passages among the ``tokens`` best-ranked positions (approximately what
+    each head recalls: a head takes them among the tokens it archived)."""
+    top = torch.sort(torch.topk(ranking, min(tokens, ranking.numel())).indices).values
+    runs: list[list[int]] = []
+    for p in top.tolist():
+        if runs and p - runs[-1][-1] <= 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    runs.sort(key=lambda r: -float(ranking[r].max()))
+    return [f"@{r[0]}: " + tok.decode(STREAM[r[0] : r[-1] + 1].clamp(min=0).tolist()) for r in runs[:show]]
+ORIGINAL_FORWARD = Engine._forward
+#: the token ids fed at each stream position (the last read's), for ``--show``
+STREAM = torch.full((1 << 20,), -1, dtype=torch.long)
+
+
+def recording_forward(self: Engine, cache, ids: Tensor, logits_rows: int) -> Tensor:
+    STREAM[cache.seen : cache.seen + ids.numel()] = ids.reshape(-1).cpu()
+    return ORIGINAL_FORWARD(self, cache, ids, logits_rows)
+
+
+Engine._forward = recording_forward
 
 
 @contextmanager
-def mode(session: Session, name: str, default_recall: int) -> Iterator[None]:
+def mode(session: Session, name: str, default_recall: int, default_placement: str) -> Iterator[None]:
     """Patch kvtool for one answer in mode ``name``; restored afterwards."""
+    R._ranking = recorded(ORIGINAL_RANKING)  # every mode records its ranking (``--show``, ``ranked``)
     if name.startswith("recall"):
         session.engine.config.recall = int(name.removeprefix("recall"))
     elif name == "last":
+        session.engine.config.recall_placement = "document"
         P.CompactPositions.settle = pack_recalled_last
+    elif name in ("document", "relevance"):
+        session.engine.config.recall_placement = name
     elif name.startswith("threshold"):
         alpha = float(name.removeprefix("threshold"))
 
@@ -86,14 +131,16 @@ def mode(session: Session, name: str, default_recall: int) -> Iterator[None]:
             return ORIGINAL_TOP(self, relevance, max(1, min(tokens, keep)))
 
         GroupArchive.top_by_position = top
-    elif name != "document":
+    else:
         raise SystemExit(f"unknown mode {name!r}")
     try:
         yield
     finally:
         session.engine.config.recall = default_recall
+        session.engine.config.recall_placement = default_placement
         P.CompactPositions.settle = ORIGINAL_SETTLE
         GroupArchive.top_by_position = ORIGINAL_TOP
+        R._ranking = ORIGINAL_RANKING
 
 
 def main() -> None:
@@ -105,6 +152,7 @@ def main() -> None:
     ap.add_argument("--modes", default="document,last")
     ap.add_argument("--haystack", default=str(ROOT.parent / "shared" / "corpus" / "paul_graham_essays"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--show", type=int, default=0, help="print the text of this many recalled passages per answer")
     args = ap.parse_args()
     length = int(args.length[:-1]) * 1024 if args.length.endswith("k") else int(args.length)
     torch.set_num_threads(args.threads)
@@ -114,6 +162,7 @@ def main() -> None:
     settings = dataclasses.replace(Settings(), budget="256", threads=args.threads)
     session = Session(settings, listener=None, say=lambda m: None, loaded=loaded)
     default_recall = session.engine.config.recall
+    default_placement = session.engine.config.recall_placement
     found: dict[str, list[bool]] = {m: [] for m in args.modes.split(",")}
     for cell in args.cells.split(","):
         depth, trial = float(cell.split(":")[0]), int(cell.split(":")[1])
@@ -121,17 +170,21 @@ def main() -> None:
         ntok = len(tok(" " + needle.text + " ", add_special_tokens=False)["input_ids"])
         text, _, _ = N.build_document(hay, [needle], length, depth, 0, trial, ntok)
         t0 = time.perf_counter()
+        STREAM.fill_(-1)
         read = session.read(text_document(text, "haystack"))
         seconds = time.perf_counter() - t0
         try:
             for m in found:
-                with mode(session, m, default_recall):
+                LAST.clear()
+                with mode(session, m, default_recall, default_placement):
                     answer = session.ask(read, needle.question).answer
                 ok = contains_answer(answer, needle.answer)
                 found[m].append(ok)
+                shown = recalled_passages(tok, LAST[0], default_recall, args.show) if args.show and LAST else []
                 print(json.dumps({"length": length, "kind": args.kind, "depth": depth, "trial": trial, "mode": m,
                                   "expected": needle.answer, "found": ok, "answer": answer[:80],
-                                  "read_seconds": round(seconds)}), flush=True)
+                                  "read_seconds": round(seconds), **({"recalled": shown} if shown else {})}),
+                      flush=True)
         finally:
             read.close()
     for m, oks in found.items():

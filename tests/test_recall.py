@@ -163,9 +163,9 @@ def test_compact_recall_scores_every_archived_token_past_the_scan(monkeypatch):
     chosen: dict[str, list[torch.Tensor]] = {}
     real = recall.insert
 
-    def spy(g, keys, values, positions):
+    def spy(g, keys, values, positions, ranking=None):
         chosen[key].append(positions.clone())
-        real(g, keys, values, positions)
+        real(g, keys, values, positions, ranking)
 
     monkeypatch.setattr(recall, "insert", spy)
     model = tiny_llama(max_positions=64)
@@ -197,6 +197,57 @@ def test_every_head_recalls_the_span_around_the_relevant_positions():
         got = pos[head, idx[head]].tolist()
         assert 40 in got and set(got) <= set(range(32, 65))  # the match and what surrounds it
         assert idx[head].tolist() == sorted(idx[head].tolist())
+
+
+def test_placement_puts_passages_in_ascending_relevance_each_in_document_order():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        h, n = 3, 60
+        positions = torch.stack([torch.randperm(n, generator=g)[:12] for _ in range(h)])  # any order per head
+        ranking = torch.rand(n, generator=g)
+        order = recall._placement(positions, ranking)
+        for head in range(h):
+            placed = positions[head, order[head]].tolist()
+            runs: list[list[int]] = []  # brute force: passages of consecutive positions, by best ranking
+            for p in sorted(positions[head].tolist()):
+                if runs and p == runs[-1][-1] + 1:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+            runs.sort(key=lambda r: max(float(ranking[p]) for p in r))
+            assert placed == [p for r in runs for p in r]
+
+
+def test_compact_recall_of_a_selection_is_the_dense_model_over_the_placed_order():
+    """Oracle (one layer: its K/V depend on the tokens only, so any order can be recomputed densely): with
+    compact positions a recalled selection sits after the kept tokens, passage by passage, the most relevant
+    last; the question's logits are the dense model's over the document's tokens in that order at their
+    compact positions, then the question. ``sink`` keeps the same tokens in every head: one order."""
+    model = tiny_llama(num_hidden_layers=1)
+    doc, question = ids_of(150, 31), ids_of(10, 32)
+    engine = recall_engine(model, "sink", 40, 16, positions="compact")
+    cache, snap = read(engine, doc)
+    placed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per group, as the question will see them
+    real = cache.rope.settle
+
+    def spy(g):
+        real(g)
+        placed[id(g)] = (g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone())
+
+    cache.rope.settle = spy
+    logits, res = engine.feed_question(cache, question, lambda: cache.restore(snap))
+    assert res is not None and res.tokens == 16 and len(placed) == len(cache.groups())
+    for g in cache.groups():
+        pos, rot = placed[id(g)]
+        assert bool((pos == pos[0]).all() and (rot == rot[0]).all())  # one order in every head
+        recalled = torch.isin(pos[0], g.recalled[0]).nonzero().flatten().tolist()
+        assert recalled == list(range(pos.shape[1] - 16, pos.shape[1]))  # after every kept token
+        assert pos[0, recalled].tolist() != sorted(pos[0, recalled].tolist())  # not in document order here
+        ids = torch.cat([doc[pos[0]], question])
+        at = torch.cat([rot[0], torch.arange(10) + int(rot[0, -1]) + 1])
+        with torch.no_grad():
+            ref = model(input_ids=ids[None], position_ids=at[None]).logits[0, -1]
+        torch.testing.assert_close(logits[-1], ref, atol=2e-4, rtol=2e-4)
 
 
 def test_dropped_indices_is_the_complement():
@@ -365,9 +416,9 @@ def test_recalled_tokens_stay_for_the_whole_answer():
     recalled: dict[int, list] = {}
     real = recall.insert
 
-    def spy(g, keys, values, positions):
+    def spy(g, keys, values, positions, ranking=None):
         recalled[id(g)] = positions.tolist()
-        real(g, keys, values, positions)
+        real(g, keys, values, positions, ranking)
 
     recall.insert = spy
     try:
@@ -423,9 +474,9 @@ def test_focus_ranks_by_the_question_rows_only():
     chosen: list[list] = []
     real = recall.insert
 
-    def spy(g, keys, values, positions):
+    def spy(g, keys, values, positions, ranking=None):
         chosen[-1].append(positions.tolist())
-        real(g, keys, values, positions)
+        real(g, keys, values, positions, ranking)
 
     recall.insert = spy
     try:

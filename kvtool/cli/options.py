@@ -36,6 +36,10 @@ RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV h
                                                "directory; summarize does not).")]
 RecallPageOpt = Annotated[int | None, typer.Option("--recall-page", help="Archive page size in tokens: the unit "
                                                   "recall scores and brings back (default 32).")]
+RecallPlacementOpt = Annotated[str | None, typer.Option(
+    "--recall-placement", help="Where recalled passages go when positions are compact (documents past the "
+    "model's range): relevance (default: after the kept tokens, the most relevant nearest the question) or "
+    "document (at their document positions, as with absolute positions).")]
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: int8 "
                                                      "(default: a scale per token and head), auto (the model's), "
                                                      "float32, float16 or bfloat16.")]
@@ -84,6 +88,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "positions": PositionsOpt,
     "recall": RecallOpt,
     "recall_page": RecallPageOpt,
+    "recall_placement": RecallPlacementOpt,
     "archive_dtype": ArchiveDtypeOpt,
     "sinks": SinksOpt,
     "recent": RecentOpt,
@@ -98,7 +103,7 @@ SETTING_OPTIONS: dict[str, Any] = {
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget: ``ask``, ``summarize``, ``prefill``, ``profile``
 READ_SETTINGS = ("policy", "policy_opt", "budget", "kv_dtype", "block_size", *MODEL_SETTINGS, "positions", "sinks",
-                 "recent", "recall", "recall_page", "archive_dtype")
+                 "recent", "recall", "recall_page", "recall_placement", "archive_dtype")
 #: reading plus generation (ask, summarize)
 #: how an answer is generated
 GENERATION_SETTINGS = ("repetition_penalty", "no_repeat_ngram")
@@ -107,9 +112,10 @@ ANSWER_SETTINGS = (*READ_SETTINGS, "max_new_tokens", "temperature", "top_p", *GE
 #: (``--policies``, ``--budgets`` and needle's ``--recall`` are lists of values, one per cell)
 EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent", "kv_dtype")
 #: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
-NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "archive_dtype", *GENERATION_SETTINGS)
+NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "recall_placement", "archive_dtype", *GENERATION_SETTINGS)
 #: agreement answers like ``ask`` too, recall (default auto) included
-AGREEMENT_SETTINGS = (*EVAL_SETTINGS, "recall", "recall_page", "archive_dtype", *GENERATION_SETTINGS)
+AGREEMENT_SETTINGS = (*EVAL_SETTINGS, "recall", "recall_page", "recall_placement", "archive_dtype",
+                      *GENERATION_SETTINGS)
 
 
 def with_settings(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

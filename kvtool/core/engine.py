@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtool.config import RECALL_PLACEMENTS
 from kvtool.core import attention, recall
 from kvtool.core.archive import DEFAULT_PAGE_SIZE, FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
 from kvtool.core.cache import BoundedCache
@@ -50,6 +51,7 @@ class EngineConfig:
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
     recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
     page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
+    recall_placement: str = "relevance"  # compact positions: recalled passages by relevance or document order
     archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
     kv_dtype: str = "auto"  # how the cache stores K/V: auto (the compute dtype), a float dtype, int8, int4
@@ -70,6 +72,9 @@ class EngineConfig:
             raise UsageError(f"recall must be non-negative (got {self.recall})", field="recall")
         if self.page_size < 1:
             raise UsageError(f"archive page size must be at least 1 (got {self.page_size})", field="page_size")
+        if self.recall_placement not in RECALL_PLACEMENTS:
+            raise UsageError(f"recall placement must be one of {', '.join(RECALL_PLACEMENTS)} "
+                             f"(got {self.recall_placement!r})", field="recall_placement")
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -255,7 +260,7 @@ class Engine:
         finally:
             cache.query_log = None
         restore()
-        result = recall.recall(cache, log, self.config.recall, focus)
+        result = recall.recall(cache, log, self.config.recall, focus, self.config.recall_placement)
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.clock() - t0
         logits = self.feed(cache, [ids], progress=False)

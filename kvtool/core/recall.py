@@ -122,12 +122,14 @@ def _group_queries(g: HeadGroup, queries: list[Tensor], rows: slice) -> Tensor:
 
 
 def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] | None:
-    """Compact positions: rotate archived keys to where they would land if recalled, among the kept.
+    """Compact positions: rotate archived keys to where they would sit in position order among the kept.
 
     The question's queries sit at compact positions, the archived keys at their original ones; on
     a document past the model's trained range, scoring them there would put relative distances
-    out of range, where RoPE's scores mean nothing. A recalled key is packed in
-    position order among the kept tokens, so it lands near ``rotary_floor + rank`` — score it there.
+    out of range, where RoPE's scores mean nothing. Each is scored at ``rotary_floor + rank``, its
+    rank among the kept tokens: where the whole archive goes back when all of it is recalled. (A
+    selection is then placed by relevance after the kept tokens, ``_placement``; scoring each key
+    there would need the ranking being computed.)
     """
     if not compact:
         return None
@@ -141,19 +143,47 @@ def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] 
     return place
 
 
-def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-    """Merge recalled tokens ([h, T, d] keys at original positions) with the kept ones, in position order."""
-    g.insert(keys, values, positions)
+def insert(g: HeadGroup, keys: Tensor, values: Tensor, positions: Tensor, ranking: Tensor | None = None) -> None:
+    """Add recalled tokens ([h, T, d] keys at original positions [h, T]) to the kept ones: merged in position
+    order, or with ``ranking`` placed after them passage by passage (``_placement``)."""
+    if ranking is None:
+        g.insert(keys, values, positions)
+        return
+    order = _placement(positions, ranking)
+    pick = order.unsqueeze(-1).expand_as(keys)
+    g.insert(keys.gather(1, pick), values.gather(1, pick), positions.gather(1, order), merge=False)
+
+
+def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
+    """The order recalled tokens are placed in after the kept ones: [h, T] indices into ``positions`` [h, T].
+
+    A passage is a run of consecutive recalled positions; passages go in ascending order of their best
+    ``ranking``, so the most relevant one ends right before the question, and each passage keeps its
+    document order. Why: with compact positions the places are synthetic anyway, and a small model
+    copies from what is nearest the question: at 32K tokens, merged in document order, an essay's
+    closing "Get funded by Y Combinator" recalled beside the needle sat nearer the question than the
+    needle's sentence and was the answer to "What is the secret name?".
+    """
+    h, T = positions.shape
+    by_position = torch.sort(positions, dim=1, stable=True).indices
+    pos = positions.gather(1, by_position)
+    starts = torch.ones(h, T, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] > 1
+    run = starts.cumsum(1) - 1  # the passage of each token, in document order
+    best = torch.full((h, T), -float("inf")).scatter_reduce_(1, run, ranking[pos].float(), "amax")
+    order = torch.sort(best.gather(1, run), dim=1, stable=True).indices  # ties (one passage) keep document order
+    return by_position.gather(1, order)
 
 
 @torch.inference_mode()
 def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: int,
-           focus: slice | None = None) -> RecallResult:
+           focus: slice | None = None, placement: str = "relevance") -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
 
     ``focus``: the rows of the fed suffix whose queries count (the question itself, not the
     instruction and chat template around it, whose rows attend to the same generic attractors for
-    every question; None: every row).
+    every question; None: every row). ``placement``: with compact positions, where a selection goes
+    (``relevance``: after the kept tokens, ``_placement``; ``document``: merged at its positions).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
     scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
@@ -189,9 +219,7 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
             for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold):
                 relevance.scatter_add_(0, positions.flatten(), probs.flatten())
             chosen.append((g, min(tokens, a.length)))
-    before, after = SPAN
-    best = F.max_pool1d(F.pad(relevance.view(1, 1, -1), (after, before)), before + after + 1, stride=1).view(-1)
-    ranking = best + TIE * relevance  # inside one span, the matching tokens themselves first
+    ranking = _ranking(relevance)
     out = RecallResult()
     for g, T in chosen:
         a = g.archive
@@ -199,12 +227,23 @@ def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: in
         g.make_room(T)
         idx = a.top_by_position(ranking, T)
         keys, values, pos = a.read(idx)
-        insert(g, keys, values, pos)
+        # compact positions: a selection is placed by relevance (``_placement``); the whole archive goes back
+        # where it was, so recalling everything is the document again
+        by_relevance = placement == "relevance" and cache.compact and idx.shape[1] < a.length
+        insert(g, keys, values, pos, ranking if by_relevance else None)
         cache.rope.settle(g)
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
     out.seconds = cache.clock() - t0
     return out
+
+
+def _ranking(relevance: Tensor) -> Tensor:
+    """The order archived positions are recalled in: a position's passage relevance (the best within
+    ``SPAN`` of it), and inside one passage the matching tokens themselves first."""
+    before, after = SPAN
+    best = F.max_pool1d(F.pad(relevance.view(1, 1, -1), (after, before)), before + after + 1, stride=1).view(-1)
+    return best + TIE * relevance
 
 
 def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,

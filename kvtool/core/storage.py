@@ -375,9 +375,10 @@ class HeadGroup:
         for name, value in consts.items():
             self.state[self.state_fields.index(name), :, a:b] = value
 
-    def insert(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
-        """Merge tokens ([h, T, d] keys at their original ``positions`` [h, T]) with the stored ones, in
-        position order; they count on top of the capacity until the next restore (recall's one entry)."""
+    def insert(self, keys: Tensor, values: Tensor, positions: Tensor, merge: bool = True) -> None:
+        """Add tokens ([h, T, d] keys at their original ``positions`` [h, T]) to the stored ones: merged in
+        position order, or (``merge=False``) after them in the order given; they count on top of the
+        capacity until the next restore (recall's one entry)."""
         n, T = self.length, keys.shape[1]
         if T == 0:
             return
@@ -386,8 +387,8 @@ class HeadGroup:
         dt = self.dtype
         keys, values, positions = keys.to(self.device, dt), values.to(self.device, dt), positions.to(self.device)
         self._write(keys, values, positions, positions, original=keys)
-        order = torch.argsort(self.positions[:, : n + T], dim=1, stable=True)
-        self.buffers.permute(order)
+        if merge:
+            self.buffers.permute(torch.argsort(self.positions[:, : n + T], dim=1, stable=True))
         if self.capacity is not None:
             self.capacity += T
         self.recalled = torch.sort(positions, dim=1).values  # protected until the next restore

@@ -201,6 +201,10 @@ class NeedleTask:
             return [name_needle(self.grid.settings.seed, trial)]
         return [passkey_needle(self.grid.settings.seed, trial)]
 
+    def recalls_anything(self) -> bool:
+        """Whether some cell recalls (a bounded policy with a recall budget): else placement changes nothing."""
+        return any(self.recalls) and any(p != "full" for p in self.grid.policies)
+
     def settings(self) -> dict[str, Any]:
         custom = self.needle
         return {
@@ -216,7 +220,8 @@ class NeedleTask:
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
-            **self.grid.describe(answers=True),
+            **{k: v for k, v in self.grid.describe(answers=True).items()
+               if k != "recall_placement" or self.recalls_anything()},
         }
 
 

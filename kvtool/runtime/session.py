@@ -200,6 +200,7 @@ class Session:
             positions=settings.positions,
             recall=self.recall_tokens,
             page_size=settings.recall_page,
+            recall_placement=settings.recall_placement,
             archive_dtype=None if settings.archive_dtype == "auto" else torch.int8 if settings.archive_dtype == "int8"
             else resolve_dtype(settings.archive_dtype, self.loaded.device),
             archive_dir=self.archive_dir if self.recall_tokens else None,
@@ -534,6 +535,7 @@ class Session:
             "archive_path": str(self.archive_dir) if self.recall_tokens else None,  # its (unlinked) files' directory
             "archive_dtype": recall.archive_dtype(cache) if cache is not None else None,
             "recall_page": self.engine_config.page_size,
+            "recall_placement": self.engine_config.recall_placement,
             "recall_seconds": round(self.recall_seconds, 4),
             "recalled_pages": self.recalled_pages,
             "recalled_tokens_max": self.recalled_tokens_max,

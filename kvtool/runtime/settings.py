@@ -25,6 +25,7 @@ from kvtool.config import (
     DTYPES,
     KV_DTYPES,
     QUANTIZE,
+    RECALL_PLACEMENTS,
     kv_token_head_bytes,
     kv_window_bytes,
     profile_dirs,
@@ -57,6 +58,7 @@ class Settings:
     positions: str = "auto"
     recall: str = "auto"  # auto: ``ask`` recalls DEFAULT_RECALL tokens when the archive fits the disk
     recall_page: int = 32  # archive page size in tokens (the unit recall scores and brings back)
+    recall_placement: str = "relevance"  # compact positions: recalled passages by relevance, or in document order
     archive_dtype: str = "int8"  # dtype of archived K/V (auto: the model's)
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -384,6 +386,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "positions": _choice(POSITIONS),
     "recall": _recall,
     "recall_page": _int(1),
+    "recall_placement": _choice(RECALL_PLACEMENTS),
     "archive_dtype": _choice(ARCHIVE_DTYPES),
     "max_new_tokens": _int(1),
     "temperature": _temperature,

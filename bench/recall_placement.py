@@ -153,19 +153,31 @@ def main() -> None:
     ap.add_argument("--haystack", default=str(ROOT.parent / "shared" / "corpus" / "paul_graham_essays"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--show", type=int, default=0, help="print the text of this many recalled passages per answer")
+    ap.add_argument("--max-new-tokens", type=int, default=16, help="answer length (eval needle's tables: 16)")
+    ap.add_argument("--log", type=Path, help="append each answer's line here too, and skip the cells it already has")
     args = ap.parse_args()
     length = int(args.length[:-1]) * 1024 if args.length.endswith("k") else int(args.length)
     torch.set_num_threads(args.threads)
     loaded = load_model(None, "auto", "auto", "none")
     tok = loaded.tokenizer
     hay = N.Haystack(load_text(Path(args.haystack), "haystack"), tok, length)
-    settings = dataclasses.replace(Settings(), budget="256", threads=args.threads)
+    settings = dataclasses.replace(Settings(), budget="256", threads=args.threads, max_new_tokens=args.max_new_tokens)
     session = Session(settings, listener=None, say=lambda m: None, loaded=loaded)
     default_recall = session.engine.config.recall
     default_placement = session.engine.config.recall_placement
     found: dict[str, list[bool]] = {m: [] for m in args.modes.split(",")}
+    done = {}
+    if args.log and args.log.exists():
+        for line in args.log.read_text().splitlines():
+            row = json.loads(line)
+            done[(row["length"], row["kind"], row["depth"], row["trial"], row["mode"])] = row
     for cell in args.cells.split(","):
         depth, trial = float(cell.split(":")[0]), int(cell.split(":")[1])
+        logged = [done.get((length, args.kind, depth, trial, m)) for m in found]
+        if all(logged):
+            for m, row in zip(found, logged, strict=True):
+                found[m].append(row["found"])
+            continue
         needle = (N.name_needle if args.kind == "name" else N.passkey_needle)(0, trial)
         ntok = len(tok(" " + needle.text + " ", add_special_tokens=False)["input_ids"])
         text, _, _ = N.build_document(hay, [needle], length, depth, 0, trial, ntok)
@@ -181,10 +193,13 @@ def main() -> None:
                 ok = contains_answer(answer, needle.answer)
                 found[m].append(ok)
                 shown = recalled_passages(tok, LAST[0], default_recall, args.show) if args.show and LAST else []
-                print(json.dumps({"length": length, "kind": args.kind, "depth": depth, "trial": trial, "mode": m,
-                                  "expected": needle.answer, "found": ok, "answer": answer[:80],
-                                  "read_seconds": round(seconds), **({"recalled": shown} if shown else {})}),
-                      flush=True)
+                line = json.dumps({"length": length, "kind": args.kind, "depth": depth, "trial": trial, "mode": m,
+                                   "expected": needle.answer, "found": ok, "answer": answer[:80],
+                                   "read_seconds": round(seconds), **({"recalled": shown} if shown else {})})
+                print(line, flush=True)
+                if args.log:
+                    with args.log.open("a") as f:
+                        f.write(line + "\n")
         finally:
             read.close()
     for m, oks in found.items():

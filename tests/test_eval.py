@@ -433,3 +433,43 @@ def test_cli_agreement_empty_questions_file_is_named(tiny_dir: Path, text_file: 
                  str(tiny_dir), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and str(empty) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("positions", "lengths", "recalls", "expected"), [
+    ("auto", [1024, 4096], [0, 256], False),  # inside the model's range: placement never acts
+    ("auto", [1024, 8192], [0, 256], True),  # 8K of haystack and the chat prefix pass it: the answers depend on it
+    ("auto", [32768], [0, 256], True),
+    ("auto", [32768], [0], False),  # nothing recalled
+    ("compact", [1024], [0, 256], True),  # compact from the first token
+    ("absolute", [32768], [0, 256], False),
+])
+def test_recall_placement_enters_a_needle_fingerprint_only_where_it_can_act(
+        positions: str, lengths: list[int], recalls: list[int], expected: bool) -> None:
+    from kvtool.eval.needle import NeedleTask
+
+    def fingerprint_settings(placement: str) -> dict:
+        grid = make_grid("h2o", "256", recall_placement=placement, positions=positions)
+        task = NeedleTask(grid=grid, haystack_path=Path("hay"), haystack="", lengths=lengths, depths=[0.5],
+                          trials=1, needle=None, max_new_tokens=4, recalls=recalls)
+        return task.settings(max_positions=8192)
+
+    relevance, document = fingerprint_settings("relevance"), fingerprint_settings("document")
+    assert "recall_placement" not in document  # the placement every log before the setting was written with
+    assert (relevance.get("recall_placement") == "relevance") is expected
+    assert (relevance == document) is not expected  # logs resume across placements only where it cannot act
+
+
+def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_past_the_range(
+        tmp_path: Path) -> None:
+    from kvtool.eval.agreement import PROMPT_MARGIN, AgreementTask, document_tokens
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(["one two three four five six seven eight."] * 40), encoding="utf-8")
+    tok = byte_tokenizer()
+    n = len(tok(doc.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+    assert document_tokens(doc, tok, n + PROMPT_MARGIN) == n + PROMPT_MARGIN
+    assert document_tokens(doc, tok, n + PROMPT_MARGIN - 1) is None  # past the range: counted as unknown
+    assert document_tokens(doc, tok, None) is None
+    task = AgreementTask(grid=make_grid("h2o", "256"), doc_path=doc, questions=["q"])
+    assert "recall_placement" not in task.settings(8192, n + PROMPT_MARGIN)  # default placement, inside the range
+    assert task.settings(8192, None)["recall_placement"] == "relevance"  # unknown length counts as past it

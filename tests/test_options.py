@@ -72,7 +72,8 @@ def test_every_reading_command_has_every_reading_option(path: tuple[str, ...]) -
 
 def test_profile_takes_what_a_run_it_reproduces_takes() -> None:
     opts = _options(_command(("profile",)))
-    for flag in ("--sinks", "--recent", "--positions", "--threads", "--recall", "--recall-page", "--archive-dtype"):
+    for flag in ("--sinks", "--recent", "--positions", "--threads", "--recall", "--recall-page", "--recall-placement",
+                 "--archive-dtype"):
         assert flag in opts
     assert "--threads" in _options(_command(("eval", "needle")))
 

@@ -600,9 +600,10 @@ def test_kvc_without_archive_answers_with_a_note(kvenv, tmp_path, capsys, monkey
     assert "no archive of evicted tokens" in err
 
 
-def test_bad_recall_value_is_a_usage_error(kvenv, capsys):
-    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "q", "--model", kvenv["model"], "--recall", "lots")
-    assert rc == 2 and err.startswith("kvtool: error: ") and "recall" in err
+@pytest.mark.parametrize("flag", [("--recall", "lots"), ("--recall-placement", "first")])
+def test_bad_recall_value_is_a_usage_error(kvenv, capsys, flag):
+    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "q", "--model", kvenv["model"], *flag)
+    assert rc == 2 and err.startswith("kvtool: error: ") and "recall" in err and len(err.strip().splitlines()) == 1
 
 
 def test_unwritable_archive_dir_exits_2(kvenv, tmp_path, capsys, monkeypatch):

@@ -167,10 +167,11 @@ def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
     h, T = positions.shape
     by_position = torch.sort(positions, dim=1, stable=True).indices
     pos = positions.gather(1, by_position)
-    starts = torch.ones(h, T, dtype=torch.bool)
+    starts = torch.ones(h, T, dtype=torch.bool, device=pos.device)
     starts[:, 1:] = pos[:, 1:] - pos[:, :-1] > 1
     run = starts.cumsum(1) - 1  # the passage of each token, in document order
-    best = torch.full((h, T), -float("inf")).scatter_reduce_(1, run, ranking[pos].float(), "amax")
+    best = torch.full((h, T), -float("inf"), device=pos.device).scatter_reduce_(
+        1, run, ranking.to(pos.device)[pos].float(), "amax")
     order = torch.sort(best.gather(1, run), dim=1, stable=True).indices  # ties (one passage) keep document order
     return by_position.gather(1, order)
 

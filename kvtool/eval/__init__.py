@@ -163,9 +163,11 @@ class Grid:
     def settings_for(self, run: Run) -> Settings:
         return dataclasses.replace(self.settings, policy=run.policy, budget=run.budget or self.settings.budget)
 
-    def describe(self, answers: bool = False, recall: bool = False) -> dict[str, Any]:
+    def describe(self, answers: bool = False, recall: bool = False, placement: bool = True) -> dict[str, Any]:
         """The grid's settings for a resume fingerprint; ``answers``: with how answers are generated and
-        archived (needle, agreement), ``recall``: with the recall setting itself (agreement)."""
+        archived (needle, agreement), ``recall``: with the recall setting itself (agreement);
+        ``placement``: with where recalled passages go, which acts only at compact positions (a task
+        whose documents stay inside the model's range gives the same answers under either placement)."""
         s = self.settings
         return {
             "policies": self.policies,
@@ -177,7 +179,8 @@ class Grid:
             "seed": s.seed,
             # settings added later appear only when changed: resume logs written before them still match
             **{k: getattr(s, k) for k, legacy in LEGACY_DEFAULTS.items()
-               if answers and (recall or k != "recall") and getattr(s, k) != legacy},
+               if answers and (recall or k != "recall") and (placement or k != "recall_placement")
+               and getattr(s, k) != legacy},
             **{k: getattr(s, k) for k, legacy in LEGACY_READING.items() if getattr(s, k) != legacy},
         }
 
@@ -205,6 +208,17 @@ def make_session(grid: Grid, run: Run, loaded: Any, say: Any = None, **overrides
     from kvtool.runtime.session import Session
 
     return Session(dataclasses.replace(grid.settings_for(run), **overrides), listener=None, say=say, loaded=loaded)
+
+
+#: tokens a read streams around the document's own (the chat template's opening, the instruction), counted
+#: generously where a task asks whether a read passes the model's range: over-counting only keeps a setting in
+#: a resume fingerprint that could have been left out
+PROMPT_MARGIN = 512
+
+
+def model_range(loaded: Any) -> int | None:
+    """The model's trained range (``max_position_embeddings``), where ``--positions auto`` turns compact."""
+    return getattr(loaded.model.config, "max_position_embeddings", None)
 
 
 def model_settings(loaded: Any) -> dict[str, Any]:

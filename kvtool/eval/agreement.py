@@ -27,9 +27,23 @@ import torch
 
 from kvtool.documents import read_lines
 from kvtool.errors import UsageError
-from kvtool.eval import CellLog, Grid, Reporter, Run, Timer, load_once, make_session, model_settings, report
+from kvtool.eval import (
+    PROMPT_MARGIN,
+    CellLog,
+    Grid,
+    Reporter,
+    Run,
+    Timer,
+    load_once,
+    load_text,
+    make_session,
+    model_range,
+    model_settings,
+    report,
+)
 from kvtool.eval.metrics import exact_match, kl_divergence, rouge_l, token_f1, top1_agreement
 from kvtool.eval.stats import best_in_group, bootstrap_mean, paired_difference, wilson
+from kvtool.runtime.memory import compact_positions
 
 MAX_QUESTIONS = 10_000
 
@@ -43,14 +57,32 @@ class AgreementTask:
     max_new_tokens: int = 48
     resume: str | None = None
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self, max_positions: int | None = None, doc_tokens: int | None = None) -> dict[str, Any]:
+        """The task's settings for its resume fingerprint; ``--recall-placement`` only where it can act:
+        a document of ``doc_tokens`` (None: unknown) read past ``max_positions``, the model's range."""
+        placement = compact_positions(self.grid.settings.positions, max_positions, doc_tokens)
         return {
             "doc": str(self.doc_path),
             "questions": len(self.questions),
             "first_tokens": self.first_tokens,
             "max_new_tokens": self.max_new_tokens,
-            **self.grid.describe(answers=True, recall=True),
+            **self.grid.describe(answers=True, recall=True, placement=placement),
         }
+
+
+def document_tokens(path: Path, tokenizer: Any, max_positions: int | None) -> int | None:
+    """The tokens a read of ``path`` streams, when that is at most ``max_positions`` (None: more, or unknown).
+
+    Reads at most a bounded prefix: a document whose text runs past 8 bytes per position of the model's
+    range is taken as longer than the range without tokenizing it."""
+    if max_positions is None:
+        return None
+    cap = 8 * max_positions
+    text = load_text(path, "--doc", max_bytes=cap)
+    if len(text.encode("utf-8")) >= cap:
+        return None
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + PROMPT_MARGIN
+    return n if n <= max_positions else None
 
 
 def read_questions_file(path: Path) -> list[str]:
@@ -69,7 +101,10 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
     timer = Timer()
     torch.manual_seed(task.grid.settings.seed)
     loaded = load_once(task.grid, reporter.say)
-    settings = {**model_settings(loaded), **task.settings(), "reference": "policy full (dense cache)"}
+    max_positions = model_range(loaded)
+    settings = {**model_settings(loaded),
+                **task.settings(max_positions, document_tokens(task.doc_path, loaded.tokenizer, max_positions)),
+                "reference": "policy full (dense cache)"}
     log = CellLog(task.resume, "agreement", {**settings, "identity": loaded.identity,
                                              "question_list": task.questions})
     runs = [r for r in task.grid.runs() if r.policy != "full"]

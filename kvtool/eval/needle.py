@@ -26,17 +26,20 @@ from typing import Any
 
 from kvtool.errors import UsageError
 from kvtool.eval import (
+    PROMPT_MARGIN,
     CellLog,
     Grid,
     Reporter,
     Timer,
     load_once,
+    model_range,
     model_settings,
     report,
     text_document,
 )
 from kvtool.eval.metrics import contains_answer
 from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
+from kvtool.runtime.memory import compact_positions
 from kvtool.runtime.session import Session
 from kvtool.runtime.settings import parse_recall
 
@@ -201,11 +204,15 @@ class NeedleTask:
             return [name_needle(self.grid.settings.seed, trial)]
         return [passkey_needle(self.grid.settings.seed, trial)]
 
-    def recalls_anything(self) -> bool:
-        """Whether some cell recalls (a bounded policy with a recall budget): else placement changes nothing."""
-        return any(self.recalls) and any(p != "full" for p in self.grid.policies)
+    def places_recall(self, max_positions: int | None) -> bool:
+        """Whether ``--recall-placement`` can change an answer: some cell recalls (a bounded policy with a
+        recall budget) and some read passes ``max_positions``, the model's range, so that ``--positions auto``
+        turns compact (a haystack of L tokens streams the chat prefix too: L + ``PROMPT_MARGIN`` counts)."""
+        return (any(self.recalls) and any(p != "full" for p in self.grid.policies)
+                and any(compact_positions(self.grid.settings.positions, max_positions, L + PROMPT_MARGIN)
+                        for L in self.lengths))
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self, max_positions: int | None = None) -> dict[str, Any]:
         custom = self.needle
         return {
             "haystack": str(self.haystack_path),
@@ -220,8 +227,7 @@ class NeedleTask:
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
-            **{k: v for k, v in self.grid.describe(answers=True).items()
-               if k != "recall_placement" or self.recalls_anything()},
+            **self.grid.describe(answers=True, placement=self.places_recall(max_positions)),
         }
 
 
@@ -316,7 +322,7 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     for L in task.lengths:
         if L - max(needle_tokens) < MIN_HAYSTACK_TOKENS:
             raise UsageError(f"length {L} is too short for the needle(s) ({max(needle_tokens)} tokens)")
-    settings = {**model_settings(loaded), **task.settings()}
+    settings = {**model_settings(loaded), **task.settings(model_range(loaded))}
     log = CellLog(task.resume, "needle", {**settings, "identity": loaded.identity})
     if log.ignored:
         reporter.say(f"note: {task.resume}: {log.ignored} line(s) from other settings are ignored")

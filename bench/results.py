@@ -517,7 +517,11 @@ def render(data: dict, total_seconds: float) -> str:
              "difference without ✱ is inside the noise. In needle tables ↓ marks a row significantly below "
              "`full` (the dense reference). A difference between two rows answered on the same trials (a "
              "claim's cell, a dtype against float32) uses Newcombe's paired score interval; choosing the "
-             "default among many policies uses p-values adjusted for the number of comparisons (Holm).", "",
+             "default among many policies uses p-values adjusted for the number of comparisons (Holm). The "
+             "tables answer with the settings they were first measured with, spelled out in each command "
+             "(repetition penalty 1.1 unless a table says otherwise, no n-gram guard, the archive in the model's "
+             "dtype, recalled passages merged in document order); what kvtool does with nothing but a budget is "
+             "its own section, \"Answering with the default settings\".", "",
              evidence.WHAT_A_SMALL_MODEL_SHOWS, ""]
     for key, title, intro, table in sections(data):
         if key not in data:

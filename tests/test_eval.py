@@ -470,6 +470,6 @@ def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_pa
     assert document_tokens(doc, tok, n + PROMPT_MARGIN) == n + PROMPT_MARGIN
     assert document_tokens(doc, tok, n + PROMPT_MARGIN - 1) is None  # past the range: counted as unknown
     assert document_tokens(doc, tok, None) is None
-    task = AgreementTask(grid=make_grid("h2o", "256"), doc_path=doc, questions=["q"])
-    assert "recall_placement" not in task.settings(8192, n + PROMPT_MARGIN)  # default placement, inside the range
+    task = AgreementTask(grid=make_grid("h2o", "256", recall_placement="relevance"), doc_path=doc, questions=["q"])
+    assert "recall_placement" not in task.settings(8192, n + PROMPT_MARGIN)  # inside the range it cannot act
     assert task.settings(8192, None)["recall_placement"] == "relevance"  # unknown length counts as past it

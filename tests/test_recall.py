@@ -25,9 +25,10 @@ from tests.helpers import VOCAB, dense_logits, tiny_llama, tiny_qwen2
 
 def recall_engine(model, policy: str, budget: int, recall_tokens: int, positions: str = "absolute",
                   block_size: int = 16, page_size: int = 8, archive_dir: str | None = None,
-                  archive_dtype: torch.dtype | None = None) -> Engine:
+                  archive_dtype: torch.dtype | None = None, placement: str = "relevance") -> Engine:
     cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=recall_tokens,
-                       page_size=page_size, archive_dir=archive_dir, archive_dtype=archive_dtype)
+                       page_size=page_size, archive_dir=archive_dir, archive_dtype=archive_dtype,
+                       recall_placement=placement)
     env = model_env(model, cfg)
     # SnapKV's observation window (32 by default) is always kept: at the tests' budget of 40 it would leave
     # no room for the pinned question (the engine refuses that), so these tests observe 8 queries.
@@ -226,6 +227,7 @@ def test_compact_recall_of_a_selection_is_the_dense_model_over_the_placed_order(
     model = tiny_llama(num_hidden_layers=1)
     doc, question = ids_of(150, 31), ids_of(10, 32)
     engine = recall_engine(model, "sink", 40, 16, positions="compact")
+    assert engine.config.recall_placement == EngineConfig(budget=40).recall_placement == "relevance"  # the default
     cache, snap = read(engine, doc)
     placed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per group, as the question will see them
     real = cache.rope.settle
@@ -248,6 +250,28 @@ def test_compact_recall_of_a_selection_is_the_dense_model_over_the_placed_order(
         with torch.no_grad():
             ref = model(input_ids=ids[None], position_ids=at[None]).logits[0, -1]
         torch.testing.assert_close(logits[-1], ref, atol=2e-4, rtol=2e-4)
+
+
+def test_compact_recall_in_document_placement_merges_a_selection_in_document_order():
+    """``--recall-placement document``: with compact positions a recalled selection is merged among the kept
+    tokens in document order (each token's compact slot follows its original position), as with absolute
+    positions."""
+    model = tiny_llama(num_hidden_layers=1)
+    engine = recall_engine(model, "sink", 40, 16, positions="compact", placement="document")
+    cache, snap = read(engine, ids_of(150, 31))
+    placed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = cache.rope.settle
+
+    def spy(g):
+        real(g)
+        placed.append((g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone()))
+
+    cache.rope.settle = spy
+    _, res = engine.feed_question(cache, ids_of(10, 32), lambda: cache.restore(snap))
+    assert res is not None and res.tokens == 16 and placed
+    for pos, rot in placed:
+        assert torch.equal(pos, pos.sort(dim=1).values)  # merged in document order
+        assert bool((rot[:, 1:] > rot[:, :-1]).all())  # compact slots ascend with it
 
 
 def test_dropped_indices_is_the_complement():

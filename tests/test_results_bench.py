@@ -261,7 +261,8 @@ def _needle(rows: list[tuple[str, int, int, int]]) -> dict:
 def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails():
     data = {"default-number-1k": _needle([("h2o", 0, 23, 60), ("h2o", 256, 60, 60)]),
             "default-number-1k-full": _needle([("full", 0, 30, 30)]),
-            "default-number-8k": _needle([("full", 0, 5, 9), ("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+            "default-number-8k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+            "default-number-8k-document": _needle([("full", 0, 5, 9)]),  # the same trials' `full` rows
             "needle-32k-full": _needle([("full", 0, 0, 30)]),
             "default-number-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
             "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)])}
@@ -271,6 +272,23 @@ def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails()
     assert "180% of `full`'s rate (+44 pp [+5, +73])" in number_8k and "noise" not in number_8k
     assert "`full` fails; the default finds 100% (at least the 80% it should)" in number_32k
     assert "**5/9** [27, 81] | `full` fails; the default finds 56% (below the 80% it should reach)" in name_32k
+
+
+def _needle_trials(found: dict[tuple[float, int], bool]) -> dict:
+    depths = sorted({d for d, _ in found})
+    return {"result": {"results": [{"policy": "h2o", "budget": 256, "recall": 256, "depth": d, "answers": [
+        {"trial": t, "correct": ok} for (dd, t), ok in sorted(found.items()) if dd == d]} for d in depths]}}
+
+
+def test_placement_table_pairs_the_same_trials():
+    doc = {(0.1, 0): True, (0.1, 1): False, (0.5, 0): True, (0.5, 1): False, (0.9, 0): True}
+    rel = {(0.1, 0): True, (0.1, 1): True, (0.5, 0): False, (0.5, 1): True, (0.9, 0): True, (0.9, 1): True}
+    data = {"default-name-32k-document": _needle_trials(doc), "default-name-32k": _needle_trials(rel)}
+    _, _, row = defaults.table_placement(data).splitlines()  # the other rows have no data: left out
+    # five common trials: both 2, only relevance 2, only document 1 ((0.9, 1) is unpaired); mid-p by hand:
+    # 2 · (P(X ≤ 1) − P(X = 1) / 2) for X ~ Bin(3, ½) = 2 · (4/8 − 3/16) = 0.625
+    assert row.startswith("| an invented name, 32K | 3/5 [") and "| **4/5** [" in row
+    assert "+20 pp [" in row and "(inside the noise)" in row and "| 2 / 1 (McNemar mid-p 0.625) |" in row
 
 
 def test_default_tasks_run_with_kvtools_own_answering_settings():

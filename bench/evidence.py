@@ -78,8 +78,10 @@ def merge(old: dict | None, new: dict) -> dict:
 
     A run over some policies (``bench/results.py --policies ...``) thus adds to its table instead of
     replacing it; the flags that compare rows (best, significant) are recomputed over the merged rows.
+    Rows measured under other settings (a task whose command or kvtool's defaults changed: more trials,
+    another needle, a new default placement) are never merged in: ``new`` replaces them whole.
     """
-    if old is None or old["result"].get("task") != new["result"].get("task"):
+    if old is None or old["result"].get("task") != new["result"].get("task") or not _same_table(old, new):
         return new
     res = dict(new["result"])
     fresh = {_row_key(r) for r in res["results"]}
@@ -93,6 +95,14 @@ def merge(old: dict | None, new: dict) -> dict:
     elif res.get("task") == "ppl":
         _flag_ppl(res["results"])
     return {**new, "command": _with_policies(new["command"], res["results"]), "result": res}
+
+
+def _same_table(old: dict, new: dict) -> bool:
+    """Whether two results were measured under the same settings but for the grid's policies and budgets."""
+    def rest(entry: dict) -> dict:
+        return {k: v for k, v in entry["result"].get("settings", {}).items() if k not in ("policies", "budgets")}
+
+    return rest(old) == rest(new)
 
 
 def _with_policies(command: str, rows: list[dict]) -> str:

@@ -58,6 +58,15 @@ def _default_policy() -> str:
 
 
 DEFAULT = _default_policy()  # the block-size rows and the recall rows follow the default, whatever it is
+#: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
+RAN = {"needle-recall": "the recall trials ran beside other runs at low priority",
+       "needle-recall-2k": "the recall trials ran in 424 s beside other runs",
+       "needle-recall-long": "this session's `full`, `tova`, `snapkv` and `keydiff` trials ran in 7,730 s beside "
+                             "other runs",
+       "needle-recall-32k": "the recall trials ran in 5,743 s beside other runs",
+       "needle-32k-full": "over three sessions; each dense trial took 10 to 12 minutes alone on 2 threads (the "
+                          "first, 1,290 s, beside another run)",
+       "needle-recall-64k": "the trials ran in 1,782 s beside other runs"}
 # needle-recall shares needle's log: its full and eviction-only trials are needle's, resumed
 LOGS = {"needle-recall": "needle", "agreement-aord": "agreement", "needle-multi-1k": "needle-multi"}
 
@@ -528,7 +537,9 @@ def render(data: dict, total_seconds: float) -> str:
             continue
         task = data[key]
         parts += [f"## {title}", "", intro, "", table(task), "",
-                  f"`{task['command']}` — {task['seconds']:.0f} s" + (f" ({task['note']})" if task.get("note") else ""),
+                  f"`{task['command']}` — {task['seconds']:.0f} s"
+                  + (f" (resumed from its log {RAN[key]})" if key == "needle-32k-full" else
+                     f" (resumed from its log; {RAN[key]})" if key in RAN else ""),
                   ""]
     if "agreement" in data and any(f"block-{b}" in data for b in BLOCKS):
         parts += ["## Block size for the default policy", "",

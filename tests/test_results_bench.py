@@ -98,6 +98,14 @@ def test_merge_replaces_the_rows_of_a_rerun_policy_and_keeps_the_others():
     assert out["command"] == "kvtool eval agreement --doc a.txt --policies sink,h2o --budgets 256"  # the whole table
 
 
+def test_merge_replaces_a_table_measured_under_other_settings():
+    old = _doc({("full", None): [1.0], ("h2o", 256): [0.5]}, "a.txt")
+    new = _doc({("h2o", 256): [0.9]}, "a.txt")
+    new["result"]["settings"]["recall_placement"] = "relevance"  # e.g. a default changed since the old rows
+    out = evidence.merge(old, new)
+    assert out is new and [r["policy"] for r in out["result"]["results"]] == ["h2o"]  # no stale `full` row
+
+
 # --------------------------------------------------------------------------------------------- verdicts
 @pytest.mark.parametrize(("low", "high", "kind", "margin", "want"), [
     (0.01, 0.2, "better", 0.0, claims.HOLDS),

@@ -473,3 +473,15 @@ def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_pa
     task = AgreementTask(grid=make_grid("h2o", "256", recall_placement="relevance"), doc_path=doc, questions=["q"])
     assert "recall_placement" not in task.settings(8192, n + PROMPT_MARGIN)  # inside the range it cannot act
     assert task.settings(8192, None)["recall_placement"] == "relevance"  # unknown length counts as past it
+
+
+def test_model_range_reads_the_text_models_range() -> None:
+    from types import SimpleNamespace
+
+    from kvtool.eval import model_range
+
+    plain = SimpleNamespace(model=SimpleNamespace(config=transformers.LlamaConfig(max_position_embeddings=8192)))
+    assert model_range(plain) == 8192
+    multimodal = SimpleNamespace(model=SimpleNamespace(config=transformers.Gemma3Config(
+        text_config={"max_position_embeddings": 4096})))
+    assert model_range(multimodal) == 4096

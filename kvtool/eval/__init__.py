@@ -217,8 +217,11 @@ PROMPT_MARGIN = 512
 
 
 def model_range(loaded: Any) -> int | None:
-    """The model's trained range (``max_position_embeddings``), where ``--positions auto`` turns compact."""
-    return getattr(loaded.model.config, "max_position_embeddings", None)
+    """The model's trained range (``max_position_embeddings``, of the text model for a multimodal one), where
+    ``--positions auto`` turns compact, as the engine reads it."""
+    from kvtool.core.layout import text_config
+
+    return getattr(text_config(loaded.model.config), "max_position_embeddings", None)
 
 
 def model_settings(loaded: Any) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def recalled_passages(tok, ranking: Tensor, tokens: int, show: int) -> list[str]
             runs.append([p])
     runs.sort(key=lambda r: -float(ranking[r].max()))
     return [f"@{r[0]}: " + tok.decode(STREAM[r[0] : r[-1] + 1].clamp(min=0).tolist()) for r in runs[:show]]
+
+
 ORIGINAL_FORWARD = Engine._forward
 #: the token ids fed at each stream position (the last read's), for ``--show``
 STREAM = torch.full((1 << 20,), -1, dtype=torch.long)
@@ -114,7 +116,7 @@ Engine._forward = recording_forward
 @contextmanager
 def mode(session: Session, name: str, default_recall: int, default_placement: str) -> Iterator[None]:
     """Patch kvtool for one answer in mode ``name``; restored afterwards."""
-    R._ranking = recorded(ORIGINAL_RANKING)  # every mode records its ranking (``--show``, ``ranked``)
+    R._ranking = recorded(ORIGINAL_RANKING)  # every mode records its ranking (``--show``)
     if name.startswith("recall"):
         session.engine.config.recall = int(name.removeprefix("recall"))
     elif name == "last":
@@ -169,7 +171,10 @@ def main() -> None:
     done = {}
     if args.log and args.log.exists():
         for line in args.log.read_text().splitlines():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill: that cell runs again
             done[(row["length"], row["kind"], row["depth"], row["trial"], row["mode"])] = row
     for cell in args.cells.split(","):
         depth, trial = float(cell.split(":")[0]), int(cell.split(":")[1])

@@ -6,7 +6,8 @@ key (per-page minima and maxima rounded outward; int8 within half a scale step);
 ``append`` calls nothing that syncs (``cpu``, ``item``, ``tolist``, ``numpy``, truth values): only
 the deferred ``flush`` reads bytes; (c) on CUDA the rows equal the CPU's, the staging buffer is pinned
 and ``append`` passes ``torch.cuda``'s sync debug mode; (d) staged bytes are never lost to a read and
-closing or dropping an archive leaves no descriptor open.
+closing or dropping an archive leaves no descriptor open; (e) once the largest block is through, appends
+allocate nothing (the profiler's memory events), also with a cache's archives sharing their buffers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from kvtool.core.archive import SUMMARY_DTYPE, FileStore, GroupArchive, MemoryStore
+from kvtool.core.archive import SUMMARY_DTYPE, AppendWork, GroupArchive
+from kvtool.core.archive_stores import FileStore, MemoryStore
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -283,3 +285,86 @@ def test_close_and_release_with_staged_bytes_leave_no_descriptor(tmp_path):
     del dropped
     gc.collect()
     assert _open_descriptors() == before and os.listdir(tmp_path) == []
+
+
+# -- e. no allocation per block ----------------------------------------------------------------------------------
+#: the largest block first, then blocks that start mid-page and complete the most pages a block can
+STEADY = (16, 5, 16, 15, 1, 16, 3, 9, 16, 7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_appends_after_the_largest_block_allocate_nothing_and_shared_buffers_keep_each_archive_exact(dtype, tmp_path):
+    """Two archives share one ``AppendWork`` (as a cache's layers do) and append in turn; after the first
+    block, the profiler sees no allocation in ``append`` (flushes to files included), and each archive's
+    bytes still equal the host reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work = AppendWork()
+    ours = [GroupArchive(H, D, dtype, P, lambda rb: FileStore(rb, tmp_path), work) for _ in range(2)]
+    refs = [HostArchive(H, D, dtype, P, MemoryStore) for _ in range(2)]
+    data = [list(blocks(torch.bfloat16, seed=10 + i, sizes=STEADY)) for i in range(2)]
+
+    def step(i: int) -> None:
+        for arch, ref, d in zip(ours, refs, data, strict=True):
+            arch.append(*d[i])
+            ref.append(*d[i])
+
+    step(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in range(1, len(STEADY)):
+            for arch, d in zip(ours, data, strict=True):
+                arch.append(*d[i])
+    allocations = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+    assert prof.events() and allocations == []
+    for i in range(1, len(STEADY)):
+        for ref, d in zip(refs, data, strict=True):
+            ref.append(*d[i])
+    for arch, ref in zip(ours, refs, strict=True):
+        assert_same(arch, ref)
+        arch.close()
+
+
+@pytest.mark.parametrize("positions", ["absolute", "compact"])
+def test_a_read_with_recall_archives_each_block_without_allocating(positions, tmp_path, monkeypatch):
+    """The engine's whole archive path (gathering a block's evicted K/V and positions, turning compact keys
+    back to their original positions, appending) allocates nothing in the second half of a read, and every
+    layer's archive shares one ``AppendWork``."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvtool.core.cache import BoundedCache
+    from kvtool.core.engine import Engine, EngineConfig, model_env
+    from kvtool.policies import build_policy
+    from tests.helpers import VOCAB, tiny_llama
+
+    model = tiny_llama(max_positions=64)
+    cfg = EngineConfig(budget=40, block_size=8, positions=positions, recall=16, page_size=8, archive_dir=str(tmp_path))
+    env = model_env(model, cfg)
+    engine = Engine(model, build_policy("h2o", {}, env), cfg, env=env)
+    archive_dropped = BoundedCache.archive_dropped
+
+    def labelled(self, g, dropped):
+        with record_function("archive_dropped"):
+            archive_dropped(self, g, dropped)
+
+    monkeypatch.setattr(BoundedCache, "archive_dropped", labelled)
+    ids = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(3))
+    cache = engine.new_cache()
+    for s in range(0, 200, 8):
+        engine.step(cache, ids[s : s + 8], 1)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for s in range(200, 400, 8):
+            engine.step(cache, ids[s : s + 8], 1)
+
+    def chain(e) -> list[str]:  # an op and its callers: whether it ran for the archive, and where
+        names = []
+        while e is not None:
+            names.append(e.name)
+            e = e.cpu_parent
+        return names
+
+    events = [(chain(e), e.cpu_memory_usage) for e in prof.events() if e.name != "archive_dropped"]
+    archived = [(names, used) for names, used in events if "archive_dropped" in names]
+    assert len(archived) > 100  # the archive path ran, for every layer and block
+    assert [(names, used) for names, used in archived if used > 0] == []
+    works = {id(g.archive.work) for layer in cache.layers for g in layer.groups if g.archive is not None}
+    assert len(works) == 1 and all(g.archive.length > 0 for layer in cache.layers for g in layer.groups)

@@ -40,7 +40,7 @@ def test_citations_never_send_the_documents_terminal_escapes(model_dir, tmp_path
 def test_descriptors_for_the_archive_are_reserved_or_refused_with_the_figures():
     code = textwrap.dedent("""
         import resource
-        from kvtool.core.archive import reserve_descriptors
+        from kvtool.core.archive_stores import reserve_descriptors
         from kvtool.errors import UsageError
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 256))
         reserve_descriptors(90)                       # above the soft limit, below the hard one: raised

@@ -366,7 +366,7 @@ def test_archive_save_and_load_stream_in_chunks(tmp_path, monkeypatch):
     import safetensors.torch
 
     from kvtool.core import recall
-    from kvtool.core.archive import MemoryStore
+    from kvtool.core.archive_stores import MemoryStore
     from kvtool.kvc import archive as kvc_archive
     from kvtool.kvc import write as kvc_write
     from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama

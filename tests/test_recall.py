@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kvtool.core import recall
-from kvtool.core.archive import FileStore, GroupArchive, MemoryStore, dropped_indices
+from kvtool.core.archive import GroupArchive, dropped_indices
+from kvtool.core.archive_stores import FileStore, MemoryStore
 from kvtool.core.cache import BoundedLayer
 from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.errors import KvtoolError, UsageError

@@ -14,30 +14,23 @@ per-channel minimum and maximum of its keys, so for any query q (Quest, ICML 202
 ``Σ_d max(q_d·min_d, q_d·max_d) = relu(q)·max + min(q, 0)·min ≥ q·k`` for every key k of the page:
 two matrix products score every page of a head against every query row.
 
-The backing store is pluggable: :class:`MemoryStore` (a growing host tensor, tests) or
-:class:`FileStore` (an unlinked temporary file written with ``pwrite`` and read through a short-lived
-``mmap``): the process RSS stays flat however long the document (positions and summaries live in
-the files too, not in host memory), and the file vanishes with the process, even on Ctrl-C, SIGTERM
-or SIGKILL, because it has no name after it is created. The owner closes the descriptors when its
-cache is released (``recall.attach`` registers the close).
+The backing store is pluggable (``kvtool/core/archive_stores.py``): :class:`MemoryStore` (a growing
+host tensor, tests) or :class:`FileStore` (an unlinked temporary file), so the process RSS stays flat
+however long the document (positions and summaries live in the files too, not in host memory). The
+owner closes the descriptors when its cache is released (``recall.attach`` registers the close).
 """
 
 from __future__ import annotations
 
-import errno
 import math
-import mmap
-import os
-import tempfile
-import weakref
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from kvtool.errors import KvtoolError, UsageError
+from kvtool.core.archive_stores import ArchiveStore
+from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
@@ -56,138 +49,51 @@ SCAN_CHUNK = 16
 SUMMARY_CHUNK = 4096
 
 
-class ArchiveStore(Protocol):
-    """Append-only rows of bytes (one row per archived token of a group)."""
+class Constants(NamedTuple):
+    """``AppendWork.constants``: outward rounding's signs [1, 2, 1, 1] (minima −1, maxima +1, float32) and
+    limits (−inf, +inf in ``SUMMARY_DTYPE``), zero, and int8's largest code, as float32 tensors."""
 
-    row_bytes: int
-    rows: int
-    where: str
-
-    def append(self, rows: Tensor) -> None: ...  # [n, row_bytes] uint8 on the CPU
-
-    def read(self, index: Tensor) -> Tensor: ...  # [k] row numbers → [k, row_bytes] uint8
-
-    def close(self) -> None: ...
+    sign: Tensor
+    limit: Tensor
+    zero: Tensor
+    top: Tensor
 
 
-class MemoryStore:
-    """Rows in a host tensor that doubles when full (tests, small documents)."""
+class AppendWork:
+    """The buffers archive appends compute in, per device: grown to the largest block, never per block.
 
-    def __init__(self, row_bytes: int) -> None:
-        self.row_bytes = row_bytes
-        self.rows = 0
-        self.where = "memory"
-        self.buf = torch.empty(0, row_bytes, dtype=torch.uint8)
-
-    def append(self, rows: Tensor) -> None:
-        n = rows.shape[0]
-        if self.rows + n > self.buf.shape[0]:
-            grown = torch.empty(max(2 * self.buf.shape[0], self.rows + n, 256), self.row_bytes, dtype=torch.uint8)
-            grown[: self.rows] = self.buf[: self.rows]
-            self.buf = grown
-        self.buf[self.rows : self.rows + n] = rows
-        self.rows += n
-
-    def read(self, index: Tensor) -> Tensor:
-        return self.buf[: self.rows].index_select(0, index)
-
-    def close(self) -> None:
-        self.buf = torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        self.rows = 0
-
-
-def filesystem_bytes(directory: str) -> tuple[int, int] | None:
-    """(free, total) bytes of ``directory``'s filesystem for an unprivileged writer; None when unreadable."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def _free(directory: str) -> str:
-    """Free space of ``directory``'s filesystem, as text ("unknown" when it cannot be read)."""
-    fs = filesystem_bytes(directory)
-    return "unknown" if fs is None else f"{fs[0] / 2**20:,.0f} MiB"
-
-
-#: files a group's archive keeps open with ``FileStore``: rows, their positions, page summaries
-FILES_PER_GROUP = 3
-#: descriptors left free for the rest of a run (model files, /proc reads, output) beside the archive's
-DESCRIPTOR_MARGIN = 16
-
-
-def reserve_descriptors(needed: int) -> None:
-    """Make sure ``needed`` more files can be opened for the archive, or refuse with the figures.
-
-    The soft ``RLIMIT_NOFILE`` is raised towards the hard limit when that is all it takes (what a
-    shell's ``ulimit -n`` can do too); past the hard limit the run stops before reading, with one line
-    that says how many files recall keeps open, instead of failing mid-read on whatever opens next.
+    One append's packed bytes (K/V rows, positions, the summaries of the pages it completes) and the
+    float32 work of its summaries and int8 quantization, sized for the most pages a block can touch. A
+    cache's archives share one (``recall.attach``): layers append in turn, and on CUDA the copy out of
+    ``packed`` is queued before the next layer's kernels overwrite it.
     """
-    import resource
 
-    fd_dir = "/proc/self/fd"
-    if not os.path.isdir(fd_dir):
-        return
-    in_use = len(os.listdir(fd_dir))
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = in_use + needed + DESCRIPTOR_MARGIN
-    if soft == resource.RLIM_INFINITY or want <= soft:
-        return
-    if hard != resource.RLIM_INFINITY and want > hard:
-        raise UsageError(f"recall keeps {needed} archive files open ({FILES_PER_GROUP} per layer), but only "
-                         f"{max(0, hard - in_use - DESCRIPTOR_MARGIN)} more may be opened (open-file limit "
-                         f"{hard}, ulimit -n): raise the limit or turn recall off", field="recall")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.device], Tensor] = {}
+        self.limits: dict[torch.device, Constants] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Buffer ``name`` viewed as ``shape`` in ``dtype`` (contents undefined); replaced only when too small."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        key = (name, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def constants(self, device: torch.device) -> Constants:
+        """The append's constants on ``device``, made once (a Python number would be wrapped and cast per call)."""
+        got = self.limits.get(device)
+        if got is None:
+            sign = torch.ones(1, 2, 1, 1, device=device)  # filled on the device: no copy from the host
+            sign[:, 0] = -1.0
+            got = self.limits[device] = Constants(sign, (sign * float("inf")).to(SUMMARY_DTYPE),
+                                                  torch.zeros((), device=device), torch.full((), 127.0, device=device))
+        return got
 
 
-class FileStore:
-    """Rows appended to an unlinked temporary file in ``directory`` (nothing is left behind, ever)."""
-
-    def __init__(self, row_bytes: int, directory: str | os.PathLike[str]) -> None:
-        self.row_bytes = row_bytes
-        self.rows = 0
-        self.where = str(directory)
-        try:
-            fd, path = tempfile.mkstemp(prefix="kvtool-archive-", suffix=".tmp", dir=directory)
-        except OSError as e:
-            raise UsageError(f"cannot create the recall archive in {directory}: {e.strerror or e}",
-                             field="recall") from None
-        os.unlink(path)  # the descriptor keeps the data; the name is gone before anything is written
-        self.fd: int | None = fd
-        self._release = weakref.finalize(self, os.close, fd)  # a store dropped unclosed still closes its file
-
-    def append(self, rows: Tensor) -> None:
-        assert self.fd is not None
-        data = memoryview(rows.numpy()).cast("B")  # no copy: the rows' own bytes
-        offset = self.rows * self.row_bytes
-        try:
-            written = os.pwrite(self.fd, data, offset)
-            while written < len(data):
-                written += os.pwrite(self.fd, data[written:], offset + written)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk is a runtime condition (exit 1)
-                raise KvtoolError(f"cannot write the recall archive in {self.where}: the disk is full "
-                                  f"({_free(self.where)} free; free some space or turn recall off)") from None
-            raise UsageError(f"cannot write the recall archive in {self.where}: {e.strerror or e} "
-                             "(turn recall off or choose another temp directory)", field="recall") from None
-        self.rows += rows.shape[0]
-
-    def read(self, index: Tensor) -> Tensor:
-        assert self.fd is not None
-        if self.rows == 0:
-            return torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        with mmap.mmap(self.fd, self.rows * self.row_bytes, access=mmap.ACCESS_READ) as mm:
-            view = np.frombuffer(mm, dtype=np.uint8).reshape(self.rows, self.row_bytes)
-            out = torch.from_numpy(view[index.numpy()])  # fancy indexing copies: nothing points into the map
-            del view
-        return out
-
-    def close(self) -> None:
-        if self.fd is not None:
-            self._release()  # closes the descriptor once, whoever asks first
-            self.fd = None
-        self.rows = 0
+#: byte alignment of each part of an append's packed bytes (so each part can be viewed in its dtype)
+ALIGN = 16
 
 
 class GroupArchive:
@@ -198,14 +104,16 @@ class GroupArchive:
     each completed page's per-channel key minima then maxima (float16, rounded outward). Only the open
     (last, incomplete) page's summary, ``tail``, is held in memory, on the keys' device.
 
-    Appending runs once per layer and block, so it makes no host sync. The data flow of one append::
+    Appending runs once per layer and block, so it makes no host sync and allocates nothing once the
+    first (largest) block is through. The data flow of one append::
 
         keys, values, positions (model device)
           → K/V rows (dtype cast or int8 quantization), positions as int32, summaries of the pages the
-            keys complete, new tail                                      all on that device
-          → packed into ONE byte buffer, copied with ONE copy into ``staging``, a host buffer kept on
-            the archive and grown geometrically (pinned and non-blocking when the device is CUDA,
-            a CUDA event marks the copy's end)
+            keys complete: written straight into ONE packed byte buffer (``AppendWork``, on that
+            device); the new open page's summary into ``open_page``
+          → copied with ONE copy into ``staging``, a host buffer kept on the archive and grown
+            geometrically (pinned and non-blocking when the device is CUDA, a CUDA event marks the
+            copy's end)
           → :meth:`flush` writes the staged bytes to the three stores (``pwrite`` for files)
 
     The flush is deferred: the next append (or any read: ``read``, ``positions_of``, ``all_positions``,
@@ -215,7 +123,7 @@ class GroupArchive:
     """
 
     def __init__(self, num_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
-                 new_store: Callable[[int], ArchiveStore]) -> None:
+                 new_store: Callable[[int], ArchiveStore], work: AppendWork | None = None) -> None:
         if page_size < 1:
             raise UsageError(f"archive page size must be at least 1 (got {page_size})")
         self.h = num_heads
@@ -225,9 +133,11 @@ class GroupArchive:
         self.store = new_store(self.row_bytes(num_heads, head_dim, dtype))
         self.index = new_store(4 * num_heads)
         self.summaries = new_store(2 * num_heads * head_dim * SUMMARY_DTYPE.itemsize)
+        self.work = work if work is not None else AppendWork()
         self.length = 0  # archived tokens per head
         self.empty = _empty_page(num_heads, head_dim)  # never written to: shared by every fresh open page
-        self.tail = self.empty  # [2, h, d]: min, max of the open page's keys
+        self.tail = self.empty  # [2, h, d]: min, max of the open page's keys (``empty`` or ``open_page``)
+        self.open_page: Tensor | None = None  # where appends write the open page's summary (keys' device)
         self.staging = torch.empty(0, dtype=torch.uint8)  # the last append's bytes, on their way to the stores
         self.pinned = False  # whether ``staging`` is pinned memory
         self.staged: tuple[int, int, int] | None = None  # rows staged for store, index, summaries (None: none)
@@ -251,77 +161,105 @@ class GroupArchive:
         held = sum((st.rows + k) * st.row_bytes for st, k in zip(stores, staged, strict=True))
         return held + self.tail.numel() * self.tail.element_size()
 
+    def _offsets(self, counts: tuple[int, int, int]) -> list[int]:
+        """Where the store's, the index's and the summaries' rows start in the packed bytes, and their end."""
+        at, out = 0, []
+        for st, k in zip((self.store, self.index, self.summaries), counts, strict=True):
+            out.append(at)
+            at += -(-k * st.row_bytes // ALIGN) * ALIGN
+        return [*out, at]
+
     # -- appending (in inference mode, as the engine runs: every buffer written here is an inference tensor) --
     @torch.inference_mode()
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Archive ``n`` tokens per head: keys/values [h, n, d] (keys at original positions), positions [h, n].
 
-        Computed on the keys' device and staged (class docstring): no host sync, the stores get the
-        bytes at the next append or read.
+        Computed on the keys' device into ``work`` and staged (class docstring): no host sync, no new
+        buffer once the largest block has been through; the stores get the bytes at the next append or read.
         """
         n = keys.shape[1]
         if n == 0:
             return
         self.flush()  # the previous append's bytes: their copy has overlapped the compute since
-        keys, values = keys.detach(), values.detach()
-        if self.dtype == torch.int8:
-            rows = _quantize(keys, values)
-        else:
-            kv = torch.empty(n, 2, self.h, self.d, dtype=self.dtype, device=keys.device)  # one copy each
-            kv[:, 0].copy_(keys.transpose(0, 1))
-            kv[:, 1].copy_(values.transpose(0, 1))
-            rows = kv.view(n, -1).view(torch.uint8)
-        summ, done = self._summarise(keys)  # [h, 2, pages, d]
-        self._stage(rows, _as_rows(positions.t(), torch.int32), _as_rows(summ[:, :, :done].permute(2, 1, 0, 3)))
-        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if done < summ.shape[2] else self.empty
+        h, d, P, device = self.h, self.d, self.page_size, keys.device
+        lead = self.length % P
+        pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
+        counts = (n, n, done)
+        at = self._offsets(counts)  # sized below for the most pages n keys can complete: later blocks fit
+        packed = self.work.get("packed", (at[2] + (n // P + 1) * self.summaries.row_bytes,), torch.uint8, device)
+        self._write_rows(packed[at[0] : at[0] + n * self.store.row_bytes].view(n, -1), keys.detach(), values.detach())
+        packed[at[1] : at[1] + n * self.index.row_bytes].view(torch.int32).view(n, h).copy_(positions.t())
+        if self.open_page is None or self.open_page.device != device:
+            self.open_page = torch.empty(2, h, d, dtype=SUMMARY_DTYPE, device=device)
+        summ = self._summarise(keys.detach(), pages)  # [pages, 2, h, d] in work
+        packed[at[2] : at[2] + done * self.summaries.row_bytes].view(SUMMARY_DTYPE).view(done, 2, h, d).copy_(
+            summ[:done])
+        self.tail = self.open_page.copy_(summ[done]) if done < pages else self.empty
+        self._stage(packed, counts, at[-1])
         self.length += n
 
-    def _summarise(self, keys: Tensor) -> tuple[Tensor, int]:
-        """Summaries [h, 2, pages, d] of the pages ``keys`` [h, n, d] touch (on their device), and how many
-        of those pages they complete.
+    def _write_rows(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
+        """K/V of ``n`` tokens into their store rows ``rows`` [n, row_bytes]: cast, or int8 quantized
+        symmetrically per token and head (absmax / 127; a key's error is at most half its scale per channel),
+        codes [n, 2, h, d] then float32 scales [n, 2, h]."""
+        n, h, d = keys.shape[1], self.h, self.d
+        if self.dtype != torch.int8:
+            kv = rows.view(self.dtype).view(n, 2, h, d)
+            kv[:, 0].copy_(keys.transpose(0, 1))
+            kv[:, 1].copy_(values.transpose(0, 1))
+            return
+        kv = self.work.get("kv32", (n, 2, h, d), torch.float32, keys.device)
+        kv[:, 0].copy_(keys.transpose(0, 1))
+        kv[:, 1].copy_(values.transpose(0, 1))
+        magnitude = torch.abs(kv, out=self.work.get("abs32", (n, 2, h, d), torch.float32, keys.device))
+        scale = self.work.get("scale32", (n, 2, h, 1), torch.float32, keys.device)
+        top = self.work.constants(keys.device).top
+        torch.amax(magnitude, -1, keepdim=True, out=scale).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
+        rows[:, : 2 * h * d].view(torch.int8).view(n, 2, h, d).copy_(kv.div_(scale).round_().clamp_(-127, 127))
+        rows[:, 2 * h * d :].copy_(scale.view(n, 2 * h).view(torch.uint8))
 
-        The pages are the open one (its summary so far is ``tail``; none when the last block ended on a
-        page boundary), the whole pages after it, and a new open page with what is left (views of the
-        keys: no padding). One pass per statistic, rounded once.
-        """
-        n, P, lead = keys.shape[1], self.page_size, self.length % self.page_size
-        kf = keys.float()
+    def _summarise(self, keys: Tensor, pages: int) -> Tensor:
+        """Summaries [pages, 2, h, d] (``SUMMARY_DTYPE``, rounded outward, in ``work``) of the pages that
+        ``keys`` [h, n, d] touch: the open one (its summary so far is ``tail``; none when the last block
+        ended on a page boundary), the whole pages after it, and a new open page with what is left."""
+        h, n, d, P, device = self.h, keys.shape[1], self.d, self.page_size, keys.device
+        lead = self.length % P
+        kf = self.work.get("keys32", (h, n, d), torch.float32, device).copy_(keys)
+        most = n // P + 2  # the most pages n keys can touch: every buffer is sized for it, so none grows later
+        x = self.work.get("summ32", (most, 2, h, d), torch.float32, device)[:pages]
+        tail = self.work.get("tail32", (2, h, d), torch.float32, device)
         first = min(n, P - lead) if lead else 0
         full = (n - first) // P
-        body = kf[:, first : first + full * P].reshape(self.h, full, P, self.d)
-        lo, hi = [body.amin(2)], [body.amax(2)]
-        if first:
-            tail = self.tail.to(kf.device, non_blocking=True).float()  # already there unless just loaded
-            lo.insert(0, torch.minimum(kf[:, :first].amin(1), tail[0]).unsqueeze(1))
-            hi.insert(0, torch.maximum(kf[:, :first].amax(1), tail[1]).unsqueeze(1))
-        last = kf[:, first + full * P :]
-        if last.shape[1]:
-            lo.append(last.amin(1, keepdim=True))
-            hi.append(last.amax(1, keepdim=True))
-        summ = _round_outward(torch.stack((torch.cat(lo, 1), torch.cat(hi, 1)), dim=1))
-        return summ, (lead + n) // P
+        p = 0
+        if first:  # the open page so far, in float32 (the tail may be on the CPU when just loaded)
+            tail.copy_(self.tail, non_blocking=True)
+            torch.minimum(torch.amin(kf[:, :first], 1, out=x[0, 0]), tail[0], out=x[0, 0])
+            torch.maximum(torch.amax(kf[:, :first], 1, out=x[0, 1]), tail[1], out=x[0, 1])
+            p = 1
+        if full:
+            body = kf[:, first : first + full * P].view(h, full, P, d)
+            torch.amin(body, 2, out=x[p : p + full, 0].transpose(0, 1))
+            torch.amax(body, 2, out=x[p : p + full, 1].transpose(0, 1))
+            p += full
+        if p < pages:
+            torch.amin(kf[:, first + full * P :], 1, out=x[p, 0])
+            torch.amax(kf[:, first + full * P :], 1, out=x[p, 1])
+        return _round_outward(x, self.work, most)
 
-    def _stage(self, *parts: Tensor) -> None:
-        """Copy the rows for ``store``, ``index`` and ``summaries`` (uint8 [rows, row bytes] each, on one
-        device) into ``staging`` with one copy, packed in that order; :meth:`flush` writes them."""
-        flat = [p.reshape(-1) for p in parts]
-        total = sum(p.numel() for p in flat)
-        device = flat[0].device
-        cuda = device.type == "cuda"
-        if total > self.staging.numel() or (cuda and not self.pinned):
-            self.staging = torch.empty(max(total, 2 * self.staging.numel(), 1 << 16), dtype=torch.uint8,
+    def _stage(self, packed: Tensor, counts: tuple[int, int, int], total: int) -> None:
+        """Copy the first ``total`` packed bytes of an append into ``staging`` with one copy; :meth:`flush`
+        writes them. ``staging`` is sized like ``packed`` (for the most pages a block can complete)."""
+        cuda = packed.device.type == "cuda"
+        if packed.numel() > self.staging.numel() or (cuda and not self.pinned):
+            self.staging = torch.empty(max(packed.numel(), 2 * self.staging.numel(), 1 << 16), dtype=torch.uint8,
                                        pin_memory=cuda)
             self.pinned = cuda
-        dest = self.staging[:total]
-        if device.type == "cpu":
-            torch.cat(flat, out=dest)
-        else:
-            dest.copy_(torch.cat(flat), non_blocking=cuda)
+        self.staging[:total].copy_(packed[:total], non_blocking=cuda)
         if cuda:
             if self.copied is None:
                 self.copied = torch.cuda.Event()
-            self.copied.record(torch.cuda.current_stream(device))
-        self.staged = (parts[0].shape[0], parts[1].shape[0], parts[2].shape[0])
+            self.copied.record(torch.cuda.current_stream(packed.device))
+        self.staged = counts
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -334,11 +272,10 @@ class GroupArchive:
         counts, self.staged = self.staged, None
         if self.copied is not None:
             self.copied.synchronize()
-        at = 0
-        for st, k in zip((self.store, self.index, self.summaries), counts, strict=True):
+        at = self._offsets(counts)
+        for st, k, start in zip((self.store, self.index, self.summaries), counts, at[:3], strict=True):
             if k:
-                st.append(self.staging[at : at + k * st.row_bytes].view(k, st.row_bytes))
-            at += k * st.row_bytes
+                st.append(self.staging[start : start + k * st.row_bytes].view(k, st.row_bytes))
 
     def page_summaries(self, first: int = 0, last: int | None = None) -> tuple[Tensor, Tensor]:
         """Key minima and maxima [h, pages, d] (float16, CPU) of pages ``first`` … ``last`` − 1 (default: all)."""
@@ -468,11 +405,12 @@ class GroupArchive:
         self.store.append(rows.contiguous())
         self.index.append(_as_rows(pos.t()))
         # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
-        summ = _round_outward(torch.stack((kmin.float(), kmax.float()), dim=1))
+        x = torch.stack((kmin.float(), kmax.float())).permute(2, 0, 1, 3).contiguous()  # [pages, 2, h, d]
+        summ = _round_outward(x, AppendWork(), x.shape[0])
         done = n // page_size
         if done:
-            self.summaries.append(_as_rows(summ[:, :, :done].permute(2, 1, 0, 3)))
-        self.tail = summ[:, :, done].transpose(0, 1).contiguous() if n % page_size else self.empty
+            self.summaries.append(summ[:done].view(done, -1).view(torch.uint8))
+        self.tail = summ[done].clone() if n % page_size else self.empty
         self.length = n
 
     def close(self) -> None:
@@ -498,39 +436,32 @@ def _empty_page(h: int, d: int) -> Tensor:
     return torch.stack((torch.full((h, d), float("inf")), torch.full((h, d), float("-inf")))).to(SUMMARY_DTYPE)
 
 
-def _quantize(keys: Tensor, values: Tensor) -> Tensor:
-    """int8 rows: K and V [h, n, d] → [n, 2·h·d] int8 then [n, 2·h] float32 scales, as bytes.
-
-    Symmetric per token and head (absmax / 127): a key's error is at most half its scale per channel.
-    """
-    n = keys.shape[1]
-    kv = torch.stack((keys, values)).detach().float()  # [2, h, n, d], on their device
-    scale = kv.abs().amax(-1, keepdim=True).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
-    q = kv.div(scale).round_().clamp_(-127, 127).to(torch.int8)
-    data = q.permute(2, 0, 1, 3).reshape(n, -1).view(torch.uint8)
-    scales = scale.squeeze(-1).permute(2, 0, 1).reshape(n, -1).contiguous().view(torch.uint8)
-    return torch.cat((data, scales), dim=1)
-
-
 def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
-    """The inverse of :func:`_quantize`: [u, row_bytes] bytes → [u, 2, h, d] float32."""
+    """The inverse of ``GroupArchive._write_rows``'s int8 rows: [u, row_bytes] bytes → [u, 2, h, d] float32."""
     q = rows[:, : 2 * h * d].view(torch.int8).view(-1, 2, h, d)
     scale = rows[:, 2 * h * d :].contiguous().view(torch.float32).view(-1, 2, h, 1)
     return q.float() * scale
 
 
-def _round_outward(x: Tensor) -> Tensor:
-    """Summaries ``x`` [h, 2, pages, d] (minima, then maxima) in ``SUMMARY_DTYPE``, rounded outward.
+def _round_outward(x: Tensor, work: AppendWork, most: int) -> Tensor:
+    """Summaries ``x`` [pages, 2, h, d] float32 (minima, then maxima) in ``SUMMARY_DTYPE``, rounded outward,
+    computed in ``work``'s buffers sized for ``most`` pages (the result is one of them).
 
     Minima round down and maxima up, so the bound still holds for every key. Past float16's range a
     value becomes ±inf, which only loosens the bound (``page_scores`` turns the 0·inf of a zero query
     channel back into a valid bound).
     """
-    outward = torch.arange(-1.0, 2.0, 2.0, device=x.device).view(1, 2, 1, 1)  # minima down, maxima up
-    r = x.to(SUMMARY_DTYPE)
-    wrong = (r.float() - x).mul_(outward) < 0  # rounded inward
-    step = torch.nextafter(r, outward.mul(float("inf")).to(SUMMARY_DTYPE).expand_as(r))
-    return torch.where(wrong, step, r)
+    pages, shape, device = x.shape[0], x.shape[1:], x.device
+    c = work.constants(device)
+
+    def buffer(name: str, dtype: torch.dtype) -> Tensor:
+        return work.get(name, (most, *shape), dtype, device)[:pages]
+
+    r = buffer("summ16", SUMMARY_DTYPE).copy_(x)
+    back = buffer("back32", torch.float32).copy_(r).sub_(x).mul_(c.sign)
+    wrong = torch.lt(back, c.zero, out=buffer("wrong", torch.bool))  # rounded inward
+    step = torch.nextafter(r, c.limit.expand_as(r), out=buffer("step16", SUMMARY_DTYPE))
+    return torch.where(wrong, step, r, out=r)
 
 
 def dropped_indices(keep: Tensor, n: int) -> Tensor:

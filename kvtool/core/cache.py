@@ -16,6 +16,7 @@ snapshots. Eviction keeps the top-``capacity`` tokens per head, order preserved.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -388,11 +389,17 @@ class BoundedCache(Cache):
 
     def archive_dropped(self, g: HeadGroup, dropped: Tensor) -> None:
         """Append tokens ``dropped`` [h, k] (indices into the stored ones) to the group's archive, keys at
-        their original positions."""
+        their original positions; gathered into the archive's append buffers (nothing allocated per block)."""
         assert g.archive is not None
-        idx = dropped.unsqueeze(-1).expand(-1, -1, g.head_dim)
-        values = g.stored_values().gather(1, idx)
-        g.archive.append(self.rope.original_keys(g, dropped), values, g.positions[:, : g.length].gather(1, dropped))
+        h, k, d = dropped.shape[0], dropped.shape[1], g.head_dim
+        stored = g.stored_values()
+        buf = functools.partial(g.archive.work.get, device=stored.device)  # gathered into the append's buffers
+        positions = torch.gather(g.positions[:, : g.length], 1, dropped, out=buf("positions", (h, k), torch.long))
+        values = torch.gather(stored, 1, dropped.unsqueeze(-1).expand(-1, -1, d), out=buf("values", (h, k, d),
+                                                                                            stored.dtype))
+        keys = self.rope.original_keys(g, dropped, positions, buf("keys", (h, k, d), stored.dtype),
+                                       buf("delta", (h, k), torch.long))
+        g.archive.append(keys, values, positions)
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

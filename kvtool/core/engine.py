@@ -24,7 +24,8 @@ from torch import Tensor
 
 from kvtool.config import RECALL_PLACEMENTS
 from kvtool.core import attention, recall
-from kvtool.core.archive import DEFAULT_PAGE_SIZE, FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
+from kvtool.core.archive import DEFAULT_PAGE_SIZE
+from kvtool.core.archive_stores import FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress

@@ -119,9 +119,11 @@ class Rotator:
         half, whole = d // 2, len(steps) == 1
         for s, e, angles, cos, sin, t1, t2, k32, o32, o1, o2 in steps:
             dk = (delta, keys) if whole else (delta[..., s:e], keys[:, s:e])
-            torch.mul(dk[0].unsqueeze(-1), self._inv64, out=angles)  # each angle serves both halves
-            torch.cos(angles, out=cos)  # computed in float64, rounded to float32 once
-            torch.sin(angles, out=sin)
+            # each angle serves both halves; cos and sin in float64, rounded to float32 once. The angles are
+            # made twice (a product) rather than held twice: a float64 result cast to float32 would need a
+            # temporary of its own
+            cos.copy_(angles.copy_(dk[0].unsqueeze(-1)).mul_(self._inv64).cos_())
+            sin.copy_(angles.copy_(dk[0].unsqueeze(-1)).mul_(self._inv64).sin_())
             k = dk[1] if k32 is None else k32.copy_(dk[1])  # a 16-bit key turns in float32
             k1, k2 = k[..., :half], k[..., half:]
             torch.sub(torch.mul(k1, cos, out=t1), torch.mul(k2, sin, out=t2), out=o1)  # rotate_half:
@@ -363,18 +365,20 @@ class CompactPositions:
         to = (g.rotary[:, :end] + delta[:, :end]) if target is None else target[:end]
         g.write_keys(g.rotator.rotate(origin, to - g.positions[:, :end]))
 
-    def original_keys(self, g: Packable, idx: Tensor) -> Tensor:
-        """Keys of stored tokens ``idx`` [h, k] at their original positions (what the archive holds)."""
-        expand = idx.unsqueeze(-1).expand(-1, -1, g.stored_keys().shape[-1])
+    def original_keys(self, g: Packable, idx: Tensor, positions: Tensor, out: Tensor, delta: Tensor) -> Tensor:
+        """Keys of stored tokens ``idx`` [h, k] at their original positions ``positions`` [h, k] (what the
+        archive holds), gathered into ``out`` [h, k, d]; ``delta`` [h, k] (int64) is where compact keys'
+        way back is computed. Returns ``out``, or the rotator's buffer for keys turned back."""
+        expand = idx.unsqueeze(-1).expand(-1, -1, out.shape[-1])
         origin = g.origin_keys(g.length)
         if origin is not None:
-            return origin.gather(1, expand)
-        keys = g.stored_keys().gather(1, expand)
+            return torch.gather(origin, 1, expand, out=out)
+        keys = torch.gather(g.stored_keys(), 1, expand, out=out)
         if not self.compact:
             return keys
         assert g.rotator is not None
-        n = g.length
-        return g.rotator.rotate(keys, g.positions[:, :n].gather(1, idx) - g.rotary[:, :n].gather(1, idx))
+        rotary = torch.gather(g.rotary[:, : g.length], 1, idx, out=delta)
+        return g.rotator.rotate(keys, torch.sub(positions, rotary, out=delta))
 
     def state(self) -> dict[str, object]:
         return {"rotary_next": self.next, "compact": self.compact, "compact_since": self.since,

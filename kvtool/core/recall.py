@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvtool.core.archive import SCAN, SCAN_BYTES, ArchiveStore, GroupArchive
+from kvtool.core.archive import SCAN, SCAN_BYTES, AppendWork, GroupArchive
+from kvtool.core.archive_stores import ArchiveStore
 from kvtool.core.cache import BoundedCache, HeadGroup
 
 StoreFactory = Callable[[int], ArchiveStore]  # row bytes → a fresh store
@@ -51,11 +52,12 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
     ``dtype``: how archived K/V are stored (None: as the cache holds them); recalled tokens are cast
     back to the cache's dtype, so a narrower archive costs only its rounding (``--archive-dtype``).
     """
+    work = AppendWork()  # layers append in turn: one set of append buffers for the whole cache
     for g in cache.groups():
         if not recallable(g):
             continue
         dt = dtype or g.dtype
-        g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store)
+        g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store, work)
     weakref.finalize(cache, _close_all, archives(cache))  # released cache → its archive files closed
 
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from kvtool.core.archive import filesystem_bytes
+from kvtool.core.archive_stores import filesystem_bytes
 from kvtool.runtime.memory import format_bytes
 
 #: the archive leaves at least this much of its filesystem free ...

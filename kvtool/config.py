@@ -21,6 +21,8 @@ ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 #: where recalled passages go with compact positions (``--recall-placement``): after the kept tokens, the most
 #: relevant nearest the question, or merged back at their document positions
 RECALL_PLACEMENTS = ("relevance", "document")
+#: the placement every layer defaults to (the settings, the engine, ``recall.recall``)
+DEFAULT_RECALL_PLACEMENT = "relevance"
 #: how the bounded cache stores K/V (``--kv-dtype``); ``auto`` is the model's compute dtype, int8 / int4 keep
 #: one float16 scale per token, KV head and K/V (int4 packs two values per byte)
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")

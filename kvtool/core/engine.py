@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.config import RECALL_PLACEMENTS
+from kvtool.config import DEFAULT_RECALL_PLACEMENT, RECALL_PLACEMENTS
 from kvtool.core import attention, recall
 from kvtool.core.archive import DEFAULT_PAGE_SIZE
 from kvtool.core.archive_stores import FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
@@ -52,7 +52,7 @@ class EngineConfig:
     sync_timing: bool = False  # synchronise CUDA around timers (benchmarks)
     recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
     page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
-    recall_placement: str = "relevance"  # compact positions: recalled passages by relevance or document order
+    recall_placement: str = DEFAULT_RECALL_PLACEMENT  # compact positions: recalled passages by relevance or in order
     archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
     kv_dtype: str = "auto"  # how the cache stores K/V: auto (the compute dtype), a float dtype, int8, int4

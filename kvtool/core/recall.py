@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvtool.config import DEFAULT_RECALL_PLACEMENT
 from kvtool.core.archive import SCAN, SCAN_BYTES, AppendWork, GroupArchive
 from kvtool.core.archive_stores import ArchiveStore
 from kvtool.core.cache import BoundedCache, HeadGroup
@@ -180,7 +181,7 @@ def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: int,
-           focus: slice | None = None, placement: str = "relevance") -> RecallResult:
+           focus: slice | None = None, placement: str = DEFAULT_RECALL_PLACEMENT) -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
 
     ``focus``: the rows of the fed suffix whose queries count (the question itself, not the

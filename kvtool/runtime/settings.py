@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtool.config import (
     ARCHIVE_DTYPES,
+    DEFAULT_RECALL_PLACEMENT,
     DEVICE_HELP,
     DEVICE_RE,
     DTYPES,
@@ -58,7 +59,7 @@ class Settings:
     positions: str = "auto"
     recall: str = "auto"  # auto: ``ask`` recalls DEFAULT_RECALL tokens when the archive fits the disk
     recall_page: int = 32  # archive page size in tokens (the unit recall scores and brings back)
-    recall_placement: str = "relevance"  # compact positions: recalled passages by relevance, or in document order
+    recall_placement: str = DEFAULT_RECALL_PLACEMENT  # compact positions: recalled passages by relevance or in order
     archive_dtype: str = "int8"  # dtype of archived K/V (auto: the model's)
     max_new_tokens: int = 256
     temperature: float = 0.0

@@ -140,7 +140,8 @@ def _speed(runs: Path, length: str) -> tuple[dict, dict[str, str]]:
 def speed_rows(runs: Path) -> list[str]:
     """Prefill speed and peak RSS of bench/kv_dtype.py at equal tokens (1k), each ratio within one run."""
     out = []
-    eight, _ = _speed(runs, "8k")
+    figures = {length: _speed(runs, length)[0] for length in ("8k", "32k")}  # each run's reports read once
+    eight = figures["8k"]
     if eight:
         runs_8k = [json.loads((runs / n).read_text())["dtypes"] for n in SPEED["8k"] if (runs / n).exists()]
         float32 = " / ".join(f"{r['auto']['prefill_tps']:.0f}" for r in runs_8k if "auto" in r)
@@ -152,7 +153,7 @@ def speed_rows(runs: Path) -> list[str]:
         out.append("| prefill speed at 8K, **equal tokens** (1k), each ratio against float32 in its own run | "
                    + " | ".join(cells) + " |")
     for length, note in (("8k", ""), ("32k", " (one run each)")):
-        figs, _ = _speed(runs, length)
+        figs = figures[length]
         if figs:
             cells = [("not run" if figs.get(d) is None else f"{figs[d]['peak_rss_bytes'] / 1e9:.2f} GB" if d == "auto"
                       else f"{figs[d]['peak_ratio']:.2f}×") for d in DTYPES]

@@ -403,7 +403,7 @@ class GroupArchive:
             raise ValueError(f"{prefix}: archive shapes do not match this cache")
         self.page_size = page_size
         self.store.append(rows.contiguous())
-        self.index.append(_as_rows(pos.t()))
+        self.index.append(pos.t().contiguous().view(torch.uint8))  # [n, 4·h] bytes
         # archives saved before the summaries were float16 hold float32 ones: rounded outward, as on append
         x = torch.stack((kmin.float(), kmax.float())).permute(2, 0, 1, 3).contiguous()  # [pages, 2, h, d]
         summ = _round_outward(x, AppendWork(), x.shape[0])
@@ -419,16 +419,6 @@ class GroupArchive:
         self.staging = torch.empty(0, dtype=torch.uint8)  # a copy still in flight keeps its pinned block
         for st in (self.store, self.index, self.summaries):
             st.close()
-
-
-def _as_rows(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` [n, …] as store rows [n, bytes], in ``dtype`` (default: its own), on ``t``'s device.
-
-    One dense copy does both (transposed views cannot be viewed as bytes).
-    """
-    out = torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
-    out.copy_(t)
-    return out.view(torch.uint8).view(t.shape[0], math.prod(t.shape[1:]) * out.element_size())
 
 
 def _empty_page(h: int, d: int) -> Tensor:

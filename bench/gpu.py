@@ -93,10 +93,44 @@ def config_model(name: str, device_spec: str, dtype_spec: str, layers: int | Non
     return model, device
 
 
-def random_ids(vocab: int, n: int):
+def random_ids(vocab: int, n: int, seed: int = 0):
     import torch
 
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def planned_peak(model, spec: dict) -> int | None:
+    """The peak ``kvtool profile`` predicts for a row (``kvtool.runtime.profiling.plan``): a kvtool row's
+    budgeted run (an ``ask`` row with recall's slots), or dense transformers on the row's document.
+    On CUDA the baseline is 0 (the allocator's peak, which the rows report, knows no CUDA context).
+    None for the chunked rows, which the plan has no line for."""
+    from kvtool.core.engine import EngineConfig, model_env
+    from kvtool.policies import build_policy
+    from kvtool.runtime.memory import dims_from_config
+    from kvtool.runtime.profiling import ModelInfo, dtype_name, plan
+    from kvtool.runtime.settings import Settings
+
+    if spec["kind"] == "chunked":
+        return None
+    params = list(model.parameters())
+    policy_name = spec.get("policy") or "h2o"
+    block = spec["block_size"]
+    budget = spec["budget"]
+    policy = build_policy(policy_name, {}, model_env(model, EngineConfig(budget=budget, block_size=block)))
+    dtype = next(iter(params)).dtype
+    info = ModelInfo(name=spec.get("config") or "model", dims=dims_from_config(model.config),
+                     num_params=sum(p.numel() for p in params),
+                     dtype=dtype_name(dtype), weights_bytes=sum(p.numel() * p.element_size() for p in params),
+                     device=str(params[0].device), policy=policy.spec,
+                     rows=min(max(int(policy.query_rows(block)), 0), block),
+                     n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, resolved=True,
+                     max_positions=getattr(model.config.get_text_config(), "max_position_embeddings", None))
+    settings = Settings(policy=policy_name, budget=str(budget), block_size=block,
+                        recall="auto" if spec["kind"] == "ask" else "0", archive_dtype="int8")
+    out = plan(info, settings, doc_tokens=spec["length"])
+    if spec["kind"] == "dense":
+        return int(out["dense"]["predicted_peak_bytes"])
+    return int(out["predicted_peak_bytes"])
 
 
 def model_bytes(model) -> dict[str, int]:
@@ -180,27 +214,33 @@ def _why_not_efficient(original, args, kwargs, efficient) -> str:
 
 def gpu_targets(rows: list[dict], budget: int, report, find) -> None:
     """The GPU run's targets (ratios; ``report(name, value, target, higher_is_better)`` prints each)."""
-    pols = sorted({r["policy"] for r in rows if r["kind"] == "kvtool"})
+    pols = sorted({(r["kind"], r.get("tag") or r["policy"]) for r in rows if r["kind"] in ("kvtool", "ask")})
     n4, n128 = 4096, 131072
-    for p in pols:
-        r, c = find(rows, "kvtool", n4, p), find(rows, "chunked", n4)
-        if r and c:
-            report(f"4K prefill vs transformers' chunked prefill (same block), {p}",
+    for kind, p in pols:
+        label = f"{kind}:{p}"
+        for n in sorted({r["length"] for r in rows}):
+            r = find(rows, kind, n, p)
+            if r and r.get("predicted_peak_bytes") and str(r.get("device", "")).startswith("cuda"):
+                report(f"peak allocated / the plan's prediction at {n // 1024}K, {label}",
+                       r["peak_bytes"] / r["predicted_peak_bytes"], 1.10, higher_is_better=False)
+        r, c = find(rows, kind, n4, p), find(rows, "chunked", n4)
+        if r and c and r.get("block_size") == c.get("block_size"):
+            report(f"4K prefill vs transformers' chunked prefill (same block), {label}",
                    c["prefill_seconds"] / r["prefill_seconds"], 0.9)
-        r, d = find(rows, "kvtool", n128, p), find(rows, "dense", n128)
+        r, d = find(rows, kind, n128, p), find(rows, "dense", n128)
         if r and d:
-            report(f"128K prefill vs dense SDPA, {p}", d["prefill_seconds"] / r["prefill_seconds"], 2.0)
+            report(f"128K prefill vs dense SDPA, {label}", d["prefill_seconds"] / r["prefill_seconds"], 2.0)
         elif r:
-            print(f"  n/a  128K prefill vs dense SDPA, {p}: no dense 128K row (did not fit, or not run)")
+            print(f"  n/a  128K prefill vs dense SDPA, {label}: no dense 128K row (did not fit, or not run)")
         c4 = find(rows, "chunked", n4)
         if r and c4 and "weight_bytes" in r:
             act = max(0, c4["peak_bytes"] - c4["weight_bytes"] - c4["kv_bytes_per_token"] * n4)
             bound = r["weight_bytes"] + r["kv_bytes_per_token"] * (budget + r["block_size"]) + act
-            report(f"peak allocated 128K / (weights + budget KV + one block's activations), {p}",
+            report(f"peak allocated 128K / (weights + budget KV + one block's activations), {label}",
                    r["peak_bytes"] / bound, 1.10, higher_is_better=False)
         floor = find(rows, "dense", budget)
         if r and floor and r.get("decode_seconds") and floor.get("decode_seconds"):
-            report(f"decode after 128K at budget {budget} / transformers' decode after {budget} tokens, {p}",
+            report(f"decode after 128K at budget {budget} / transformers' decode after {budget} tokens, {label}",
                    (r["decode_tokens"] / r["decode_seconds"]) / (floor["decode_tokens"] / floor["decode_seconds"]),
                    0.95)
     shares = [(row_name(r), r.get("math_share")) for r in rows if "error" not in r]
@@ -210,5 +250,5 @@ def gpu_targets(rows: list[dict], budget: int, report, find) -> None:
 
 
 def row_name(r: dict) -> str:
-    kind = r["kind"] if r["kind"] != "kvtool" else f"kvtool:{r['policy']}"
+    kind = r["kind"] if r["kind"] in ("dense", "chunked") else f"{r['kind']}:{r.get('tag') or r['policy']}"
     return f"{r['length'] // 1024}K {kind}" if r["length"] % 1024 == 0 else f"{r['length']} {kind}"

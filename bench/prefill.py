@@ -38,8 +38,10 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +49,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import CONFIGS, SdpaProbe, config_model, gpu_targets, model_bytes, random_ids  # noqa: E402
+from bench.gpu import CONFIGS, SdpaProbe, config_model, gpu_targets, model_bytes, planned_peak, random_ids  # noqa: E402
+
+#: the ``ask`` rows' question length (random ids, as the documents of ``--config`` rows are)
+ASK_QUESTION_TOKENS = 32
+
+
+def recall_archive_bytes(cache) -> int:
+    from kvtool.core import recall
+
+    return int(recall.archive_bytes(cache))
 
 
 def parse_tokens(text: str) -> int:
@@ -140,6 +151,7 @@ def run_one(spec: dict) -> dict:
         _time_row(spec, model, device, loaded, doc, cont, out, share)
     out.update(probe.result())
     out["peak_bytes"] = peak_bytes(device)
+    out["predicted_peak_bytes"] = planned_peak(model, spec)
     out["device"] = str(device)
     if share is not None:
         out["threads_min"] = share.min_threads
@@ -148,6 +160,8 @@ def run_one(spec: dict) -> dict:
 
 def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) -> None:
     """Prefill (and decode) one row, filling ``out`` with its timings."""
+    import torch
+
     kind, block = spec["kind"], spec["block_size"]
     decode_n = spec.get("decode_tokens", 0)
     if kind in ("dense", "chunked"):
@@ -176,9 +190,16 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
     else:
         from kvtool.core.engine import Engine, EngineConfig, model_env
         from kvtool.policies import build_policy
+        from kvtool.runtime.settings import DEFAULT_RECALL
 
+        # On CUDA the per-block time split needs a synchronize around every timer, which would make kvtool's
+        # rows slower than the dense rows they are compared with: the split is measured only when asked for.
+        synced = device.type != "cuda" or bool(spec.get("sync_timing"))
+        ask = kind == "ask"  # the default `ask` path: recall on, an int8 archive on disk, a question after
+        archive = tempfile.mkdtemp(prefix="kvtool-bench-archive-") if ask else None
         cfg = EngineConfig(budget=spec["budget"], block_size=block, positions=spec.get("positions", "auto"),
-                           sync_timing=device.type == "cuda")
+                           sync_timing=synced and device.type == "cuda", recall=DEFAULT_RECALL if ask else 0,
+                           archive_dtype=torch.int8 if ask else None, archive_dir=archive)
         retrieval = None
         if spec["policy"].startswith("razor"):
             if loaded is None:
@@ -201,19 +222,33 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
         c = cache.counters
-        out["split_seconds"] = {"probs": c.probs_seconds, "score": c.score_seconds, "evict": c.evict_seconds}
+        if synced:
+            out["split_seconds"] = {"probs": c.probs_seconds, "score": c.score_seconds, "evict": c.evict_seconds}
         out["evicted_tokens"] = c.evicted_tokens
         out["cached_tokens_max"] = c.max_cached
         out["compact_since"] = cache.compact_since if cache.compact else None
         if spec.get("continuation"):
             out["continuation_logits"] = _continuation_nll(engine, cache, logits, cont)
+        if ask:  # snapshot, then a question: restore, record its queries, recall, feed it again
+            question = random_ids(int(logits.shape[-1]), ASK_QUESTION_TOKENS, seed=1)
+            t_q = time.perf_counter()
+            snap = cache.snapshot()
+            logits, recalled = engine.feed_question(cache, question, lambda: cache.restore(snap), decode_n + 1)
+            sync(device)
+            out["question_seconds"] = time.perf_counter() - t_q
+            out["recalled_pages"] = recalled.pages if recalled is not None else 0
+            out["archive_bytes"] = recall_archive_bytes(cache)
         before = (c.score_seconds, c.evict_seconds)
         t1 = time.perf_counter()
         if decode_n:  # Engine.generate: greedy, lazy eviction (one gather per block of generated tokens)
             engine.generate(cache, logits, decode_n + 1, eos_ids=set())
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
-        out["decode_split_seconds"] = {"score": c.score_seconds - before[0], "evict": c.evict_seconds - before[1]}
+        if synced:
+            out["decode_split_seconds"] = {"score": c.score_seconds - before[0],
+                                           "evict": c.evict_seconds - before[1]}
+        if archive is not None:  # the archive's files are unlinked already: the folder goes
+            shutil.rmtree(archive, ignore_errors=True)
 
 
 def _continuation_nll(engine, cache, logits, cont) -> float:
@@ -242,6 +277,10 @@ def dense_continuation_nll(spec: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- parent
+#: seconds a child row may run before it is killed and reported as an error (``--child-timeout``; None: no limit)
+CHILD_TIMEOUT: list[float | None] = [None]
+
+
 def child(spec: dict) -> dict:
     return children([spec])[0]
 
@@ -252,7 +291,13 @@ def children(specs: list[dict]) -> list[dict]:
                               stderr=subprocess.PIPE, text=True, env=dict(os.environ)) for spec in specs]
     rows = []
     for spec, proc in zip(specs, procs, strict=True):
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            rows.append({**spec, "error": f"timed out after {CHILD_TIMEOUT[0]:.0f} s (--child-timeout)"})
+            continue
         if proc.returncode != 0:
             rows.append({**spec, "error": (stderr.strip().splitlines() or ["?"])[-1]})
         else:
@@ -305,7 +350,26 @@ def fmt_bytes(n: float) -> str:
 
 
 def row_label(r: dict) -> str:
-    return r["kind"] if r["kind"] != "kvtool" else f"kvtool:{r['policy']}"
+    return r["kind"] if r["kind"] in ("dense", "chunked") else f"{r['kind']}:{row_tag(r)}"
+
+
+def row_tag(r: dict) -> str:
+    """A kvtool row's policy, with ``@BLOCK`` when its block size is not the run's (``--policies h2o@512``)."""
+    return r.get("tag") or r.get("policy", "")
+
+
+def policy_specs(text: str, kind: str, base: dict) -> list[dict]:
+    """``--policies``/``--ask-policies`` items as row specs; ``NAME@BLOCK`` runs NAME at block size BLOCK."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, _, block = item.partition("@")
+        spec = {**base, "kind": kind, "policy": name, "tag": item}
+        if block:
+            spec["block_size"] = int(block)
+        out.append(spec)
+    return out
 
 
 def main() -> None:
@@ -337,6 +401,12 @@ def main() -> None:
     ap.add_argument("--concurrency-length", default="2k", help="document of the two-processes test ('' = skip)")
     ap.add_argument("--concurrency-policy", default="keydiff")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per child (default: kvtool's choice)")
+    ap.add_argument("--ask-policies", default="",
+                    help="policies run as `kvtool ask` runs them by default: recall on (an int8 archive on disk), "
+                         "then a question (snapshot, restore, recall) before decoding; 'h2o' is the default path")
+    ap.add_argument("--sync-timing", action="store_true",
+                    help="CUDA: synchronize around kvtool's timers to measure the per-block split (slows its rows)")
+    ap.add_argument("--child-timeout", type=float, default=None, help="seconds per row before it is killed")
     args = ap.parse_args()
     if args.run_one:
         print(json.dumps(run_one(json.loads(args.run_one))))
@@ -357,6 +427,7 @@ def main() -> None:
         args.sweep = ""  # random weights: continuation perplexity means nothing
     if args.quick:
         args.lengths, args.policies, args.sweep, args.memory_lengths = "2k,8k,32k", "sink", "", ""
+    CHILD_TIMEOUT[0] = args.child_timeout
     lengths = [parse_tokens(x) for x in args.lengths.split(",") if x]
     policies = [p for p in args.policies.split(",") if p]
     long_policies = policies if args.long_policies is None else [p for p in args.long_policies.split(",") if p]
@@ -365,7 +436,7 @@ def main() -> None:
     chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
             "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads,
-            "layers": args.layers if args.config else None}
+            "layers": args.layers if args.config else None, "sync_timing": args.sync_timing}
 
     import torch
 
@@ -374,6 +445,16 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
           f"{torch.get_num_threads()}, device {device_name}; fp32 matmul roofline {roof:.0f} GFLOP/s", flush=True)
     rows: list[dict] = []
+    sweep_rows: list[dict] = []
+
+    def save() -> None:  # after every row, so a run cut short keeps what it measured
+        if args.json_path:
+            doc = {"device": device_label(device_name), "torch": torch.__version__, "roofline_gflops": roof,
+                   "rows": rows, "sweep": sweep_rows}
+            tmp = Path(args.json_path + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=1))
+            tmp.replace(args.json_path)  # never a half-written file
+
     mem_lengths = [parse_tokens(x) for x in args.memory_lengths.split(",") if x]
     floor_policies = {"sink", "keydiff", "tova", "snapkv+caote"} & set(policies)
     if floor_policies and budget not in lengths:
@@ -388,12 +469,13 @@ def main() -> None:
         if n <= chunked_max and n in lengths:
             specs.append({**base, "kind": "chunked", "length": n})
         run_policies = policies if n <= 32 * 1024 else long_policies
-        specs += [{**base, "kind": "kvtool", "policy": p, "length": n} for p in run_policies]
+        specs += policy_specs(args.ask_policies, "ask", {**base, "length": n})
+        specs += policy_specs(",".join(run_policies), "kvtool", {**base, "length": n})
         for spec in specs:
             r = child(spec)
             rows.append(r)
             print_row(r, roof, rows)
-    sweep_rows = []
+            save()
     if args.sweep:
         n = parse_tokens(args.sweep_length)
         ref = dense_continuation_nll({**base, "length": n, "continuation": args.sweep_continuation})
@@ -421,12 +503,7 @@ def main() -> None:
             ratios["split"] = concurrency(base, args.concurrency_policy, n, max(1, cores // 2))
     check_targets(rows, roof, budget, mem_lengths, ratios)
     print_markdown(rows, roof)
-    if args.json_path:
-        doc = {"device": device_label(device_name), "torch": torch.__version__, "roofline_gflops": roof,
-               "rows": rows, "sweep": sweep_rows}
-        tmp = Path(args.json_path + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(args.json_path)  # never a half-written file
+    save()
 
 
 def device_label(device_name: str) -> str:
@@ -439,7 +516,7 @@ def device_label(device_name: str) -> str:
 
 def find(rows, kind, n, policy=None):
     for r in rows:
-        same_policy = policy is None or r.get("policy") == policy
+        same_policy = policy is None or row_tag(r) == policy
         if r["kind"] == kind and r["length"] == n and same_policy and "error" not in r:
             return r
     return None
@@ -464,8 +541,10 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
         fwd = total - s["probs"] - s["score"] - s["evict"]
         split = (f" split fwd {fwd / total:5.1%} probs {s['probs'] / total:5.1%} score {s['score'] / total:5.1%}"
                  f" evict {s['evict'] / total:5.1%}")
+    plan = f" (plan {fmt_bytes(r['predicted_peak_bytes'])})" if r.get("predicted_peak_bytes") else ""
+    question = f"  question {r['question_seconds']:.2f} s" if "question_seconds" in r else ""
     print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
-          f"{fmt_bytes(r['peak_bytes']):>10}  decode {dec:6.1f} tok/s  {flops:5.1f} GFLOP/s "
+          f"{fmt_bytes(r['peak_bytes']):>10}{plan}  decode {dec:6.1f} tok/s{question}  {flops:5.1f} GFLOP/s "
           f"({flops / roof:4.0%} of roofline){split}{math_note(r)}", flush=True)
 
 
@@ -478,9 +557,9 @@ def math_note(r: dict) -> str:
 
 def print_markdown(rows: list[dict], roof: float) -> None:
     """The same rows as a markdown table (for docs/performance.md)."""
-    print("\n| tokens | row | prefill tok/s | vs dense | vs chunked | peak memory | decode tok/s | forward / probs / "
-          "score / evict | % of roofline |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| tokens | row | prefill tok/s | vs dense | vs chunked | peak memory | plan | decode tok/s | "
+          "forward / probs / score / evict | % of roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             continue
@@ -498,7 +577,8 @@ def print_markdown(rows: list[dict], roof: float) -> None:
         flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
         peak = fmt_bytes(r["peak_bytes"])
         label = f"{n // 1024}K" if n % 1024 == 0 else str(n)
-        print(f"| {label} | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {dec:.1f} | {split} | "
+        plan = fmt_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "–"
+        print(f"| {label} | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {plan} | {dec:.1f} | {split} | "
               f"{flops / roof:.0%} |")
 
 
@@ -516,7 +596,7 @@ def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[
         print(f"  {'ok  ' if ok else 'MISS'} {name}: {value:.3f}{unit} (target {'≥' if higher_is_better else '≤'} "
               f"{target}{unit}){gap}")
 
-    policies = sorted({r["policy"] for r in rows if r["kind"] == "kvtool"})
+    policies = sorted({row_tag(r) for r in rows if r["kind"] == "kvtool"})
     if len(mem_lengths) == 2:
         a, b = mem_lengths
         for p in policies:
@@ -562,7 +642,7 @@ def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[
             report(f"two concurrent processes, each / one alone ({how} threads)", ratio, 0.45)
     for p in policies:
         r = find(rows, "kvtool", 2048, p)
-        if r:
+        if r and "split_seconds" in r:
             s = r["split_seconds"]
             share = (s["score"] + s["evict"]) / r["prefill_seconds"]
             target = 0.05 if p in ("sink", "keydiff", "razor") else 0.15

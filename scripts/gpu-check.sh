@@ -1,63 +1,127 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine: the CUDA-marked tests (tests/test_cuda.py: the oracles on CUDA in bf16
-# and fp16, bitsandbytes 8/4-bit loading when installed, device_map), then the real-shape benchmark
-# (bench/prefill.py --config llama-3.1-8b at 4K, 32K and 128K against dense SDPA and chunked prefill:
-# tok/s, peak allocated, math-backend share of SDPA calls, the GPU targets), written to one JSON file
-# with the device name. On a machine without CUDA it says so and exits 0.
+# One command for a CUDA machine, sized for one lease (≤ 8 minutes on one H100/H200, no network, a stock
+# CUDA + PyTorch + transformers image, no .venv: it runs with PYTHONPATH=. and whatever python3 has).
 #
-#   scripts/gpu-check.sh [OUT.json]          # default: gpu-check.json
-#   BLOCK=1024 BUDGET=4k POLICIES=sink,tova LENGTHS=4k,32k,128k scripts/gpu-check.sh
+#   scripts/gpu-check.sh [--dry-run] [OUT_DIR]      # default OUT_DIR: $OUT if set, else ./gpu-check
 #
-# Exit code: 0 when the tests and the benchmark ran (targets are printed, not enforced), 1 otherwise.
+# Steps, each in its own child with a timeout (a hang costs its step, not the lease), in this order:
+#   preflight   bench/preflight.py: python, torch/CUDA, the device, every module (one line each)
+#   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py (oracles in bf16/fp16, the
+#               archive's sync-debug test, bitsandbytes loading, device_map)
+#   equality    bench/real_equality.py: Llama-3.1-8B shape, 4 layers, bf16, 4K tokens, nothing evicted
+#   syncs       bench/sync_debug.py: set_sync_debug_mode("warn") over blocks, a question, decoded tokens
+#   blocks      bench/block_forward.py: the model's forward against the block size (the GPU block's knee)
+#   quant       bench/quant_weights.py: none/8-bit/4-bit weights through kvtool's loader at real width
+#   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
+#               4K/32K/128K against transformers' dense SDPA and chunked prefill; tok/s, peak allocated
+#               against the plan, decode tok/s
+#   smi         nvidia-smi
+# It writes OUT_DIR/gpu-check.json (every step's figures, exit codes and the device) and OUT_DIR/gpu-check.log.
+# Without CUDA (or with CUDA_VISIBLE_DEVICES=) it prints the plan and exits 0, as --dry-run does.
+#
+# Environment: DEADLINE (seconds for all steps, default 500), LENGTHS (default 4k,32k,128k), BUDGET (4k),
+# BLOCK (128), DECODE_TOKENS (128), PYTHON (default: .venv's python if present, else python3).
+# Exit code: 0 when every step ran and passed, 1 otherwise (the JSON says which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+OUT_DIR=${1:-${OUT:-gpu-check}}
 [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ] && . .venv/bin/activate
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python}
-OUT=${1:-gpu-check.json}
+PY=${PYTHON:-$([ -n "${VIRTUAL_ENV:-}" ] && echo python || echo python3)}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+DEADLINE=${DEADLINE:-500}
+LENGTHS=${LENGTHS:-4k,32k,128k}
+BUDGET=${BUDGET:-4k}
+BLOCK=${BLOCK:-128}
+DECODE_TOKENS=${DECODE_TOKENS:-128}
 
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; then
-  echo "gpu-check: no CUDA device here (torch.cuda.is_available() is false): nothing to check" >&2
+# name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
+STEPS=(
+  "preflight|30|5|$PY bench/preflight.py --json \$W/preflight.json"
+  "tests|150|60|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py -p no:cacheprovider -q -rs"
+  "equality|90|30|$PY bench/real_equality.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/equality.json"
+  "syncs|90|30|$PY bench/sync_debug.py --config llama-3.1-8b --layers 4 --json \$W/syncs.json"
+  "blocks|60|20|$PY bench/block_forward.py --config llama-3.1-8b --layers 4 --context 4k --json \$W/blocks.json"
+  "quant|120|60|$PY bench/quant_weights.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/quant.json"
+  "bench|330|260|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
+--budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 128k --memory-lengths 4k,128k \
+--concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 180 --json \$W/bench.json"
+  "smi|15|2|nvidia-smi"
+)
+
+has_cuda() { "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; }
+
+if [ "$DRY" = 1 ] || ! has_cuda; then
+  [ "$DRY" = 1 ] || echo "gpu-check: no CUDA device here (torch.cuda.is_available() is false): nothing to run" >&2
+  total=0
+  echo "gpu-check plan ($PY; JSON and log into $OUT_DIR/; all steps within DEADLINE=${DEADLINE} s):" >&2
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name cap pred cmd <<<"$s"
+    total=$((total + pred))
+    printf '  %-9s ~%3d s (timeout %3d s)  %s\n' "$name" "$pred" "$cap" "$cmd" >&2
+  done
+  echo "  predicted: ~${total} s of device time, plus the machine's start" >&2
   exit 0
 fi
 
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
-echo "gpu-check: CUDA tests (pytest -m cuda tests/test_cuda.py)" >&2
-"$PY" -m pytest -m cuda tests/test_cuda.py -p no:cacheprovider -q -rs 2>&1 | tee "$WORK/tests.log"
-TESTS_RC=${PIPESTATUS[0]}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+W=$(mktemp -d)
+cleanup() { rm -rf "$W"; }
+trap cleanup EXIT
+trap 'cleanup; exit 130' INT TERM
+LOG="$OUT_DIR/gpu-check.log"
+: >"$LOG"
+START=$(date +%s)
+RESULTS=()
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name cap pred cmd <<<"$s"
+  left=$((DEADLINE - ($(date +%s) - START)))
+  limit=$((cap < left ? cap : left))
+  [ "$name" = smi ] && limit=$cap  # the device's state is read whatever time is left
+  if [ "$limit" -lt 10 ]; then
+    echo "gpu-check: $name skipped: ${left} s left of DEADLINE=${DEADLINE}" | tee -a "$LOG" >&2
+    RESULTS+=("$name|skipped|0")
+    continue
+  fi
+  echo "=== gpu-check: $name (timeout ${limit} s): ${cmd//\$W/$W}" | tee -a "$LOG" >&2
+  t0=$(date +%s)
+  W="$W" timeout -k 10 "$limit" bash -c "W='$W'; $cmd" > >(tee "$W/$name.out" >>"$LOG") 2>&1
+  rc=$?
+  sleep 0.2  # let tee finish the step's output
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "gpu-check: $name timed out after ${limit} s" | tee -a "$LOG" >&2
+  echo "=== gpu-check: $name exit $rc in $(($(date +%s) - t0)) s" | tee -a "$LOG" >&2
+  RESULTS+=("$name|$rc|$(($(date +%s) - t0))")
+done
 
-echo "gpu-check: real-shape benchmark (bench/prefill.py --config llama-3.1-8b)" >&2
-"$PY" bench/prefill.py --config llama-3.1-8b --lengths "${LENGTHS:-4k,32k,128k}" \
-  --policies "${POLICIES:-sink,tova}" --budget "${BUDGET:-4k}" --block-size "${BLOCK:-1024}" \
-  --dense-max 128k --chunked-max 4k --memory-lengths 4k,128k --concurrency-length '' \
-  --decode-tokens "${DECODE_TOKENS:-256}" --json "$WORK/bench.json" 2>&1 | tee "$WORK/bench.log"
-BENCH_RC=${PIPESTATUS[0]}
-
-"$PY" - "$OUT" "$WORK" "$TESTS_RC" "$BENCH_RC" <<'EOF'
+"$PY" - "$OUT_DIR/gpu-check.json" "$W" "${RESULTS[@]}" <<'EOF'
 import json, os, sys, time
 from pathlib import Path
 
-import torch
-
-out, work, tests_rc, bench_rc = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-lines = [x for x in (work / "tests.log").read_text(errors="replace").splitlines() if x.strip()]
-bench = work / "bench.json"
-doc = {
-    "device": torch.cuda.get_device_name(0),
-    "torch": torch.__version__,
-    "cuda": torch.version.cuda,
-    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    "tests": {"exit_code": tests_rc, "summary": lines[-1] if lines else ""},
-    "bench": {"exit_code": bench_rc, **(json.loads(bench.read_text()) if bench.exists() else {}),
-              "targets": [x.strip() for x in (work / "bench.log").read_text(errors="replace").splitlines()
-                          if x.strip().startswith(("ok ", "MISS", "n/a", "math-backend"))]},
-}
-tmp = out.with_name(out.name + ".tmp")
-tmp.write_text(json.dumps(doc, indent=1))
-os.replace(tmp, out)
-print(f"gpu-check: wrote {out} ({doc['device']})", file=sys.stderr)
+out, work, results = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+doc = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": {}}
+for item in results:
+    name, rc, seconds = item.split("|")
+    lines = [x for x in (work / f"{name}.out").read_text(errors="replace").splitlines() if x.strip()] \
+        if (work / f"{name}.out").exists() else []
+    step = {"exit_code": None if rc == "skipped" else int(rc), "seconds": int(seconds), "tail": lines[-40:]}
+    data = work / f"{name}.json"
+    if data.exists():
+        step["data"] = json.loads(data.read_text())
+    doc["steps"][name] = step
+pre = doc["steps"].get("preflight", {}).get("data", {})
+doc["device"] = pre.get("device")
+doc["torch"] = pre.get("modules", {}).get("torch")
+doc["transformers"] = pre.get("modules", {}).get("transformers")
+doc["cuda"] = pre.get("torch_cuda")
+doc["passed"] = all(s["exit_code"] == 0 for s in doc["steps"].values())
+part = out.with_name(out.name + ".tmp")
+part.write_text(json.dumps(doc, indent=1))
+os.replace(part, out)
+failed = [n for n, s in doc["steps"].items() if s["exit_code"] != 0]
+print(f"gpu-check: wrote {out} ({doc['device']}); {'all steps passed' if not failed else 'not passed: ' + ', '.join(failed)}",
+      file=sys.stderr)
+sys.exit(0 if doc["passed"] else 1)
 EOF
-MERGE_RC=$?
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$MERGE_RC" -eq 0 ] && exit 0
-exit 1

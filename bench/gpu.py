@@ -145,8 +145,9 @@ def model_bytes(model) -> dict[str, int]:
 class SdpaProbe:
     """Counts SDPA calls that needed the math backend (see the module docstring); a no-op off CUDA."""
 
-    def __init__(self, device) -> None:
-        self.active = device.type == "cuda"
+    def __init__(self, device, enabled: bool = True) -> None:
+        # every probed call enters a backend switch and a warnings context: host time the timed rows would pay
+        self.active = enabled and device.type == "cuda"
         self.calls = 0
         self.math = 0
         self.reason: str | None = None

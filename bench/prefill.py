@@ -9,8 +9,10 @@ written there, nothing is downloaded) on the meta device and materialises it in 
 device, so speed and memory can be measured at real sizes without weights; ``--layers N`` keeps N
 layers (a CPU smoke test of the 8B shape). Documents are then random token ids and the block-size
 sweep is skipped (perplexity of random weights means nothing). ``--list-configs`` prints the shapes.
-On CUDA every row also reports the share of its SDPA calls that only the math backend could serve
-(``bench/gpu.SdpaProbe``; n/a on CPU), and the GPU targets are printed (``scripts/gpu-check.sh``).
+With ``--sdpa-probe`` on CUDA every row also reports the share of its SDPA calls that only the math backend
+could serve (``bench/gpu.SdpaProbe``; it adds host time to every SDPA call, so it is off by default and
+``h2o``, which computes its own probabilities, would be favoured by it), and the GPU targets are printed
+(``scripts/gpu-check.sh``).
 
 Every row runs in a fresh child process so its peak memory is its own (peak RSS on CPU,
 ``torch.cuda.max_memory_allocated`` on CUDA). Rows:
@@ -145,7 +147,7 @@ def run_one(spec: dict) -> dict:
     doc, cont = ids[: spec["length"]], ids[spec["length"] :]
     out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads,
            **model_bytes(model)}
-    probe = SdpaProbe(device)
+    probe = SdpaProbe(device, enabled=bool(spec.get("sdpa_probe")))
     reset_peak(device)
     with probe:
         _time_row(spec, model, device, loaded, doc, cont, out, share)
@@ -407,6 +409,8 @@ def main() -> None:
     ap.add_argument("--sync-timing", action="store_true",
                     help="CUDA: synchronize around kvtool's timers to measure the per-block split (slows its rows)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per row before it is killed")
+    ap.add_argument("--sdpa-probe", action="store_true",
+                    help="CUDA: count the SDPA calls only the math backend serves (adds host time to every call)")
     args = ap.parse_args()
     if args.run_one:
         print(json.dumps(run_one(json.loads(args.run_one))))
@@ -436,7 +440,8 @@ def main() -> None:
     chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
             "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads,
-            "layers": args.layers if args.config else None, "sync_timing": args.sync_timing}
+            "layers": args.layers if args.config else None, "sync_timing": args.sync_timing,
+            "sdpa_probe": args.sdpa_probe}
 
     import torch
 

@@ -56,6 +56,7 @@ def measure(directory: Path, quantize: str, device: str, n: int, params: int) ->
     from kvtool.policies import build_policy
     from kvtool.runtime.memory import weights_bytes
     from kvtool.runtime.model import load_model
+    from kvtool.runtime.profiling import parameter_bytes
 
     cuda = device.startswith("cuda")
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -67,7 +68,7 @@ def measure(directory: Path, quantize: str, device: str, n: int, params: int) ->
         load_seconds = time.perf_counter() - t0
         model = loaded.model
         held = (torch.cuda.memory_allocated() - base) if cuda else None
-        counted = sum(p.numel() * p.element_size() for p in model.parameters())  # what `profile` counts today
+        counted = parameter_bytes(model)[1]  # what `kvtool profile` counts
         text = model.config.get_text_config()
         embed = text.vocab_size * text.hidden_size
         unquantized = embed * (1 if text.tie_word_embeddings else 2)

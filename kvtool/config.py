@@ -28,8 +28,10 @@ DEFAULT_RECALL_PLACEMENT = "relevance"
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 #: weight quantization (``--quantize``, bitsandbytes on CUDA)
 QUANTIZE = ("none", "8bit", "4bit")
-#: bytes per weight of a quantized linear layer (4-bit: one float16 scale per 64 weights)
-QUANT_BYTES_PER_PARAM: dict[str, float] = {"8bit": 1.0, "4bit": 0.5 + 4 / 64}
+#: bytes per weight of a quantized linear layer: 8-bit one byte (its per-row float32 scales are negligible);
+#: 4-bit NF4 half a byte, plus its absmax per block of 64 quantized to one byte, plus a float32 scale per 256
+#: such blocks (double quantization), as bitsandbytes stores them
+QUANT_BYTES_PER_PARAM: dict[str, float] = {"8bit": 1.0, "4bit": 0.5 + 1 / 64 + 4 / (64 * 256)}
 
 #: every spelling a user or a file may use → the canonical dtype name
 DTYPE_ALIASES: dict[str, str] = {

@@ -32,8 +32,10 @@ def tiny_qwen2(seed: int = 0, max_positions: int = 2048, num_hidden_layers: int 
 
 
 def make_engine(model, policy: str, budget: int | None, block_size: int = 16, positions: str = "absolute",
-                options: dict | None = None, sinks: int = 4, recent: int = 8, retrieval=None) -> Engine:
-    cfg = EngineConfig(budget=budget, block_size=block_size, sinks=sinks, recent=recent, positions=positions)
+                options: dict | None = None, sinks: int = 4, recent: int = 8, retrieval=None, **config) -> Engine:
+    """An engine on ``model``; ``config``: more ``EngineConfig`` fields (recall, archive_dtype, archive_dir...)."""
+    cfg = EngineConfig(budget=budget, block_size=block_size, sinks=sinks, recent=recent, positions=positions,
+                       **config)
     env = model_env(model, cfg, retrieval_heads=retrieval)
     pol = build_policy(policy, options or {}, env)
     return Engine(model, pol, cfg, env=env)
@@ -148,7 +150,10 @@ def tiny_family(name: str, seed: int = 0, window: int = FAMILY_WINDOW, max_posit
     else:
         raise ValueError(f"unknown family {name!r}")
     torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    # Gemma 2's reference is its eager attention: transformers before 5.2x gave it SDPA by default, which
+    # silently drops the logit softcapping (later versions refuse ``softcap`` in SDPA and default to eager)
+    extra = {"attn_implementation": "eager"} if name == "gemma2" else {}
+    model = T.AutoModelForCausalLM.from_config(cfg, **extra).eval()
     if name == "gemma2":  # random init gives logits far below the cap: sharpen queries/keys so capping matters
         with torch.no_grad():
             for layer in model.model.layers:

@@ -252,3 +252,40 @@ def test_cuda_device_map_places_weights_and_cache_on_the_device(tmp_path):
     cache = engine.new_cache()
     engine.feed(cache, [torch.randint(0, len(loaded.tokenizer), (100,))], progress=False)
     assert all(g.keys.device.type == "cuda" for layer in cache.layers for g in layer.groups)
+
+
+def _count_syncs(run) -> int:
+    """Synchronizing CUDA calls made by ``run()`` (``torch.cuda.set_sync_debug_mode("warn")``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("called a synchronizing" in str(w.message) for w in caught)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_blocks_of_the_default_ask_path_make_no_host_sync(tmp_path):
+    """h2o with recall (an int8 archive on disk): evicting blocks make no sync; a decoded token at most one
+    (the sampler's read of its logits)."""
+    model = tiny_family("llama3").to("cuda", torch.bfloat16)
+    engine = make_engine(model, "h2o", 48, block_size=16, recall=32, archive_dtype=torch.int8,
+                         archive_dir=str(tmp_path))
+    cache = engine.new_cache()
+    ids = _ids(16 * 12, 7)
+    for s in range(0, 16 * 6, 16):  # past the first evictions and the archive's first pages
+        logits = engine.step(cache, ids[s : s + 16], 1)
+
+    def blocks():
+        nonlocal logits
+        for s in range(16 * 6, ids.numel(), 16):
+            logits = engine.step(cache, ids[s : s + 16], 1)
+
+    assert _count_syncs(blocks) == 0
+    assert cache.counters.evicted_tokens > 0
+    assert _count_syncs(lambda: engine.generate(cache, logits, 8, eos_ids=set())) <= 8

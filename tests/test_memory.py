@@ -131,8 +131,8 @@ def test_scratch_state_activations_by_hand() -> None:
 def test_weights_bytes() -> None:
     assert weights_bytes(1000, torch.bfloat16) == 2000
     assert weights_bytes(1000, 4, "8bit") == 1000
-    assert weights_bytes(1000, 2, "4bit") == 562  # 0.5 + 4/64 byte per param, rounded down
-    assert weights_bytes(1000, 2, "4bit", unquantized_params=200) == 450 + 400
+    assert weights_bytes(1000, 2, "4bit") == 515  # 0.5 + 1/64 + 4/(64·256) byte per param, rounded down
+    assert weights_bytes(1000, 2, "4bit", unquantized_params=200) == 412 + 400
     with pytest.raises(ValueError):
         weights_bytes(1000, 2, "3bit")
 

@@ -115,13 +115,6 @@ def test_resolve_dtype_unknown(spec: str) -> None:
         km.resolve_dtype(spec, torch.device("cpu"))
 
 
-def test_quantize_on_cpu_rejected(tiny_dir: Path) -> None:
-    for quantize in ("8bit", "4bit"):
-        with pytest.raises(UsageError, match="needs a CUDA GPU") as info:
-            km.load_model(str(tiny_dir), device="cpu", quantize=quantize)
-        assert "--quantize none" in str(info.value)
-
-
 def test_quantize_unknown_rejected(tiny_dir: Path) -> None:
     with pytest.raises(UsageError, match="unknown --quantize"):
         km.load_model(str(tiny_dir), device="cpu", quantize="2bit")

@@ -28,7 +28,9 @@ BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="KV budget
 BlockOpt = Annotated[int | None, typer.Option("--block-size", help="Prefill block size in tokens (default 128).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
-QuantOpt = Annotated[str | None, typer.Option("--quantize", help="none, 8bit or 4bit (bitsandbytes, CUDA only).")]
+QuantOpt = Annotated[str | None, typer.Option(
+    "--quantize", help="none, 8bit or 4bit weights (bitsandbytes: 4bit is NF4 with double quantization; on "
+                       "CUDA, or on the CPU where bitsandbytes runs there).")]
 PositionsOpt = Annotated[str | None, typer.Option("--positions", help="absolute, compact or auto (default).")]
 RecallOpt = Annotated[str | None, typer.Option("--recall", help="Tokens per KV head a question may bring back "
                                                "from the archive of evicted tokens: 512, 4k, off, or auto "

@@ -199,7 +199,7 @@ class Engine:
         if cache.compact and not was_compact:
             self.emit(Note(f"positions: switched to compact at token {cache.seen} (model range {self.max_positions})"))
         out = self.model(
-            input_ids=ids.view(1, m).to(self.device),
+            input_ids=self._on_device(ids).view(1, m),
             position_ids=rotary.view(1, m),
             **{self.cache_keyword: cache},  # the name this transformers' forward takes
             use_cache=True,
@@ -208,6 +208,16 @@ class Engine:
         )
         cache.end_step()
         return out.logits[0]
+
+    def _on_device(self, ids: Tensor) -> Tensor:
+        """A block's token ids on the model's device without a host sync: a copy from pageable host memory
+        blocks the host until the GPU has run everything queued before it, so the ids go through pinned
+        memory (torch's caching host allocator: reused, and not handed out again before the copy is done)."""
+        if ids.device == self.device:
+            return ids
+        if self.device.type == "cuda":
+            return ids.pin_memory().to(self.device, non_blocking=True)
+        return ids.to(self.device)
 
     def pin(self, cache: BoundedCache, length: int, answer_tokens: int | None = None) -> None:
         """Protect the next ``length`` tokens (a question) until the caller clears ``cache.pin_start``.
@@ -359,6 +369,9 @@ class Engine:
 
     def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int],
                 sampler: Sampler, on_token: Callable[[int], None] | None, out: list[int], t0: float) -> None:
+        # the next token is written into a device tensor by a fill (a kernel argument, not a copy), so the
+        # sampler's one read of the logits is the token's only host sync
+        token = torch.empty(1, dtype=torch.long, device=self.device)
         for _ in range(max_new_tokens):
             tok = sampler(logits[-1], out)
             if tok in eos_ids:
@@ -368,7 +381,7 @@ class Engine:
                 on_token(tok)
             if len(out) == max_new_tokens:
                 break
-            logits = self.step(cache, torch.tensor([tok]), 1)
+            logits = self.step(cache, token.fill_(tok), 1)
             if self.listener is not None:
                 self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
 

@@ -25,9 +25,12 @@ tests check the measured peak stays within +-25 % of the prediction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
@@ -78,9 +81,7 @@ def model_info(session: Any) -> ModelInfo:
     """A ``ModelInfo`` from a ``kvtool.runtime.session.Session``: real parameter counts and bytes, the
     policy's attention rows and state fields, the session's resolved budget and razor's split."""
     model = session.model
-    params = list(model.parameters())
-    num_params = sum(p.numel() for p in params)
-    real_bytes = sum(p.numel() * p.element_size() for p in params)
+    num_params, real_bytes = parameter_bytes(model)
     block = session.settings.block_size
     policy = session.policy
     engine = session.engine
@@ -110,6 +111,44 @@ def model_info(session: Any) -> ModelInfo:
         max_positions=getattr(engine, "max_positions", None),
         kv_dtype=session.settings.kv_dtype,
     )
+
+
+def parameter_bytes(model: Any) -> tuple[int, int]:
+    """(parameters as the checkpoint counts them, bytes they occupy) of a loaded model.
+
+    A bitsandbytes 4-bit weight is a packed uint8 tensor of half as many elements, with its scales in
+    ``quant_state`` (absmax, its nested absmax under double quantization, the code tables); an 8-bit weight
+    keeps per-row scales in ``SCB`` (on the module's ``state`` once it has run). All are counted, each
+    storage once (layers share their code tables), so the figure is what the allocator holds.
+    """
+    count = 0
+    storages: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            add(p)
+            state = getattr(p, "quant_state", None)
+            if state is not None and getattr(state, "shape", None) is not None:
+                count += math.prod(state.shape)
+                _add_state(state, add)
+                continue
+            count += p.numel()
+            add(getattr(p, "SCB", None))
+        add(getattr(getattr(module, "state", None), "SCB", None))
+    return count, sum(storages.values())
+
+
+def _add_state(state: Any, add: Any) -> None:
+    """A bitsandbytes ``QuantState``'s tensors, its nested state's included."""
+    for name in ("absmax", "code", "offset"):
+        add(getattr(state, name, None))
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        _add_state(nested, add)
 
 
 def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> tuple[int | None, str | None]:

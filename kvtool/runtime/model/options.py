@@ -6,6 +6,7 @@ the concrete device, the torch dtype, the bitsandbytes config and the intra-op t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -68,18 +69,29 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
 def quantization_config(quantize: str, device: torch.device, dtype: torch.dtype) -> Any | None:
     """The ``BitsAndBytesConfig`` for ``--quantize``, or None for ``none``.
 
-    bitsandbytes kernels are CUDA-only, so the check happens here, before seconds are spent loading weights.
+    Checked before seconds are spent loading weights: bitsandbytes must import and quantize a few values on
+    ``device`` (its CUDA kernels, or the CPU backend that 0.48 and later ship), else one line saying so.
     """
     if quantize == "none":
         return None
-    if device.type != "cuda":
-        raise UsageError("--quantize needs a CUDA GPU (bitsandbytes); on CPU use --quantize none")
+    # bitsandbytes logs warnings at import (an optional CPU kernel package it would download) and per call
+    # (8-bit: "inputs will be cast from bfloat16 to float16", every linear layer of every block): errors only
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
+        import bitsandbytes.functional as bnb_functional
     except Exception as exc:  # a broken CUDA setup raises more than ImportError
         raise UsageError(
-            f"--quantize {quantize} needs bitsandbytes ({first_line(exc)}): `pip install bitsandbytes`"
+            f"--quantize {quantize} needs bitsandbytes ({first_line(exc)}): `pip install 'kvtool[gpu]'`"
         ) from None
+    try:  # a probe of the kernels the load will use, on the device they will run on
+        if quantize == "4bit":
+            bnb_functional.quantize_4bit(torch.ones(64, 64, device=device), quant_type="nf4")
+        else:
+            bnb_functional.int8_vectorwise_quant(torch.ones(4, 64, dtype=torch.float16, device=device))
+    except Exception as exc:
+        raise UsageError(f"--quantize {quantize}: bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot "
+                         f"quantize on {device.type} ({first_line(exc)}); use --quantize none") from None
     if quantize == "8bit":
         return transformers.BitsAndBytesConfig(load_in_8bit=True)
     # NF4 (the 4-bit code of QLoRA, fitted to normally distributed weights) with its absmax scales quantized

@@ -25,7 +25,8 @@ PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction 
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="KV budget per head and layer: tokens "
                                                "(4096, 4k) or bytes of K+V (512MiB, 2GB).")]
-BlockOpt = Annotated[int | None, typer.Option("--block-size", help="Prefill block size in tokens (default 128).")]
+BlockOpt = Annotated[str | None, typer.Option(
+    "--block-size", help="Prefill block size in tokens, or auto (the default: 128 on a CPU, up to 1024 on CUDA).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 QuantOpt = Annotated[str | None, typer.Option(

@@ -42,6 +42,8 @@ class SnapKV(Policy):
     description = "SnapKV: attention from the last `window` queries, avg-pooled (kernel), last `window` kept"
     paper = "Li et al. 2024, SnapKV: LLM Knows What You Are Looking For (KeyDiff App. A.1, B.2)"
 
+    rows_summed = True  # the score reads Aᵀ1 only
+
     window: int = 32
     kernel: int = 7
 

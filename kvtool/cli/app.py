@@ -34,6 +34,7 @@ from kvtool.errors import (
     interrupt_exit,
     printable,
 )
+from kvtool.stdio import guard_closed_streams, no_prompts
 
 #: how an error raised below the CLI (``UsageError.field``) names its setting, and the flag's spelling
 FIELD_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -163,8 +164,18 @@ def _termination_signals() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app and turn every failure into one line and an exit code."""
-    with _termination_signals():
+    """Entry point: run the app and turn every failure into one line and an exit code.
+
+    A closed stdout or stderr is pointed at ``/dev/null`` first (so no file kvtool opens takes its
+    descriptor, and no error line falls back to stdout); a closed stdout is then refused, since the answers
+    would be lost after all the work. No library may prompt on stdin while the command runs.
+    """
+    stdout_closed, _ = guard_closed_streams()
+    if stdout_closed:
+        print("kvtool: error: stdout is closed: kvtool writes its output there (redirect it to /dev/null to "
+              "discard it)", file=sys.stderr)
+        return EXIT_USAGE
+    with _termination_signals(), no_prompts():
         return _main(argv)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import reprlib
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -40,6 +41,25 @@ def first_line(e: BaseException, limit: int = 160) -> str:
     """The first non-empty line of an exception's message (at most ``limit`` characters), else its type name."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlevel = 2
+_SHOWN.maxdict = _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 4
+_SHOWN.maxlong = 40
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, bounded whatever ``value`` is (a value read from a file).
+
+    A huge string, a deep or self-similar structure (YAML aliases, a "billion laughs") or a 5,000-digit
+    number is shown by its start: never walked whole, never a line longer than a couple hundred characters.
+    """
+    try:
+        return _SHOWN.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is named by its type
+        return f"<{type(value).__name__}>"
 
 
 class Terminated(KeyboardInterrupt):

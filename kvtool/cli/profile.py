@@ -69,50 +69,54 @@ def run_profile(
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None
+    try:
+        # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        from rich.console import Console
 
-    # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from rich.console import Console
+        from kvtool.cli.plan_view import render_plan
+        from kvtool.runtime import profiling
+        from kvtool.runtime.session import Session
 
-    from kvtool.cli.plan_view import render_plan
-    from kvtool.runtime import profiling
-    from kvtool.runtime.session import Session
-
-    rss_before_load = process_rss()
-    say = sayer(quiet)
-    with dashboard(quiet) as dash:
-        session = Session(settings, listener=dash if document is not None else None, say=say)
-        on_cuda = session.loaded.device.type == "cuda"
-        baseline = 0 if on_cuda else rss_before_load
-        result = profiling.plan(session, settings, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
+        rss_before_load = process_rss()
+        say = sayer(quiet)
+        with dashboard(quiet) as dash:
+            session = Session(settings, listener=dash if document is not None else None, say=say)
+            on_cuda = session.loaded.device.type == "cuda"
+            baseline = 0 if on_cuda else rss_before_load
+            result = profiling.plan(session, settings, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
+            if document is not None:
+                meter = session.engine.meter
+                with meter.track():
+                    read = session.read(document)
+                peak = meter.peak_bytes()
+                if result["budget_tokens"] is None:
+                    # policy full keeps every token read: its prediction needs the length, known only now
+                    n = read.document_tokens + read.prefix_tokens
+                    result = profiling.plan(session, settings, doc_tokens=n, memory=limit, runtime_baseline=baseline)
+                # the dense comparison: --doc-tokens if given, else the document just read
+                dense_n = doc_tokens if doc_tokens is not None else read.document_tokens
+                dense = profiling.plan(session, settings, doc_tokens=dense_n, runtime_baseline=baseline)
+                result["dense"] = dense["dense"]
+                predicted = result["predicted_peak_bytes"]
+                result["measured"] = {
+                    "peak_bytes": int(peak),
+                    "metric": "cuda_max_allocated" if on_cuda else "rss_peak",
+                    "predicted_peak_bytes": predicted,
+                    "ratio": round(peak / predicted, 4) if predicted else None,
+                    "document_tokens": read.document_tokens,
+                    "prefix_tokens": read.prefix_tokens,
+                    "seconds": round(read.seconds, 3),
+                    "kv_allocated_bytes": read.cache.allocated_bytes(),
+                    "kv_promised_bytes": read.cache.promised_bytes(),
+                }
+        if json_out:
+            emit_json(result)
+        else:
+            # a pipe or file gets a table wide enough not to wrap the descriptions
+            render_plan(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
+        return result
+    finally:
         if document is not None:
-            meter = session.engine.meter
-            with meter.track():
-                read = session.read(document)
-            peak = meter.peak_bytes()
-            if result["budget_tokens"] is None:
-                # policy full keeps every token read: its prediction needs the length, known only now
-                n = read.document_tokens + read.prefix_tokens
-                result = profiling.plan(session, settings, doc_tokens=n, memory=limit, runtime_baseline=baseline)
-            # the dense comparison: --doc-tokens if given, else the document just read
-            dense_n = doc_tokens if doc_tokens is not None else read.document_tokens
-            result["dense"] = profiling.plan(session, settings, doc_tokens=dense_n, runtime_baseline=baseline)["dense"]
-            predicted = result["predicted_peak_bytes"]
-            result["measured"] = {
-                "peak_bytes": int(peak),
-                "metric": "cuda_max_allocated" if on_cuda else "rss_peak",
-                "predicted_peak_bytes": predicted,
-                "ratio": round(peak / predicted, 4) if predicted else None,
-                "document_tokens": read.document_tokens,
-                "prefix_tokens": read.prefix_tokens,
-                "seconds": round(read.seconds, 3),
-                "kv_allocated_bytes": read.cache.allocated_bytes(),
-                "kv_promised_bytes": read.cache.promised_bytes(),
-            }
-    if json_out:
-        emit_json(result)
-    else:
-        # a pipe or file gets a table wide enough not to wrap the descriptions
-        render_plan(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
-    return result
+            document.close()  # a read abandoned partway (or never begun) closes its file now

@@ -10,6 +10,7 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM or SIGHUP (128 + 15, the shell's convention for SIGTERM)
+EXIT_PIPE = 141  # the reader of stdout closed the pipe (128 + 13, SIGPIPE: what `cat | head -c1` reports for cat)
 
 
 class KvtoolError(Exception):

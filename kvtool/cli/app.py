@@ -25,6 +25,7 @@ from kvtool.cli import ask, cache, calibrate, eval, profile
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
 from kvtool.errors import (
+    EXIT_PIPE,
     EXIT_RUNTIME,
     EXIT_USAGE,
     KvtoolError,
@@ -76,6 +77,11 @@ class _Group(typer.core.TyperGroup):
             msg, code = interrupt_exit(e)
             print(msg, file=sys.stderr)
             raise typer.Exit(code) from None
+        except BrokenPipeError:
+            # the reader of stdout went away (`| head -c1`): stop now, quietly, with the status cat has when
+            # SIGPIPE ends it (click itself would turn it into exit 1)
+            discard_stdout()
+            raise typer.Exit(EXIT_PIPE) from None
 
 
 app = typer.Typer(
@@ -208,9 +214,9 @@ def _main(argv: list[str] | None) -> int:
         print(msg, file=sys.stderr)
         return code
     except BrokenPipeError:
-        # the reader of stdout went away (e.g. `| head`): not an error worth a message
+        # the reader of stdout went away (`| head -c1`): stop quietly, with the status cat has when SIGPIPE ends it
         discard_stdout()
-        return EXIT_RUNTIME
+        return EXIT_PIPE
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             return _internal_error(e)

@@ -83,15 +83,23 @@ def interrupt_exit(e: BaseException) -> tuple[str, int]:
 
 
 # C0 controls but tab and newline, DEL and C1 controls: ESC starts ANSI/OSC sequences, CR rewrites a line.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Then the Unicode characters that reorder or split what a terminal shows: the bidi marks, embeddings,
+# overrides and isolates (U+202E turns "txt.exe" into "exe.txt"), and the line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def printable(text: object, one_line: bool = False) -> str:
-    """``text`` with every terminal control character shown as ``\\xNN``: printed literally, never obeyed.
+    """``text`` with every terminal control character shown as ``\\xNN`` (bidi and separator characters as
+    ``\\uNNNN``): printed literally, never obeyed.
 
-    For user-supplied strings (file names, .kvc metadata, model names) on their way to a terminal; rich
-    markup is a separate concern (print through ``rich.text.Text`` or with ``markup=False``). ``one_line`` also
-    escapes newlines and tabs, so that an error stays one line.
+    For user-supplied strings (file names, .kvc metadata, model names, document headings) on their way to a
+    terminal; rich markup is a separate concern (print through ``rich.text.Text`` or with ``markup=False``).
+    ``one_line`` also escapes newlines and tabs, so that an error stays one line.
     """
-    out = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    out = _CONTROL.sub(_escape, str(text))
     return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out

@@ -327,3 +327,25 @@ def test_a_read_abandoned_partway_closes_its_file(tmp_path, fmt):
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+@pytest.mark.parametrize("content", [b" \n" * 10_000, b"text then a \x00 NUL", b"caf\xe9 is not UTF-8 " * 10,
+                                     b"PK\x03\x04 a zip of nothing"])
+def test_a_document_refused_when_opened_closes_its_file(tmp_path, content):
+    path = tmp_path / "d.txt"
+    path.write_bytes(content)
+    gc.disable()
+    try:
+        before = _open_fds()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(5):
+                with pytest.raises(UsageError):
+                    open_document(str(path))
+            assert _open_fds() == before
+            gc.enable()
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+    finally:
+        gc.enable()

@@ -128,6 +128,16 @@ def open_document(path: str, fmt: str | None = None, notify: Callable[[str], Non
     """
     stream, size = _open(path, notify)
     try:
+        return _check(path, fmt, stream, size)
+    except BaseException:  # a refused document closes its file now, not when it is collected
+        if stream is not sys.stdin.buffer:
+            stream.close()
+        raise
+
+
+def _check(path: str, fmt: str | None, stream: BinaryIO, size: int | None) -> Document:
+    """``open_document`` once the file is open: sniff, detect, and hand the document to its reader."""
+    try:
         head = stream.read(SNIFF_BYTES)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
@@ -323,14 +333,14 @@ def _parts(doc: Document) -> Iterator[Part]:
 
 def extract_text(path: str, max_chars: int, fmt: str | None = None) -> str:
     """The extracted text of a document of any format, at most ``max_chars`` characters (evaluation inputs)."""
-    doc = open_document(path, fmt)
     out: list[str] = []
     have = 0
-    for part in iter_parts(doc):
-        out.append(part.text[: max_chars - have])
-        have += len(out[-1])
-        if have >= max_chars:
-            break
+    with open_document(path, fmt) as doc:  # closed when enough text is in, mid-document
+        for part in iter_parts(doc):
+            out.append(part.text[: max_chars - have])
+            have += len(out[-1])
+            if have >= max_chars:
+                break
     return "".join(out)
 
 

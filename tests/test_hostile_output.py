@@ -56,7 +56,8 @@ def test_citations_show_a_headings_bidi_override_escaped(env, capsys):
     assert cited and all(RLO not in line for line in cited) and any("\\u202e" in line for line in cited), out
 
 
-def test_inspect_and_the_loaded_note_show_kvc_metadata_escaped(env, tmp_path, capsys):
+def test_inspect_and_the_loaded_note_show_kvc_metadata_escaped(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # a table cell wide enough not to fold the escape itself
     rc, out, err = run(capsys, "inspect", env.kvc)
     assert rc == 0 and RLO not in out and "\\u202e" in out, out
     rc, out, err = run(capsys, "ask", env.kvc, "What is small?", "--model", env.model, "--max-new-tokens", "2")

@@ -47,8 +47,8 @@ def ask(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer questions about a document read under a KV budget."""
-    run_ask(file, read_questions(questions, questions_file), flags or {}, profile=profile, json_out=json_out,
-            jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format, full_stats=stats)
+    run_ask(file, read_questions(questions, questions_file, sayer(quiet)), flags or {}, profile=profile,
+            json_out=json_out, jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format, full_stats=stats)
 
 
 @with_settings(*ANSWER_SETTINGS)
@@ -99,11 +99,23 @@ def _run(
     ``recall_auto=False``: ``--recall auto`` (the default) means off (a summary asks about everything,
     not a passage recall could find)."""
     started = time.monotonic()
-    from kvtool.runtime import store
-    from kvtool.runtime.settings import resolve_settings
 
     # Files, .kvc headers and settings are checked before torch is imported (a bad path fails in ms).
     kind, source = _open_input(path, doc_format, quiet)
+    try:
+        return _read_and_work(path, kind, source, overrides, profile, quiet, work, started, full_stats, verb,
+                              recall_auto)
+    finally:
+        if kind == "document":
+            source.close()  # a read abandoned partway (or never begun: bad settings) closes its file now
+
+
+def _read_and_work(path: str, kind: str, source: Any, overrides: dict[str, Any], profile: str | None, quiet: bool,
+                   work: Callable[[Any, Any], list[Any]], started: float, full_stats: bool, verb: str,
+                   recall_auto: bool) -> tuple[Any, Any, list[Any], dict[str, Any]]:
+    from kvtool.runtime import store
+    from kvtool.runtime.settings import resolve_settings
+
     asked = overrides.get("recall") is not None or resolve_settings(profile, {}).recall != "auto"
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)

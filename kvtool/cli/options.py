@@ -168,8 +168,11 @@ def parse_policy_opts(items: list[str]) -> dict[str, str]:
     return out
 
 
-def read_questions(questions: list[str] | None, questions_file: Path | None) -> list[str]:
-    """The questions from the arguments, then from ``--questions-file``; none may be empty (checked before reading)."""
+def read_questions(questions: list[str] | None, questions_file: Path | None,
+                   notify: Callable[[str], None] | None = None) -> list[str]:
+    """The questions from the arguments, then from ``--questions-file``; none may be empty (checked before reading).
+
+    ``notify`` hears "waiting for input" before a FIFO is opened (it may wait for a writer)."""
     qs = list(questions or [])
     for i, q in enumerate(qs, 1):
         if not q.strip():
@@ -177,7 +180,7 @@ def read_questions(questions: list[str] | None, questions_file: Path | None) -> 
     if questions_file is not None:
         from kvtool.documents import read_lines  # bounded: a huge file or /dev/zero is refused, not read
 
-        from_file = read_lines(questions_file, "--questions-file")
+        from_file = read_lines(questions_file, "--questions-file", notify=notify)
         if not from_file and not qs:
             raise UsageError(f"--questions-file {questions_file} has no questions (one per line)")
         qs += from_file

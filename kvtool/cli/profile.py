@@ -70,7 +70,16 @@ def run_profile(
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None
+    try:
+        return _plan_and_measure(settings, document, doc_tokens, limit, json_out, quiet)
+    finally:
+        if document is not None:
+            document.close()  # a read abandoned partway (or never begun) closes its file now
 
+
+def _plan_and_measure(settings: Any, document: Any, doc_tokens: int | None, limit: int | None, json_out: bool,
+                      quiet: bool) -> dict[str, Any]:
+    """The plan (from a config alone, or from the loaded model) and, with a document, the measured read."""
     # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
     import rich.console  # noqa: F401 (counted in the baseline, as the table drawn later needs it)
     import torch  # noqa: F401

@@ -288,8 +288,9 @@ class GroupArchive:
         """
         P = self.page_size
         q = queries.float().cpu()
+        span = torch.arange(min(P, self.length))  # a page longer than the archive holds only what was archived
         for lo in range(0, pages.shape[1], SCAN_CHUNK):
-            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)
+            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + span).reshape(self.h, -1)
             valid = idx < self.length
             keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
             if place is not None:

@@ -11,6 +11,9 @@ from torch import Tensor
 from kvtool.core.contract import Policy, ScoreContext, register
 from kvtool.errors import UsageError
 
+#: the widest pooling kernel (tokens): SnapKV pools over 7; the work per token grows with the kernel
+MAX_KERNEL = 1023
+
 
 @register
 @dataclass
@@ -50,8 +53,9 @@ class SnapKV(Policy):
     def __post_init__(self) -> None:
         if self.window < 1:
             raise UsageError(f"snapkv option window={self.window} must be at least 1")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise UsageError(f"snapkv option kernel={self.kernel} must be a positive odd number")
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.kernel > MAX_KERNEL:
+            raise UsageError(f"snapkv option kernel={self.kernel} must be a positive odd number, at most {MAX_KERNEL} "
+                             "(pooling costs kernel operations per cached token)")
 
     def query_rows(self, block_len: int) -> int:
         return min(self.window, block_len)

@@ -3,8 +3,9 @@
 Every head of a group keeps exactly ``capacity`` tokens, so every eviction drops the same number of
 tokens per head and a group's archive grows in lockstep across its heads::
 
-    GroupArchive (one per bounded head group), three append-only stores
-      store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
+    GroupArchive (one per bounded head group), append-only stores
+      store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V,
+                   the key part and the value part of each row in two stores (``SplitRows``)
       index        rows [archived, h] int32: the original stream position of each archived token
       summaries    rows [completed pages, 2·h·d] float16: key minima then maxima, rounded outward
       tail         the open page's summary (the only part held in memory, on the keys' device)
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvtool.core.archive_stores import ArchiveStore
+from kvtool.core.archive_stores import ArchiveStore, SplitRows
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
@@ -99,9 +100,10 @@ ALIGN = 16
 class GroupArchive:
     """The archived tokens of one head group, in lockstep across its heads, with page summaries.
 
-    Three append-only stores (files on a real run), so host memory does not grow with the document:
-    ``store`` the K/V rows, ``index`` each token's original position per head (int32), ``summaries``
-    each completed page's per-channel key minima then maxima (float16, rounded outward). Only the open
+    Append-only stores (files on a real run), so host memory does not grow with the document:
+    ``store`` the K/V rows (their key and value parts in two stores: scoring reads the keys alone),
+    ``index`` each token's original position per head (int32), ``summaries`` each completed page's
+    per-channel key minima then maxima (float16, rounded outward). Only the open
     (last, incomplete) page's summary, ``tail``, is held in memory, on the keys' device.
 
     Appending runs once per layer and block, so it makes no host sync and allocates nothing once the
@@ -114,7 +116,7 @@ class GroupArchive:
           → copied with ONE copy into ``staging``, a host buffer kept on the archive and grown
             geometrically (pinned and non-blocking when the device is CUDA, a CUDA event marks the
             copy's end)
-          → :meth:`flush` writes the staged bytes to the three stores (``pwrite`` for files)
+          → :meth:`flush` writes the staged bytes to the stores (``pwrite`` for files)
 
     The flush is deferred: the next append (or any read: ``read``, ``positions_of``, ``all_positions``,
     ``page_summaries``, ``state_dict``) does it first, so the copy overlaps the next block's compute
@@ -130,7 +132,9 @@ class GroupArchive:
         self.d = head_dim
         self.dtype = dtype
         self.page_size = page_size
-        self.store = new_store(self.row_bytes(num_heads, head_dim, dtype))
+        self.part_bytes = self.row_bytes(num_heads, head_dim, dtype) // 2  # a row's key part, or its value part
+        self.store = SplitRows(new_store(self.part_bytes), new_store(self.part_bytes), *_row_columns(
+            num_heads, head_dim, dtype))
         self.index = new_store(4 * num_heads)
         self.summaries = new_store(2 * num_heads * head_dim * SUMMARY_DTYPE.itemsize)
         self.work = work if work is not None else AppendWork()
@@ -140,7 +144,7 @@ class GroupArchive:
         self.open_page: Tensor | None = None  # where appends write the open page's summary (keys' device)
         self.staging = torch.empty(0, dtype=torch.uint8)  # the last append's bytes, on their way to the stores
         self.pinned = False  # whether ``staging`` is pinned memory
-        self.staged: tuple[int, int, int] | None = None  # rows staged for store, index, summaries (None: none)
+        self.staged: tuple[int, ...] | None = None  # rows staged per part (``parts``; None: none)
         self.copied: torch.cuda.Event | None = None  # recorded after the staging copy (CUDA only)
 
     @staticmethod
@@ -154,17 +158,22 @@ class GroupArchive:
     def pages(self) -> int:
         return -(-self.length // self.page_size)
 
+    @property
+    def parts(self) -> tuple[ArchiveStore, ...]:
+        """The stores an append writes, in the order of its packed bytes: key parts, value parts, positions,
+        summaries of the pages it completes."""
+        return self.store.keys, self.store.values, self.index, self.summaries
+
     def nbytes(self) -> int:
         """Bytes held: K/V rows, positions and page summaries (in the stores or staged) and the open page."""
-        stores = (self.store, self.index, self.summaries)
-        staged = self.staged or (0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
-        held = sum((st.rows + k) * st.row_bytes for st, k in zip(stores, staged, strict=True))
+        staged = self.staged or (0, 0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
+        held = sum((st.rows + k) * st.row_bytes for st, k in zip(self.parts, staged, strict=True))
         return held + self.tail.numel() * self.tail.element_size()
 
-    def _offsets(self, counts: tuple[int, int, int]) -> list[int]:
-        """Where the store's, the index's and the summaries' rows start in the packed bytes, and their end."""
+    def _offsets(self, counts: tuple[int, ...]) -> list[int]:
+        """Where each part's rows (``parts``) start in the packed bytes, and their end."""
         at, out = 0, []
-        for st, k in zip((self.store, self.index, self.summaries), counts, strict=True):
+        for st, k in zip(self.parts, counts, strict=True):
             out.append(at)
             at += -(-k * st.row_bytes // ALIGN) * ALIGN
         return [*out, at]
@@ -184,29 +193,30 @@ class GroupArchive:
         h, d, P, device = self.h, self.d, self.page_size, keys.device
         lead = self.length % P
         pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
-        counts = (n, n, done)
+        counts = (n, n, n, done)
         at = self._offsets(counts)  # sized below for the most pages n keys can complete: later blocks fit
-        packed = self.work.get("packed", (at[2] + (n // P + 1) * self.summaries.row_bytes,), torch.uint8, device)
-        self._write_rows(packed[at[0] : at[0] + n * self.store.row_bytes].view(n, -1), keys.detach(), values.detach())
-        packed[at[1] : at[1] + n * self.index.row_bytes].view(torch.int32).view(n, h).copy_(positions.t())
+        packed = self.work.get("packed", (at[3] + (n // P + 1) * self.summaries.row_bytes,), torch.uint8, device)
+        rb = self.part_bytes
+        self._write_rows(packed[at[0] : at[0] + n * rb].view(n, rb), packed[at[1] : at[1] + n * rb].view(n, rb),
+                         keys.detach(), values.detach())
+        packed[at[2] : at[2] + n * self.index.row_bytes].view(torch.int32).view(n, h).copy_(positions.t())
         if self.open_page is None or self.open_page.device != device:
             self.open_page = torch.empty(2, h, d, dtype=SUMMARY_DTYPE, device=device)
         summ = self._summarise(keys.detach(), pages)  # [pages, 2, h, d] in work
-        packed[at[2] : at[2] + done * self.summaries.row_bytes].view(SUMMARY_DTYPE).view(done, 2, h, d).copy_(
+        packed[at[3] : at[3] + done * self.summaries.row_bytes].view(SUMMARY_DTYPE).view(done, 2, h, d).copy_(
             summ[:done])
         self.tail = self.open_page.copy_(summ[done]) if done < pages else self.empty
         self._stage(packed, counts, at[-1])
         self.length += n
 
-    def _write_rows(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
-        """K/V of ``n`` tokens into their store rows ``rows`` [n, row_bytes]: cast, or int8 quantized
-        symmetrically per token and head (absmax / 127; a key's error is at most half its scale per channel),
-        codes [n, 2, h, d] then float32 scales [n, 2, h]."""
+    def _write_rows(self, krows: Tensor, vrows: Tensor, keys: Tensor, values: Tensor) -> None:
+        """K/V of ``n`` tokens into their key and value parts ``krows``, ``vrows`` [n, part_bytes]: cast, or int8
+        quantized symmetrically per token and head (absmax / 127; a key's error is at most half its scale per
+        channel), codes [n, h, d] then float32 scales [n, h] in each part."""
         n, h, d = keys.shape[1], self.h, self.d
         if self.dtype != torch.int8:
-            kv = rows.view(self.dtype).view(n, 2, h, d)
-            kv[:, 0].copy_(keys.transpose(0, 1))
-            kv[:, 1].copy_(values.transpose(0, 1))
+            krows.view(self.dtype).view(n, h, d).copy_(keys.transpose(0, 1))
+            vrows.view(self.dtype).view(n, h, d).copy_(values.transpose(0, 1))
             return
         kv = self.work.get("kv32", (n, 2, h, d), torch.float32, keys.device)
         kv[:, 0].copy_(keys.transpose(0, 1))
@@ -215,8 +225,10 @@ class GroupArchive:
         scale = self.work.get("scale32", (n, 2, h, 1), torch.float32, keys.device)
         top = self.work.constants(keys.device).top
         torch.amax(magnitude, -1, keepdim=True, out=scale).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
-        rows[:, : 2 * h * d].view(torch.int8).view(n, 2, h, d).copy_(kv.div_(scale).round_().clamp_(-127, 127))
-        rows[:, 2 * h * d :].copy_(scale.view(n, 2 * h).view(torch.uint8))
+        kv.div_(scale).round_().clamp_(-127, 127)
+        for i, rows in enumerate((krows, vrows)):
+            rows[:, : h * d].view(torch.int8).view(n, h, d).copy_(kv[:, i])
+            rows[:, h * d :].copy_(scale[:, i].view(n, h).view(torch.uint8))
 
     def _summarise(self, keys: Tensor, pages: int) -> Tensor:
         """Summaries [pages, 2, h, d] (``SUMMARY_DTYPE``, rounded outward, in ``work``) of the pages that
@@ -246,7 +258,7 @@ class GroupArchive:
             torch.amax(kf[:, first + full * P :], 1, out=x[p, 1])
         return _round_outward(x, self.work, most)
 
-    def _stage(self, packed: Tensor, counts: tuple[int, int, int], total: int) -> None:
+    def _stage(self, packed: Tensor, counts: tuple[int, ...], total: int) -> None:
         """Copy the first ``total`` packed bytes of an append into ``staging`` with one copy; :meth:`flush`
         writes them. ``staging`` is sized like ``packed`` (for the most pages a block can complete)."""
         cuda = packed.device.type == "cuda"
@@ -273,7 +285,7 @@ class GroupArchive:
         if self.copied is not None:
             self.copied.synchronize()
         at = self._offsets(counts)
-        for st, k, start in zip((self.store, self.index, self.summaries), counts, at[:3], strict=True):
+        for st, k, start in zip(self.parts, counts, at[:-1], strict=True):
             if k:
                 st.append(self.staging[start : start + k * st.row_bytes].view(k, st.row_bytes))
 
@@ -368,16 +380,21 @@ class GroupArchive:
         return int(pages.sum())
 
     def read(self, index: Tensor, values: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T]."""
+        """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T].
+
+        Without ``values`` only the key parts are read (and dequantized): scoring reads half the bytes."""
         self.flush()
         uniq, inverse = torch.unique(index, return_inverse=True)
-        rows = self.store.read(uniq)
-        rows = _dequantize(rows, self.h, self.d) if self.dtype == torch.int8 else rows.view(self.dtype).view(
-            -1, 2, self.h, self.d)
         heads = torch.arange(self.h).unsqueeze(1)
-        keys = rows[:, 0][inverse, heads]
-        vals = rows[:, 1][inverse, heads] if values else None
+        keys = self._decode(self.store.read_keys(uniq))[inverse, heads]
+        vals = self._decode(self.store.read_values(uniq))[inverse, heads] if values else None
         return keys, vals, self._positions(uniq, inverse)  # the same rows: one unique, not two
+
+    def _decode(self, part: Tensor) -> Tensor:
+        """Key (or value) parts [u, part_bytes] → [u, h, d]: int8 dequantized to float32, else viewed in the dtype."""
+        if self.dtype == torch.int8:
+            return _dequantize(part, self.h, self.d)
+        return part.view(self.dtype).view(-1, self.h, self.d)
 
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
@@ -426,11 +443,21 @@ def _empty_page(h: int, d: int) -> Tensor:
     return torch.stack((torch.full((h, d), float("inf")), torch.full((h, d), float("-inf")))).to(SUMMARY_DTYPE)
 
 
-def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
-    """The inverse of ``GroupArchive._write_rows``'s int8 rows: [u, row_bytes] bytes → [u, 2, h, d] float32."""
-    q = rows[:, : 2 * h * d].view(torch.int8).view(-1, 2, h, d)
-    scale = rows[:, 2 * h * d :].contiguous().view(torch.float32).view(-1, 2, h, 1)
+def _dequantize(part: Tensor, h: int, d: int) -> Tensor:
+    """The inverse of ``GroupArchive._write_rows``'s int8 key (or value) parts: [u, h·d + 4·h] bytes → [u, h, d]
+    float32."""
+    q = part[:, : h * d].view(torch.int8).view(-1, h, d)
+    scale = part[:, h * d :].contiguous().view(torch.float32).view(-1, h, 1)
     return q.float() * scale
+
+
+def _row_columns(h: int, d: int, dtype: torch.dtype) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The byte ranges of a whole row (the ``.kvc`` archive's layout) that make up its key part and its value
+    part: K then V in the dtype; int8 codes of K, of V, then float32 scales of K, of V."""
+    if dtype == torch.int8:
+        return [(0, h * d), (2 * h * d, 2 * h * d + 4 * h)], [(h * d, 2 * h * d), (2 * h * d + 4 * h, 2 * h * (d + 4))]
+    half = GroupArchive.row_bytes(h, d, dtype) // 2
+    return [(0, half)], [(half, 2 * half)]
 
 
 def _round_outward(x: Tensor, work: AppendWork, most: int) -> Tensor:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from kvtool.core import archive, recall
 from kvtool.core.archive import GroupArchive
 from kvtool.core.archive_stores import MemoryStore
+from tests.helpers import VOCAB, make_engine, tiny_family, tiny_llama
 
 
 class CountingStore:
@@ -63,3 +65,97 @@ def test_scoring_reads_the_key_half_of_the_rows_only():
         kv_read = sum(s.bytes_read for s in made if s not in (arch.index, arch.summaries)) - n * arch.store.row_bytes
         # the ``read`` above took whole rows; scoring took the key half of each archived token's row
         assert kv_read == n * arch.store.row_bytes // 2, dtype
+
+
+# -- recall's temporaries: bounded, and only what recall scores with ------------------------------------------
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _read(engine, n: int, seed: int):
+    cache = engine.new_cache()
+    engine.feed(cache, [_ids(n, seed)], progress=False)
+    return cache, cache.snapshot()
+
+
+def _recalled(monkeypatch) -> list[list[torch.Tensor]]:
+    """Spy on ``recall.insert``: per question, the positions inserted into each group."""
+    chosen: list[list[torch.Tensor]] = []
+    real = recall.insert
+
+    def spy(g, keys, values, positions, ranking=None):
+        chosen[-1].append(positions.clone())
+        real(g, keys, values, positions, ranking)
+
+    monkeypatch.setattr(recall, "insert", spy)
+    return chosen
+
+
+def test_recall_scores_in_chunks_of_bounded_size_with_the_same_choice(monkeypatch):
+    """Oracle: what comes back is exactly what unchunked scoring brings back, and no score matrix of kept or
+    archived tokens is larger than ``SCORE_BYTES`` (or one page's, the smallest unit)."""
+    model = tiny_llama()
+    engine = make_engine(model, "h2o", 40, block_size=16, recall=16, page_size=8)
+    cache, snap = _read(engine, 300, 1)
+    question = _ids(12, 2)
+    chosen = _recalled(monkeypatch)
+    largest: list[int] = []
+    real_bmm, real_recall = torch.bmm, recall.recall
+
+    def bmm(a, b, **kw):  # every score matrix recall computes is a bmm
+        out = real_bmm(a, b, **kw)
+        largest.append(out.numel() * out.element_size())
+        return out
+
+    def scoring(*args, **kw):
+        monkeypatch.setattr(torch, "bmm", bmm)
+        try:
+            return real_recall(*args, **kw)
+        finally:
+            monkeypatch.setattr(torch, "bmm", real_bmm)
+
+    monkeypatch.setattr(recall, "recall", scoring)
+    for limit in (1 << 30, 1024):
+        monkeypatch.setattr(archive, "SCORE_BYTES", limit, raising=False)
+        monkeypatch.setattr(recall, "SCORE_BYTES", limit, raising=False)
+        chosen.append([])
+        largest.clear()
+        engine.feed_question(cache, question, lambda: cache.restore(snap), focus=slice(2, 10))
+    h, rows = 2, 2 * 8  # KV heads, and their query rows: 2 query heads per KV head x 8 focus rows
+    assert max(largest) <= max(1024, 4 * h * rows * 8)
+    assert len(chosen[0]) == len(chosen[1]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(chosen[0], chosen[1], strict=True))
+
+
+def test_the_query_log_holds_the_focus_rows_of_the_layers_that_recall(monkeypatch):
+    """A hybrid model (a sliding layer between global ones): only the global layers archive, so only their
+    queries are kept, and of each only the question's rows — counted exactly."""
+    model = tiny_family("gemma3")
+    engine = make_engine(model, "h2o", 96, block_size=16, recall=16, page_size=8)
+    cache, snap = _read(engine, 300, 3)
+    logs: list = []
+    real = recall.recall
+
+    def spy(cache, log, *args, **kw):
+        logs.append(list(log))
+        return real(cache, log, *args, **kw)
+
+    monkeypatch.setattr(recall, "recall", spy)
+    question = _ids(40, 4)  # three blocks of 16: the focus rows 10..29 span the first two
+    engine.feed_question(cache, question, lambda: cache.restore(snap), focus=slice(10, 30))
+    globals_ = {li for li, layer in enumerate(cache.layers) if layer.groups[0].window is None}
+    assert globals_ == {1}  # gemma3's tiny layout: sliding, global, sliding
+    (log,) = logs
+    assert {li for li, _, _ in log} == globals_
+    heads, d = model.config.get_text_config().num_attention_heads, cache.head_dim
+    assert [tuple(q.shape) for _, q, _ in log] == [(1, heads, 6, d), (1, heads, 14, d)]  # rows 10-15, 16-29
+    # the recorded rows are the rows the question attended with: a plain log of every row, cut afterwards
+    full: list = []
+    cache.restore(snap)
+    engine.pin(cache, question.numel())
+    cache.query_log = full
+    engine.feed(cache, [question], progress=False)
+    cache.query_log = None
+    whole = torch.cat([q for li, q, _ in full if li == 1], dim=2)
+    assert torch.equal(torch.cat([q for _, q, _ in log], dim=2), whole[:, :, 10:30])
+

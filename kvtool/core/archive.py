@@ -44,8 +44,10 @@ SCAN = 32768
 #: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
 #: question holds fewer tokens' scores rather than allocate more than this
 SCAN_BYTES = 64 << 20
-#: pages whose keys are read at once while scanning
+#: pages whose keys are read at once while scanning (fewer when their scores would pass ``SCORE_BYTES``)
 SCAN_CHUNK = 16
+#: scores ([h, rows, tokens] float32) computed at once: a chunk of archived or of kept tokens
+SCORE_BYTES = 16 << 20
 #: completed pages whose summaries are read at once while bounding
 SUMMARY_CHUNK = 4096
 
@@ -347,16 +349,18 @@ class GroupArchive:
 
     def scores(self, queries: Tensor, pages: Tensor,
                place: Callable[[Tensor, Tensor], Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time.
+        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time (fewer for many rows).
 
         Yields the tokens' original positions [h, a] and their scores per query row [h, r, a] (−inf for
-        a tail page's missing tokens): the transient buffer is one chunk, however many pages.
+        a tail page's missing tokens): the transient buffer is one chunk, at most ``SCORE_BYTES`` (or one
+        page's), however many pages.
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
         q = queries.float().cpu()
-        for lo in range(0, pages.shape[1], SCAN_CHUNK):
-            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)
+        step = max(1, min(SCAN_CHUNK, SCORE_BYTES // (4 * self.h * max(q.shape[1], 1) * P)))
+        for lo in range(0, pages.shape[1], step):
+            idx = (pages[:, lo : lo + step].unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)
             valid = idx < self.length
             keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
             if place is not None:

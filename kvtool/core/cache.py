@@ -21,7 +21,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -147,6 +147,12 @@ class BoundedLayer(CacheLayerMixin):
         )
 
 
+class QuerySink(Protocol):
+    """Where the attention function records a layer's queries while recall's question is fed (``recall.QueryLog``)."""
+
+    def append(self, entry: tuple[int, Tensor, float]) -> None: ...
+
+
 @dataclass
 class StepInfo:
     """What the attention function needs to know about the block being fed."""
@@ -212,7 +218,7 @@ class BoundedCache(Cache):
         self.lazy = False
         self.counters = CacheCounters()
         self.step = StepInfo()
-        self.query_log: list[tuple[int, Tensor, float]] | None = None  # recall: (layer, queries, scaling)
+        self.query_log: QuerySink | None = None  # recall: gets (layer, queries, scaling) from the attention function
         self._scratch = torch.empty(0, dtype=torch.float32, device=device)
 
     def scratch(self, *shape: int) -> Tensor:

@@ -264,14 +264,13 @@ class Engine:
             assert logits is not None
             return logits, None
         t0 = cache.clock()
-        cache.query_log = []
+        log = cache.query_log = recall.QueryLog(cache, focus)  # the layers that recall, the focus rows only
         try:
             self.feed(cache, [ids], progress=False)
-            log = cache.query_log
         finally:
             cache.query_log = None
         restore()
-        result = recall.recall(cache, log, self.config.recall, focus, self.config.recall_placement)
+        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement)
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.clock() - t0
         logits = self.feed(cache, [ids], progress=False)

@@ -159,3 +159,40 @@ def test_the_query_log_holds_the_focus_rows_of_the_layers_that_recall(monkeypatc
     whole = torch.cat([q for li, q, _ in full if li == 1], dim=2)
     assert torch.equal(torch.cat([q for _, q, _ in log], dim=2), whole[:, :, 10:30])
 
+
+# -- positions auto: a question that passes the model's range is scored in the frame it is fed in --------------
+def test_a_question_past_the_range_is_recorded_scored_and_placed_at_compact_positions(monkeypatch):
+    """The document fits the model's 200 positions, document + question does not: the question is fed at
+    compact positions from its first token, both times, so recall scores its compact queries against keys
+    landed at compact positions and places the selection by relevance, as compact positions do."""
+    model = tiny_llama(max_positions=200)
+    engine = make_engine(model, "h2o", 80, block_size=16, positions="auto", recall=16, page_size=8)
+    cache, snap = _read(engine, 180, 5)
+    assert not cache.compact and cache.seen == 180
+    frames: dict[str, list[bool]] = {"recorded": [], "scored": [], "relevance": []}
+    real_append, real_recall, real_insert = recall.QueryLog.append, recall.recall, recall.insert
+
+    def append(self, entry):
+        frames["recorded"].append(cache.compact)
+        real_append(self, entry)
+
+    def scoring(c, *args, **kw):
+        frames["scored"].append(c.compact)
+        return real_recall(c, *args, **kw)
+
+    def insert(g, keys, values, positions, ranking=None):
+        frames["relevance"].append(ranking is not None)
+        real_insert(g, keys, values, positions, ranking)
+
+    monkeypatch.setattr(recall.QueryLog, "append", append)
+    monkeypatch.setattr(recall, "recall", scoring)
+    monkeypatch.setattr(recall, "insert", insert)
+    engine.feed_question(cache, _ids(30, 6), lambda: cache.restore(snap))
+    assert frames["recorded"] and all(frames["recorded"])  # every block of the first pass
+    assert frames["scored"] == [True] and frames["relevance"] == [True, True]
+    assert cache.compact and cache.seen == 210
+    # inside the range nothing moves: a question that fits is fed and scored at absolute positions
+    frames = {k: [] for k in frames}
+    cache2, snap2 = _read(engine, 120, 5)
+    engine.feed_question(cache2, _ids(30, 6), lambda: cache2.restore(snap2))
+    assert not cache2.compact and frames["scored"] == [False] and frames["relevance"] == [False, False]

@@ -196,3 +196,47 @@ def test_a_question_past_the_range_is_recorded_scored_and_placed_at_compact_posi
     cache2, snap2 = _read(engine, 120, 5)
     engine.feed_question(cache2, _ids(30, 6), lambda: cache2.restore(snap2))
     assert not cache2.compact and frames["scored"] == [False] and frames["relevance"] == [False, False]
+
+
+# -- int4: the newest document tokens keep their 16-bit window beside a recalled selection --------------------
+def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(monkeypatch):
+    """Oracle: recall adds tokens and moves none of the kept ones' K/V codes or window rows, so every kept token
+    reads bit-identical values after the recall — the document's newest ones from their 16-bit window, though
+    the recalled selection now sits after them (compact positions place it by relevance)."""
+    engine = make_engine(tiny_llama(), "h2o", 160, block_size=16, positions="compact", recall=128, page_size=8,
+                         kv_dtype="int4")
+    cache, snap = _read(engine, 400, 7)
+    before: list[dict[int, torch.Tensor]] = []
+    after: list[dict[int, torch.Tensor]] = []
+    real = recall.recall
+
+    def by_position(c) -> list[dict[int, torch.Tensor]]:
+        out = []
+        for g in c.groups():
+            values, pos = g.stored_values(), g.positions[:, : g.length]
+            out.append({(h, int(p)): values[h, i].clone() for h in range(g.num_heads)
+                        for i, p in enumerate(pos[h].tolist())})
+        return out
+
+    def spy(c, *args, **kw):
+        before.extend(by_position(c))
+        result = real(c, *args, **kw)
+        after.extend(by_position(c))
+        return result
+
+    monkeypatch.setattr(recall, "recall", spy)
+    placed: list[bool] = []
+    real_insert = recall.insert
+    monkeypatch.setattr(recall, "insert", lambda g, k, v, p, ranking=None: (placed.append(ranking is not None),
+                                                                          real_insert(g, k, v, p, ranking)))
+    engine.feed_question(cache, _ids(10, 8), lambda: cache.restore(snap))
+    assert placed == [True, True]
+    window = cache.groups()[0].recent
+    assert window is not None and window.size == 128
+    newest = 0
+    for kept, now in zip(before, after, strict=True):
+        assert set(kept) < set(now)  # the recalled tokens came on top
+        for key, value in kept.items():
+            assert torch.equal(now[key], value), key
+            newest += key[1] >= 400 - 128
+    assert newest > 0  # the window's tokens were among them

@@ -225,13 +225,20 @@ class HeadGroup:
         self.codec.decode(data, scale, out, work, self.scratch)
         if self.recent is not None:  # the window's tokens among them read their 16-bit copy
             lead = 0 if name == "origin" else self.off
-            a, b = max(start - lead, stop - lead - self.recent.size, 0), stop - lead
+            a, b = max(start - lead, stop - lead - self._window_span(), 0), stop - lead
             if b > a:  # keys at compact positions (with "origin" kept) turn from their original ones
                 shift = self.rotary[:, a:b] - self.positions[:, a:b] if "origin" in self.buffers else None
                 rotate = self.rotator.rotate if self.rotator is not None else None
                 self.recent.overlay(name, out[:, out.shape[1] - (b - a):], self.positions[:, a:b], shift, rotate,
                                     self._shared())
         return out
+
+    def _window_span(self) -> int:
+        """The newest stored slots among which int4's window tokens are (matched there by position): the
+        window's size, and the tokens recalled for this answer, which a relevance placement puts after the
+        kept ones (the document's newest tokens then sit that many slots further from the end)."""
+        assert self.recent is not None
+        return self.recent.size + (0 if self.recalled is None else self.recalled.shape[1])
 
     def _shared(self) -> Scratch:
         """The cache's shared decode scratch (a group used alone makes its own)."""
@@ -359,7 +366,7 @@ class HeadGroup:
         window = 0
         if newest and self.recent is not None:
             self.recent.record(original, values, positions, self._shared())
-            window = self.recent.size
+            window = self._window_span()
         row["state"] = self.new_state(keys, values)
         self.length += self.buffers.write(n, row, written={c for name in coded for c in self._coded_names(name)})
         if self.codec is not None and isinstance(row["state"], Tensor):  # tokens leaving the window included

@@ -8,6 +8,7 @@ keeps the passage recall brought back; H2O builds its protection only when it ev
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtool.core import archive, recall
@@ -240,3 +241,23 @@ def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(m
             assert torch.equal(now[key], value), key
             newest += key[1] >= 400 - 128
     assert newest > 0  # the window's tokens were among them
+
+
+# -- a restore gives back the compact keys' original copy the document left, not a re-quantized one ----------
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "bfloat16"])
+def test_a_restore_keeps_the_original_keys_copy_bit_identical(kv_dtype):
+    """Oracle: after questions (each restores the post-document cache twice and re-packs it), a restore gives
+    back exactly the original-position keys the document left, so every question starts from them."""
+    engine = make_engine(tiny_llama(), "h2o", 64, block_size=16, positions="compact", recall=16, page_size=8,
+                         kv_dtype=kv_dtype)
+    cache, snap = _read(engine, 250, 9)
+
+    def originals() -> list[torch.Tensor]:
+        return [g.origin_keys(g.length).clone() for g in cache.groups()]
+
+    left = originals()
+    assert all(o is not None and o.numel() for o in left)
+    for seed in (10, 11):
+        engine.feed_question(cache, _ids(12, seed), lambda: cache.restore(snap))
+        cache.restore(snap)
+        assert all(torch.equal(a, b) for a, b in zip(originals(), left, strict=True))

@@ -408,11 +408,12 @@ class BoundedCache(Cache):
         g.archive.append(keys, values, positions)
 
     # -- snapshots and persistence ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, origin: bool = False) -> dict[str, Tensor]:
+        """Every group's persisted buffers (``origin``: with the original keys' copy, for snapshots)."""
         out: dict[str, Tensor] = {}
         for li, layer in enumerate(self.layers):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
-                out.update(g.state_dict(f"l{li}.g{gi}"))
+                out.update(g.state_dict(f"l{li}.g{gi}", origin))
         return out
 
     def scalars(self) -> dict[str, Any]:
@@ -429,8 +430,9 @@ class BoundedCache(Cache):
         self.pin_end = scalars.get("pin_end")
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """A copy of the stored tokens and counters (e.g. after the document, before a question)."""
-        return {k: v.clone() for k, v in self.state_dict().items()}, self.scalars()
+        """A copy of the stored tokens and counters (e.g. after the document, before a question), the original
+        keys' copy of compact positions included: a restore gives back the very keys the document left."""
+        return {k: v.clone() for k, v in self.state_dict(origin=True).items()}, self.scalars()
 
     def restore(self, snap: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
         self.load(*snap)

@@ -219,10 +219,13 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     return out
 
 
-def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto") -> int:
+def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto",
+                   original_keys: bool = False) -> int:
     """A clone of ``tokens`` stored tokens per KV head: K and V as stored, int64 stream and RoPE positions,
-    float32 policy state (``BoundedCache.snapshot``)."""
-    per_head_token = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"] + 2 * 8 + 4 * n_fields
+    float32 policy state (``BoundedCache.snapshot``); ``original_keys``: the keys' original copy too, as the
+    cache keeps it (``keeps_original_keys``), so a restore gives it back instead of rounding it again."""
+    kv = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"]
+    per_head_token = kv + (kv // 2 if original_keys else 0) + 2 * 8 + 4 * n_fields
     return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
 
 
@@ -376,7 +379,7 @@ def predict_peak(
         "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
         "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
-        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype),
+        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype, original_keys),
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
 from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name
+from kvtool.core.storage import file_tensors
 from kvtool.errors import UsageError, first_line
 from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
@@ -246,6 +247,7 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
     """
     path = check_output(path, force)  # fail before writing the (larger) archive
     tensors, scalars = read.snapshot if read.snapshot is not None else read.cache.snapshot()
+    tensors = file_tensors(tensors)  # a loaded cache rebuilds the original keys' copy itself
     meta = build_meta(session, read, tensors, scalars)
     name = os.path.basename(path)
     info = archive.save_archive(path, read.cache, phase_counter(session.emit, f"writing {name}'s archive"))

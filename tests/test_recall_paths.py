@@ -261,3 +261,44 @@ def test_a_restore_keeps_the_original_keys_copy_bit_identical(kv_dtype):
         engine.feed_question(cache, _ids(12, seed), lambda: cache.restore(snap))
         cache.restore(snap)
         assert all(torch.equal(a, b) for a, b in zip(originals(), left, strict=True))
+
+
+# -- h2o observes every step, but protection is built only when a group evicts --------------------------------
+@pytest.mark.parametrize("policy", ["h2o", "h2o+vatp"])
+def test_protection_is_built_only_on_evicting_steps_and_results_are_bit_identical(policy, monkeypatch):
+    """Oracle: the number of protection builds equals the number of (group, step) evictions exactly, and the
+    logits of a read and of decoded tokens are bit-identical to a run that builds it on every observed step."""
+    from kvtool.core import cache as cache_module
+    from kvtool.core.cache import BoundedCache, BoundedLayer
+
+    model = tiny_llama()
+    doc = _ids(150, 12)
+
+    def run() -> tuple[torch.Tensor, list[int], int, int]:
+        engine = make_engine(model, policy, 40, block_size=16)
+        cache = engine.new_cache()
+        logits = torch.cat([x for x in engine.steps(cache, doc, logits_rows=None)])
+        ids, _ = engine.generate(cache, logits[-1:], 40, set())
+        return logits, ids, built[0], evictions[0]
+
+    built, evictions = [0], [0]
+    protection, evict_step = BoundedCache.protection, cache_module.evict_step
+
+    def counting_protection(self, pos, g):
+        built[0] += 1
+        return protection(self, pos, g)
+
+    def counting_evictions(g, ctx, evicting, *args):
+        evictions[0] += evicting
+        return evict_step(g, ctx, evicting, *args)
+
+    monkeypatch.setattr(BoundedCache, "protection", counting_protection)
+    monkeypatch.setattr(cache_module, "evict_step", counting_evictions)
+    logits, ids, n_built, n_evicting = run()
+    assert n_evicting > 0 and n_built == n_evicting
+    built[0] = evictions[0] = 0
+    context = BoundedLayer.context
+    monkeypatch.setattr(BoundedLayer, "context", lambda self, g, probs, evicting=True: context(self, g, probs, True))
+    ref_logits, ref_ids, every, _ = run()
+    assert every > n_built  # the reference built it on every step h2o observed
+    assert torch.equal(logits, ref_logits) and ids == ref_ids

@@ -114,7 +114,7 @@ class BoundedLayer(CacheLayerMixin):
         c = owner.counters
         c.max_stored = max(c.max_stored, g.length)
         archive = owner.archive_dropped if g.archive is not None and owner.pin_start is None else None
-        dropped, score_s, evict_s = evict_step(g, self.context(g, probs), evicting, archive, owner.clock)
+        dropped, score_s, evict_s = evict_step(g, self.context(g, probs, evicting), evicting, archive, owner.clock)
         c.score_seconds += score_s
         if evicting:
             c.evicted_tokens += dropped * g.num_heads
@@ -123,13 +123,15 @@ class BoundedLayer(CacheLayerMixin):
         owner.rope.after_evict(g, evicting, owner.step.length)
         c.evict_seconds += evict_s + owner.clock() - t0
 
-    def context(self, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
+    def context(self, g: HeadGroup, probs: Tensor | None, evicting: bool = True) -> ScoreContext:
+        """What the group's policy sees this step; the protection only when it evicts (a step that only
+        observes, H2O's on every decoded token, would build a dozen [h, n] masks for nothing)."""
         owner = self.owner
         n = g.length
         keys, values = g.kv()
         pos = g.positions[:, :n]
         cap = g.capacity if g.capacity is not None else n
-        protected, priority = owner.protection(pos, g)
+        protected, priority = owner.protection(pos, g) if evicting else (None, None)
         return ScoreContext(
             layer_idx=self.layer_idx,
             heads=g.heads,

@@ -41,13 +41,16 @@ def evict_step(g: HeadGroup, ctx: ScoreContext, evicting: bool, archive: Archive
     Returns (tokens evicted per head, seconds scoring, seconds evicting).
     """
     t0 = clock()
-    extra = g.policy.extra_protected(ctx)
-    if extra is not None:
-        if ctx.priority is not None:  # the policy's own protection ranks below the engine's
-            ctx.priority = torch.where(ctx.protected, ctx.priority, GRADE_POLICY * SPAN + ctx.positions)
-        ctx.protected = ctx.protected | extra
     g.policy.observe(ctx)
-    keep = g.policy.select(ctx) if evicting else None
+    keep = None
+    if evicting:  # protection exists only on evicting steps (``BoundedLayer.context``)
+        assert ctx.protected is not None
+        extra = g.policy.extra_protected(ctx)
+        if extra is not None:
+            if ctx.priority is not None:  # the policy's own protection ranks below the engine's
+                ctx.priority = torch.where(ctx.protected, ctx.priority, GRADE_POLICY * SPAN + ctx.positions)
+            ctx.protected = ctx.protected | extra
+        keep = g.policy.select(ctx)
     t1 = clock()
     if keep is None:
         return 0, t1 - t0, 0.0

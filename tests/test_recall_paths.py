@@ -14,7 +14,7 @@ import torch
 from kvtool.core import archive, recall
 from kvtool.core.archive import GroupArchive
 from kvtool.core.archive_stores import MemoryStore
-from tests.helpers import VOCAB, make_engine, tiny_family, tiny_llama
+from tests.helpers import VOCAB, make_engine, tiny_checkpoint, tiny_family, tiny_llama
 
 
 class CountingStore:
@@ -302,3 +302,57 @@ def test_protection_is_built_only_on_evicting_steps_and_results_are_bit_identica
     ref_logits, ref_ids, every, _ = run()
     assert every > n_built  # the reference built it on every step h2o observed
     assert torch.equal(logits, ref_logits) and ids == ref_ids
+
+
+# -- --cite keeps the passage recall brought back ---------------------------------------------------------------
+def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
+    """A Markdown document whose "Secret" section holds the needle, read under a budget that evicts it; recall
+    is steered to bring that section back (a random model would not choose it). Oracles: the source map holds
+    every document position the answer attended to, recalled ones included, and the attention the recalled
+    tokens received is cited at the needle's section, with the needle's text."""
+    from kvtool.core.cache import BoundedCache
+    from kvtool.documents import open_document
+    from kvtool.runtime.citations import cite
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
+    model_dir = tiny_checkpoint(tmp_path / "model")
+    filler = "the cache is small and hello world. " * 60
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# Intro\n\n{filler}\n\n# Secret\n\nThe pass key is 12345.\n\n# Outro\n\n{filler}\n")
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    s = Session(resolve_settings(None, {"model": str(model_dir), "budget": "160", "block_size": 16, "recall": "32",
+                                        "max_new_tokens": 6}))
+    read = s.read(open_document(str(doc)))
+    source = read.source
+    first = source.first_position
+    secret = torch.tensor([int(p) for p, (a, _) in zip(source.positions, source.spans, strict=True)
+                           if source.section_at(int(a)).title == "Secret"])
+    held = torch.cat([g.positions[:, : g.length].reshape(-1) for g in read.cache.groups()])
+    assert secret.numel(), "the source map forgot the evicted needle's section"
+    assert not torch.isin(secret, held).any()  # the needle's section was evicted everywhere
+
+    def steered(relevance: torch.Tensor) -> torch.Tensor:  # what recall ranks first: the needle's section
+        out = torch.zeros_like(relevance)
+        out[secret] = 1.0
+        return out
+
+    monkeypatch.setattr(recall, "_ranking", steered)
+    attended: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stop = BoundedCache.stop_mass
+
+    def spy(self):
+        attended.append(stop(self))
+        return attended[-1]
+
+    monkeypatch.setattr(BoundedCache, "stop_mass", spy)
+    s.ask(read, "what is the pass key?", cite_spans=True)
+    (positions, mass), = attended
+    recalled = torch.isin(positions, secret)
+    assert recalled.any() and float(mass[recalled].sum()) > 0  # the answer attended to the recalled passage
+    document = (positions >= first) & (positions < first + source.count)
+    assert torch.isin(positions[document], source.positions).all()  # every attended token is in the map
+    cited = cite(source, positions[recalled], mass[recalled], s.tokenizer)
+    assert cited and cited[0].section == "Secret" and cited[0].label == "\u00a7 \u201cSecret\u201d"
+    assert "12345" in cited[0].text
+    read.close()

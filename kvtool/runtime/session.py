@@ -269,12 +269,13 @@ class Session:
             return None if n is None else n + prefix.numel()
 
         def pruned(blocks: Iterator[Tensor]) -> Iterator[Tensor]:
-            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map); with
-            ``--recall auto``, drop the archive if the disk runs short."""
+            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map; kept while
+            an archive can recall them: ``_prune_source``); with ``--recall auto``, drop the archive if the
+            disk runs short."""
             disk_watch = watch
             for block in blocks:
-                if source.pending_tokens > PRUNE_BLOCKS * bs:
-                    source.prune(held_positions(cache), cache.seen)
+                if source.pending_tokens > max(PRUNE_BLOCKS * bs, source.positions.numel()):
+                    _prune_source(source, cache)
                 if disk_watch is not None:
                     short = disk_watch.short(recall.archive_bytes(cache))
                     if short is not None:
@@ -289,7 +290,7 @@ class Session:
         finally:
             self._reading = None
         seconds = time.perf_counter() - t0
-        source.prune(held_positions(cache), cache.seen)
+        _prune_source(source, cache)
         for note in doc.notes:
             self.emit(Note(note))
         result = ReadResult(
@@ -552,6 +553,20 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
 
 #: the source map forgets evicted tokens once this many blocks of new tokens are in it
 PRUNE_BLOCKS = 32
+
+
+def _prune_source(source: SourceMap, cache: BoundedCache) -> None:
+    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens.
+
+    While an archive exists, every document token is held or archived, and recall may bring any archived
+    one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
+    so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
+    kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
+    """
+    if recall.archives(cache):
+        source.prune(None, cache.seen)
+    else:
+        source.prune(held_positions(cache), cache.seen)
 
 
 def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:

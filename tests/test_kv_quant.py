@@ -320,8 +320,8 @@ def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(
     contexts = []
     real = BoundedLayer.context
 
-    def spy(self, g, probs):
-        ctx = real(self, g, probs)
+    def spy(self, g, probs, evicting=True):
+        ctx = real(self, g, probs, evicting)
         # the keys and values a policy scores are the decoded ones, and its per-token constants
         # (KeyDiff's key norm, VATP's ‖v‖₁) were computed from them
         assert ctx.keys.dtype == g.dtype and torch.equal(ctx.keys, g.stored_keys())

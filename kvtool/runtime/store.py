@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvtool import __version__
 from kvtool.config import DTYPE_ALIASES, DTYPE_BYTES, dtype_name
-from kvtool.core.storage import file_tensors
 from kvtool.errors import UsageError, first_line
 from kvtool.kvc import archive
 from kvtool.kvc.format import KvcHeader, corrupt, jsonable, read_header, require
@@ -245,6 +244,8 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
     With recall on, the archive of evicted tokens is written first, complete and fsynced, under a fresh
     name the ``.kvc`` records (``kvtool.kvc.archive``); the ``.kvc`` is renamed into place after it.
     """
+    from kvtool.core.storage import file_tensors  # torch: this module is imported before bad input is refused
+
     path = check_output(path, force)  # fail before writing the (larger) archive
     tensors, scalars = read.snapshot if read.snapshot is not None else read.cache.snapshot()
     tensors = file_tensors(tensors)  # a loaded cache rebuilds the original keys' copy itself

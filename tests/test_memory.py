@@ -284,7 +284,8 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
 
     def run(dtype: str, positions: str, doc: int, max_positions: int | None = 64) -> dict[str, Any]:
         info = ModelInfo(name="hand", dims=dict(TINY), num_params=1000, dtype=dtype, max_positions=max_positions)
-        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions})
+        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions,
+                                           "recall": "off"})
         return plan(info, settings, doc_tokens=doc, memory=10_000_000)
 
     base = run("bfloat16", "absolute", 1000)

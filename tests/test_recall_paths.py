@@ -356,3 +356,116 @@ def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
     assert cited and cited[0].section == "Secret" and cited[0].label == "\u00a7 \u201cSecret\u201d"
     assert "12345" in cited[0].text
     read.close()
+
+
+# -- a byte budget is a ceiling with recall on; the plan suggests a budget that fits ----------------------------
+HAND = {"num_layers": 4, "num_kv_heads": 2, "num_attention_heads": 4, "head_dim": 16, "hidden_size": 64,
+        "intermediate_size": 96, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("dims", [HAND, {**HAND, "sliding_layers": 2, "sliding_window": 33}], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])
+@pytest.mark.parametrize("recall_setting", ["auto", "40"])
+def test_a_byte_budget_holds_the_kept_and_the_recalled_tokens(dims, kv_dtype, recall_setting):
+    """Oracle by hand: K+V of the kept tokens (every layer; a sliding layer holds min(W - 1, kept)) plus int4's
+    window, plus K+V of the recalled ones (global layers only), fit the bytes — and one more kept token would
+    not. ``auto`` recalls at most half of what the bytes hold."""
+    from kvtool.config import kv_token_head_bytes, kv_window_bytes
+    from kvtool.runtime.profiling import ModelInfo, plan
+    from kvtool.runtime.settings import budget_tokens_for, resolve_settings
+
+    info = ModelInfo(name="hand", dims=dims, num_params=1000, dtype="float32")
+    per = 2 * dims["num_kv_heads"] * kv_token_head_bytes(kv_dtype, 16, 4)  # K+V of a token in one layer
+    window = dims["num_layers"] * dims["num_kv_heads"] * kv_window_bytes(kv_dtype, 16, 4)
+    sliding, w = dims.get("sliding_layers", 0), dims.get("sliding_window", 0)
+    glob = dims["num_layers"] - sliding
+
+    def held(kept: int, recalled: int) -> int:
+        return glob * (kept + recalled) * per + sliding * min(w - 1, kept) * per + window
+
+    for text, nbytes in (("100KiB", 100 << 10), ("200KiB", 200 << 10), ("1MiB", 1 << 20)):
+        p = plan(info, resolve_settings(None, {"budget": text, "recall": recall_setting, "kv_dtype": kv_dtype}))
+        kept, recalled = p["budget_tokens"], p["recall_tokens"]
+        whole = budget_tokens_for(nbytes, dims, 4, kv_dtype)
+        assert recalled == (min(256, whole // 2) if recall_setting == "auto" else 40)
+        assert held(kept, recalled) <= nbytes < held(kept + 1, recalled), text
+        assert p["recall_kv_bytes"] == glob * recalled * per
+        assert f"{kept} tokens per KV head kept" in p["budget_conversion"]
+        assert f"+ {recalled} recalled while answering" in p["budget_conversion"]
+    # a token budget keeps its meaning: the tokens kept; the plan shows what recall adds on top
+    p = plan(info, resolve_settings(None, {"budget": "100", "recall": recall_setting, "kv_dtype": kv_dtype}))
+    assert p["budget_tokens"] == 100 and p["recall_kv_bytes"] == glob * p["recall_tokens"] * per
+
+
+def test_a_recall_larger_than_the_byte_budget_is_refused_with_the_figures():
+    from kvtool.errors import UsageError
+    from kvtool.runtime.profiling import ModelInfo, plan
+    from kvtool.runtime.settings import resolve_settings
+
+    info = ModelInfo(name="hand", dims=HAND, num_params=1000, dtype="float32")
+    with pytest.raises(UsageError, match="holds 64 tokens per KV head, and --recall 64 takes them all"):
+        plan(info, resolve_settings(None, {"budget": "64KiB", "recall": "64"}))
+
+
+@pytest.mark.parametrize("settings", [{"recall": "auto"}, {"recall": "512", "positions": "compact"},
+                                      {"recall": "auto", "kv_dtype": "int8", "policy": "keydiff"}])
+def test_the_largest_budget_of_a_memory_limit_fits_with_recall_on(settings):
+    """``profile --memory``: the budget it suggests, planned with recall on, fits the limit; one more does not."""
+    from kvtool.runtime.profiling import ModelInfo, plan
+    from kvtool.runtime.settings import resolve_settings
+
+    info = ModelInfo(name="hand", dims=HAND, num_params=1000, dtype="bfloat16", rows=16, n_fields=1,
+                     weights_bytes=5000)
+    limit = 6_000_000
+    base = {"block_size": 16, "budget": "64", "policy": "h2o", **settings}
+    best = plan(info, resolve_settings(None, base), doc_tokens=20_000, memory=limit)["memory"]["largest_budget_tokens"]
+    at, over = (plan(info, resolve_settings(None, {**base, "budget": str(b)}), doc_tokens=20_000, memory=limit)
+                for b in (best, best + 1))
+    assert at["memory"]["fits"] is True and at["predicted_peak_bytes"] <= limit < over["predicted_peak_bytes"]
+    assert at["recall_tokens"] and at["recall_slots_bytes"] and at["recall_scratch_bytes"]
+
+
+def test_a_session_with_a_byte_budget_holds_kept_and_recalled_tokens_inside_it(tmp_path, monkeypatch):
+    """Measured on a run: while answering with recall, the K/V every group holds room for (its capacity, raised
+    by what it recalled) stays inside the byte budget; the stats and the note say how it is split."""
+    from kvtool.documents import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+
+    model_dir = tiny_checkpoint(tmp_path / "model")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cache is small and hello world. " * 80)
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    s = Session(resolve_settings(None, {"model": str(model_dir), "budget": "128KiB", "block_size": 16,
+                                        "policy": "tova", "max_new_tokens": 4}))
+    assert (s.budget_tokens, s.recall_tokens) == (128, 128)  # 256 tokens of 512 bytes: half kept, half recalled
+    during: list[int] = []
+    real = recall.recall
+
+    def spy(cache, *args, **kw):
+        out = real(cache, *args, **kw)
+        during.append(sum((g.capacity + g.off) * g.num_heads * 2 * g.bytes_per_token_head() for g in cache.groups()))
+        return out
+
+    monkeypatch.setattr(recall, "recall", spy)
+    with s.read(open_document(str(doc))) as read:
+        s.ask(read, "what is the pass key?")
+        stats = s.stats(read)
+    assert during and during[0] == 128 << 10  # kept + recalled: the whole budget, not more
+    assert stats["kv_budget_bytes"] + stats["recall_kv_bytes"] == 128 << 10
+    assert "128 tokens per KV head kept (64.0 KiB) + 128 recalled while answering (64.0 KiB" in \
+        stats["budget_conversion"]
+
+
+def test_a_kvc_budget_in_bytes_matches_with_the_recall_it_was_split_for():
+    """A ``.kvc`` prefilled with a byte budget and recall stores the kept tokens; the same bytes spelled
+    another way still name it (converted with the archive's recall inside them), other bytes do not."""
+    from kvtool.runtime import store
+    from kvtool.runtime.settings import budget_with_recall
+
+    kept, recalled = budget_with_recall(100 << 10, HAND, 4, "auto", 256, auto=True)
+    stored = {"budget_tokens": kept, "budget": "100KiB", "dtype": "float32", "kv_dtype": "auto"}
+    meta = {"model": {"dims": HAND}, "archive": {"recall": recalled}}
+    assert store._same_budget("102400B", stored, meta)
+    assert not store._same_budget("99KiB", stored, meta)
+    assert store._same_budget(str(kept), stored, meta)

@@ -30,24 +30,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from kvtool.config import SCAN_CHUNK, SCORE_BYTES
 from kvtool.core.archive_stores import ArchiveStore, SplitRows
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
 SUMMARY_DTYPE = torch.float16
-#: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
-#: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
-#: positions every token is, in two passes (the bound's summaries sit at original positions, the
-#: question at compact ones, so the bound does not hold across the two frames)
-SCAN = 32768
-#: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
-#: question holds fewer tokens' scores rather than allocate more than this
-SCAN_BYTES = 64 << 20
-#: pages whose keys are read at once while scanning (fewer when their scores would pass ``SCORE_BYTES``)
-SCAN_CHUNK = 16
-#: scores ([h, rows, tokens] float32) computed at once: a chunk of archived or of kept tokens
-SCORE_BYTES = 16 << 20
 #: completed pages whose summaries are read at once while bounding
 SUMMARY_CHUNK = 4096
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvtool.config import DEFAULT_RECALL_PLACEMENT
-from kvtool.core.archive import SCAN, SCAN_BYTES, SCORE_BYTES, AppendWork, GroupArchive
+from kvtool.config import DEFAULT_RECALL_PLACEMENT, SCAN, SCAN_BYTES, SCORE_BYTES
+from kvtool.core.archive import AppendWork, GroupArchive
 from kvtool.core.archive_stores import ArchiveStore
 from kvtool.core.cache import BoundedCache, HeadGroup
 
@@ -91,6 +91,12 @@ def bytes_per_token(cache: BoundedCache) -> int:
     for a in archives(cache):
         total += a.store.row_bytes + a.index.row_bytes + -(-a.summaries.row_bytes // a.page_size)
     return total
+
+
+def kv_bytes(cache: BoundedCache, tokens: int) -> int:
+    """K+V bytes of ``tokens`` recalled tokens per KV head in the groups that recall: what recall adds to the
+    budget's promise for an answer (a byte budget holds it)."""
+    return sum(tokens * g.num_heads * 2 * g.bytes_per_token_head() for g in recallable_groups(cache))
 
 
 def archives(cache: BoundedCache) -> list[GroupArchive]:

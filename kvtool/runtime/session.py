@@ -34,8 +34,8 @@ from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
-from kvtool.runtime.profiling import resolve_budget
-from kvtool.runtime.settings import Settings, parse_recall
+from kvtool.runtime.profiling import resolve_budget_and_recall
+from kvtool.runtime.settings import Settings
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,10 +181,11 @@ class Session:
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
-        self.budget_tokens, self.budget_note = self._resolve_budget()
+        # a byte budget holds the kept and the recalled tokens together; ``full`` has no budget and recalls nothing
+        self.budget_tokens, self.recall_tokens, self.budget_note = resolve_budget_and_recall(
+            settings, self.dims, self.loaded.dtype)
         # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing); ``auto``
         # archives unless the disk is short, decided per read (``_auto_recall``)
-        self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
         self.recall_mode = "off" if not self.recall_tokens else "auto" if settings.recall == "auto" else "set"
         self.recall_note: str | None = None  # why ``auto`` recalls or not, for the dashboard and the stats
         # an unlinked file there: KVTOOL_ARCHIVE_DIR, else the system's temporary directory (TMPDIR)
@@ -228,9 +229,6 @@ class Session:
         """How the cache stores K/V (``--kv-dtype``; ``auto`` is the model's dtype)."""
         kv = self.settings.kv_dtype
         return str(self.loaded.dtype).replace("torch.", "") if kv == "auto" else kv
-
-    def _resolve_budget(self) -> tuple[int | None, str | None]:
-        return resolve_budget(self.settings, self.dims, self.loaded.dtype)
 
     def _wordy(self, ids: tuple[int, ...]) -> bool:
         """Whether tokens ``ids`` spell a letter: the n-grams the repeat guard stops (numbers may repeat)."""
@@ -530,6 +528,7 @@ class Session:
         return {
             "recall_tokens": self.recall_tokens,
             "recall_mode": self.recall_mode,  # auto (the default), set (--recall N) or off
+            "recall_kv_bytes": recall.kv_bytes(cache, self.recall_tokens) if cache is not None else 0,
             "recall_note": self.recall_note,
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,

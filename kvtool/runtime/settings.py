@@ -10,6 +10,7 @@ into tokens per head once the model's dimensions are known (``budget_tokens_from
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -238,6 +239,33 @@ def budget_tokens_for(nbytes: int, dims: Any, compute_bytes: int, kv_dtype: str 
                                     int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
                                     kv_token_head_bytes(kv_dtype, d, compute_bytes),
                                     kv_window_bytes(kv_dtype, d, compute_bytes))
+
+
+def budget_with_recall(nbytes: int, dims: Any, compute_bytes: int, kv_dtype: str, recall: int,
+                       auto: bool) -> tuple[int, int]:
+    """(kept, recalled) tokens per KV head of a byte budget that must hold both.
+
+    A byte budget is what the user's memory allows K/V: the tokens the cache keeps and the ones recall adds
+    for an answer (in every global layer; sliding-window layers never recall) together stay inside it.
+    ``auto`` (``--recall auto``) recalls at most half of what the bytes hold, so a small budget still keeps
+    as many tokens as it recalls; an explicit ``--recall N`` takes its N and leaves the rest to kept tokens.
+    """
+    whole = budget_tokens_for(nbytes, dims, compute_bytes, kv_dtype)
+    recall = min(recall, whole // 2) if auto else recall
+    layers = int(dims["num_layers"]) - int(dims.get("sliding_layers", 0))
+    per_recalled = 2 * layers * int(dims["num_kv_heads"]) * kv_token_head_bytes(kv_dtype, int(dims["head_dim"]),
+                                                                                  compute_bytes)
+    if recall <= 0 or per_recalled == 0:
+        return whole, max(recall, 0)
+    left = nbytes - recall * per_recalled
+    kept = 0
+    if left > 0:
+        with contextlib.suppress(UsageError):
+            kept = budget_tokens_for(left, dims, compute_bytes, kv_dtype)
+    if kept < 1:
+        raise UsageError(f"budget of {nbytes} bytes holds {whole} tokens per KV head, and --recall {recall} takes "
+                         f"them all while answering: lower the recall or raise the budget", field="budget")
+    return kept, recall
 
 
 def sliding_note(dims: Any) -> str:

@@ -161,9 +161,6 @@ class QueryLog:
     def __iter__(self) -> Iterator[tuple[int, Tensor, float]]:
         return iter(self.entries)
 
-    def nbytes(self) -> int:
-        return sum(q.numel() * q.element_size() for _, q, _ in self.entries)
-
 
 def _group_queries(g: HeadGroup, queries: list[Tensor], rows: slice) -> Tensor:
     """The group's query rows ``rows`` of the fed question, as they attended: [h, q_per_kv · rows, d].

@@ -527,11 +527,12 @@ class HeadGroup:
 
         Rebuilding it on every restore instead rounded each key's original twice (from its rotated codes back,
         then again), and the question's re-pack rotated every kept key from that second rounding."""
-        for name in self._coded_names("origin"):
-            self.buffers.remove(name)
         if f"{prefix}.origin" not in tensors:
+            for name in self._coded_names("origin"):
+                self.buffers.remove(name)
             return
-        self._add_coded("origin", 0)
+        if "origin" not in self.buffers:
+            self._add_coded("origin", 0)
         for name in self._coded_names("origin"):
             b = self.buffers[name]
             self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)

@@ -192,7 +192,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
     else:
         from kvtool.core.engine import Engine, EngineConfig, model_env
         from kvtool.policies import build_policy
-        from kvtool.runtime.settings import DEFAULT_RECALL
+        from kvtool.runtime.budget import DEFAULT_RECALL
 
         # On CUDA the per-block time split needs a synchronize around every timer, which would make kvtool's
         # rows slower than the dense rows they are compared with: the split is measured only when asked for.

@@ -53,7 +53,7 @@ def main() -> int:
 
     from kvtool.core.engine import Engine, EngineConfig, model_env
     from kvtool.policies import build_policy
-    from kvtool.runtime.settings import DEFAULT_RECALL
+    from kvtool.runtime.budget import DEFAULT_RECALL
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))

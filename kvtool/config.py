@@ -75,6 +75,19 @@ KV_WINDOW_TOKENS = {"int4": 128}
 #: tokens compact positions rotate per step (``positions.Rotator.rotate``): the float64 angles and float32
 #: terms of one step are the rotation's work buffers, however many keys a re-pack turns
 ROTATE_CHUNK = 1024
+# -- recall's scoring (``core/archive.py``, ``core/recall.py``; ``runtime/memory.py`` plans them) -----------------
+#: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
+#: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
+#: positions every token is, in two passes (the bound's summaries sit at original positions, the
+#: question at compact ones, so the bound does not hold across the two frames)
+SCAN = 32768
+#: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
+#: question holds fewer tokens' scores rather than allocate more than this
+SCAN_BYTES = 64 << 20
+#: pages whose keys are read at once while scanning (fewer when their scores would pass ``SCORE_BYTES``)
+SCAN_CHUNK = 16
+#: scores ([h, rows, tokens] float32) computed at once: a chunk of archived or of kept tokens
+SCORE_BYTES = 16 << 20
 
 
 def kv_window_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:

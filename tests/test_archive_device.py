@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvtool.core.archive import SUMMARY_DTYPE, AppendWork, GroupArchive
-from kvtool.core.archive_stores import FileStore, MemoryStore
+from kvtool.core.archive_stores import FILES_PER_GROUP, FileStore, MemoryStore
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -269,7 +269,7 @@ def test_close_and_release_with_staged_bytes_leave_no_descriptor(tmp_path):
     arch = GroupArchive(H, D, torch.float16, P, lambda rb: FileStore(rb, tmp_path))
     for k, v, p in blocks(torch.float32, seed=7, sizes=(5, 11)):
         arch.append(k, v, p)
-    assert arch.staged is not None and _open_descriptors() == before + 3
+    assert arch.staged is not None and _open_descriptors() == before + FILES_PER_GROUP
     staged_bytes = arch.nbytes()
     assert arch.all_positions().shape == (H, 16) and arch.store.rows == 16  # a read writes the staged rows
     assert arch.nbytes() == staged_bytes

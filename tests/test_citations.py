@@ -215,7 +215,8 @@ def test_real_model_cites_the_needle_page(tmp_path):
 
 
 def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_path):
-    """Prefill events carry pages read; the source map holds only tokens some head still holds."""
+    """Prefill events carry pages read; the source map holds only tokens some head still holds (recall off:
+    with an archive it keeps every token, which recall may bring back)."""
     pytest.importorskip("fpdf")
     from kvtool.cli.dashboard import format_parts
     from kvtool.core.events import PrefillProgress
@@ -227,7 +228,7 @@ def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_p
 
     pages = [f"the cache is small and the pass key is {i} hello world. " * 6 for i in range(8)]
     events: list[PrefillProgress] = []
-    s = Session(resolve_settings(None, {"model": model_dir, "budget": "48", "block_size": 16}),
+    s = Session(resolve_settings(None, {"model": model_dir, "budget": "48", "block_size": 16, "recall": "off"}),
                 listener=lambda e: events.append(e) if isinstance(e, PrefillProgress) else None)
     read = s.read(open_document(str(make_pdf(tmp_path / "p.pdf", pages))))
     done = [e.parts_done for e in events]

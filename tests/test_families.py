@@ -241,7 +241,7 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     import json
 
     from kvtool.cli.app import main
-    from kvtool.runtime.settings import budget_tokens_from_bytes
+    from kvtool.runtime.budget import budget_tokens_from_bytes
     from tests.helpers import tiny_family_checkpoint
 
     model_dir = tiny_family_checkpoint(tmp_path / "gemma3", "gemma3")

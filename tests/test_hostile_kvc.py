@@ -366,7 +366,7 @@ def test_archive_save_and_load_stream_in_chunks(tmp_path, monkeypatch):
     import safetensors.torch
 
     from kvtool.core import recall
-    from kvtool.core.archive_stores import MemoryStore
+    from kvtool.core.archive_stores import FILES_PER_GROUP, MemoryStore
     from kvtool.kvc import archive as kvc_archive
     from kvtool.kvc import write as kvc_write
     from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
@@ -399,12 +399,12 @@ def test_archive_save_and_load_stream_in_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "load_file", whole)
     saved = list(counting)
     info = kvc_archive.save_archive(str(tmp_path / "c.kvc"), cache)
-    assert info is not None and 0 < max(s.most_read for s in saved[::3]) <= chunk_rows  # the K/V row stores
+    assert info is not None and 0 < max(s.most_read for s in saved[::FILES_PER_GROUP]) <= chunk_rows  # key parts
     loaded = with_archive()
     loaded.load(*cache.snapshot())  # the kept tokens and counters, as load_into restores them before the archive
     fresh = counting[len(saved):]
     assert kvc_archive.load_archive(str(tmp_path / "c.kvc"), {"archive": info}, loaded) is None
-    assert 0 < max(s.most_appended for s in fresh[::3]) <= chunk_rows
+    assert 0 < max(s.most_appended for s in fresh[::FILES_PER_GROUP]) <= chunk_rows
     for ga, gb in zip(cache.groups(), loaded.groups(), strict=True):  # the oracle: an exact round trip
         a, b = ga.archive.state_dict("x"), gb.archive.state_dict("x")
         assert all(torch.equal(a[k], b[k]) for k in a)

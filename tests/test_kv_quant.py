@@ -320,8 +320,8 @@ def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(
     contexts = []
     real = BoundedLayer.context
 
-    def spy(self, g, probs):
-        ctx = real(self, g, probs)
+    def spy(self, g, probs, evicting=True):
+        ctx = real(self, g, probs, evicting)
         # the keys and values a policy scores are the decoded ones, and its per-token constants
         # (KeyDiff's key norm, VATP's ‖v‖₁) were computed from them
         assert ctx.keys.dtype == g.dtype and torch.equal(ctx.keys, g.stored_keys())
@@ -383,7 +383,7 @@ def test_compact_repacks_do_not_drift(monkeypatch):
 # -- budget -----------------------------------------------------------------------------------------
 def test_byte_budget_holds_twice_the_tokens_of_bfloat16_in_int8():
     from kvtool.config import kv_token_head_bytes
-    from kvtool.runtime.settings import budget_tokens_from_bytes
+    from kvtool.runtime.budget import budget_tokens_from_bytes
 
     dims = (30, 3, 64)  # SmolLM2-135M: layers, KV heads, head dim
     nbytes = 64 * 2**20
@@ -471,10 +471,12 @@ def test_ask_with_int8_holds_more_tokens_in_the_same_bytes(qenv, capsys):
     assert {kv: s["kv_dtype"] for kv, s in stats.items()} == {"auto": "float32", "bfloat16": "bfloat16",
                                                              "int8": "int8", "int4": "int4"}
     window = {"int4": 16384}
-    for kv, s in stats.items():
-        assert s["budget"] == (budget - window.get(kv, 0)) // per_token[kv] and s["kv_budget_bytes"] <= budget
+    for kv, s in stats.items():  # recall (on by default) holds half of the tokens the bytes buy, inside them
+        whole = (budget - window.get(kv, 0)) // per_token[kv]
+        assert s["recall_tokens"] == whole // 2 and s["budget"] == whole - whole // 2
+        assert s["kv_budget_bytes"] + s["recall_kv_bytes"] <= budget
         assert "bytes of K+V per token in" in s["budget_conversion"]
-    assert stats["int8"]["budget"] == 256 and stats["bfloat16"]["budget"] == 160
+    assert stats["int8"]["budget"] == 128 and stats["bfloat16"]["budget"] == 80
 
 
 def test_profile_plans_the_quantized_cache(qenv, capsys):
@@ -483,7 +485,7 @@ def test_profile_plans_the_quantized_cache(qenv, capsys):
     args = ["profile", "--model", qenv["model"], *SETTINGS[:6], "--budget", "64", "--json", "-q"]
     plans = {}
     for kv in ("auto", "int8", "int4"):
-        rc, out, err = run_cli(capsys, *args, "--kv-dtype", kv)
+        rc, out, err = run_cli(capsys, *args, "--kv-dtype", kv, "--recall", "off")
         assert rc == 0, err
         plans[kv] = json.loads(out)
     auto, int8 = plans["auto"], plans["int8"]
@@ -500,6 +502,17 @@ def test_profile_plans_the_quantized_cache(qenv, capsys):
     # two int64 indices and a flag per row), and the encoder's unpacked codes and high nibbles
     assert plans["int4"]["kv_decode_scratch_bytes"] == (3 * (64 + 16) * 2 * 8 * 4 + (64 + 16) * 2 * 8
                                                         + 2 * 80 * (8 * 2 + 17) + encode + 2 * 16 * (8 + 4))
+    # recall (on by default: 256 slots) grows every slot-sized buffer, and int4's window is matched over the
+    # recalled tokens too (a relevance placement puts them after the kept ones)
+    recalled = {}
+    for kv in ("int8", "int4"):
+        rc, out, err = run_cli(capsys, *args, "--kv-dtype", kv)
+        assert rc == 0, err
+        recalled[kv] = json.loads(out)["kv_decode_scratch_bytes"]
+    slots = 64 + 16 + 256
+    assert recalled["int8"] == 3 * slots * 2 * 8 * 4 + encode
+    assert recalled["int4"] == (3 * slots * 2 * 8 * 4 + slots * 2 * 8 + 2 * slots * (8 * 2 + 17) + encode
+                                + 2 * 16 * (8 + 4))
 
 
 def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):

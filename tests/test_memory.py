@@ -212,7 +212,8 @@ def test_profile_expected_memory_matches_formulas(
 ) -> None:
     """The numbers written in the shipped profiles are what memory.py computes (no drift), for their policy."""
     from kvtool.policies import REGISTRY
-    from kvtool.runtime.settings import default_block_size, load_profile, parse_budget
+    from kvtool.runtime.budget import parse_budget
+    from kvtool.runtime.settings import default_block_size, load_profile
 
     data = load_profile(PROFILES / f"{profile}.yaml")
     policy = REGISTRY.bases[data["policy"]]()  # a plain base (no modifiers) in every shipped profile
@@ -287,7 +288,8 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
 
     def run(dtype: str, positions: str, doc: int, max_positions: int | None = 64) -> dict[str, Any]:
         info = ModelInfo(name="hand", dims=dict(TINY), num_params=1000, dtype=dtype, max_positions=max_positions)
-        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions})
+        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions,
+                                           "recall": "off"})
         return plan(info, settings, doc_tokens=doc, memory=10_000_000)
 
     base = run("bfloat16", "absolute", 1000)

@@ -67,9 +67,22 @@ def test_plan_matches_hand_computation() -> None:
     # x 2 KV heads x 2 layers
     assert p["snapshot_bytes"] == 64 * (128 + 16 + 4) * 2 * 2 == 37888
     assert p["predicted_peak_bytes"] == 1000 + 4000 + 40960 + 40960 + 61440 + 1280 + 43408 + 37888 == 230936
-    # recall's default (auto: 256 slots per KV head) adds its slots to the peak
+    # recall's default (auto: 256 slots per KV head): its slots (K+V and the state field, x 2 KV heads x 2 layers)
     auto = plan(_info(), _settings(recall="auto"), doc_tokens=1000, memory=None, runtime_baseline=1000)
-    assert auto["predicted_peak_bytes"] == 230936 + 256 * 512
+    assert auto["recall_slots_bytes"] == 256 * (128 + 4) * 2 * 2 == 135168
+    assert auto["recall_kv_bytes"] == 256 * 512  # what recall adds to the budget's promise
+    # a query sees 64 + 256 + 16 keys while answering: the policy's probabilities and SDPA's scratch grow with them
+    attention, sdpa = 2 * 16 * 336 * 4 * 4, 2 * 336 * 4 * 16 * 4 + 16 * 336 * 4 * 4
+    assert (auto["attention_scratch_bytes"], auto["sdpa_scratch_bytes"]) == (attention, sdpa) == (172032, 258048)
+    # scoring the archive, for a question of min(256, budget) = 64 tokens: its queries logged in both layers
+    # (4 heads x 16 dims, float32), one layer's gathered and in float32, the scores held between the softmax's
+    # passes (2 KV heads x 2 x 64 rows, float32, for each of the 1000 tokens a 1000-token document can archive),
+    # and a chunk of 16 pages of 32 tokens with its softmax's temporary
+    assert auto["recall_question_tokens"] == 64
+    per_token = 4 * 2 * 2 * 64
+    scratch = 2 * 4 * 64 * 16 * 4 + 4 * 64 * 16 * 8 + per_token * 1000 + 2 * per_token * 16 * 32
+    assert auto["recall_scratch_bytes"] == scratch == 2138112
+    assert auto["predicted_peak_bytes"] == 230936 - 40960 - 61440 + attention + sdpa + 135168 + scratch
     # dense: every token's K+V, and activations for all 1000 tokens at once
     assert p["dense"] == {
         "doc_tokens": 1000,
@@ -184,7 +197,7 @@ def _tiny_doc(tmp_path: Path, words: int) -> Path:
 def test_cli_json_schema(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
                           "cpu", "--memory", "64GiB", "--doc-tokens", "5000", "--policy", "keydiff", "--json",
-                          "--quiet")
+                          "--recall", "off", "--quiet")
     assert code == 0, err
     assert err == ""
     p = json.loads(out)
@@ -217,11 +230,17 @@ def test_cli_text_prints_conversion_and_table(tiny_dir: Path, capsys: pytest.Cap
     code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
                           "cpu", "--policy", "h2o", "--memory", "1GiB", "--quiet")
     assert code == 0, err
-    assert "budget 32KiB = 64 tokens per KV head (512 bytes of K+V per token in float32)" in out
+    # recall (on by default) is held inside a byte budget: half of its 64 tokens recalled, half kept
+    assert ("budget 32KiB = 32 tokens per KV head kept (16.0 KiB) + 32 recalled while answering (16.0 KiB; 512 "
+            "bytes of K+V per token in float32)") in " ".join(out.split())
     for label in ("runtime baseline", "weights", "KV per token, per layer per head", "KV allocated",
-                  "attention scratch (policy)", "policy score state", "activations", "predicted peak",
-                  "largest budget"):
+                  "attention scratch (policy)", "policy score state", "activations", "recall slots", "recall scratch",
+                  "predicted peak", "largest budget"):
         assert label in out, label
+    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32KiB", "--block-size", "16", "--device",
+                          "cpu", "--policy", "h2o", "--recall", "off", "--quiet")
+    assert code == 0, err
+    assert "budget 32KiB = 64 tokens per KV head (512 bytes of K+V per token in float32)" in out
 
 
 @pytest.mark.parametrize(

@@ -704,7 +704,12 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     p, r = json.loads(plain), json.loads(with_recall)
     per_token = r["kv_bytes_per_token"]["total"]
     assert "recall_tokens" not in p and r["recall_tokens"] == 24
-    assert r["recall_slots_bytes"] == 24 * per_token  # budget + recall + block per head, K and V
+    heads = r["kv_bytes_per_token"]["per_layer"] // r["kv_bytes_per_token"]["per_layer_per_head"]
+    layers = per_token // r["kv_bytes_per_token"]["per_layer"]
+    # budget + recall + block per head: K and V, and the policy's state (h2o: one float32 field)
+    assert r["recall_slots_bytes"] == 24 * (per_token + 4 * heads * layers)
+    assert r["recall_kv_bytes"] == 24 * per_token
+
     def peak(plan):  # the runtime baseline is a measured RSS: it differs between the two runs
         return plan["predicted_peak_bytes"] - plan["runtime_baseline_bytes"]
 
@@ -713,7 +718,11 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     rotated = r["rotation_scratch_bytes"] - p["rotation_scratch_bytes"]
     heads_x_dim = r["kv_bytes_per_token"]["per_layer"] // (2 * 4)  # K and V of float32 per KV head and dim
     assert r["dtype"] == "float32" and rotated == 24 * heads_x_dim * (4 + 12)
-    assert peak(r) - peak(p) == 24 * per_token + rotated
+    # a query sees 24 more keys while answering (the policy's probabilities, SDPA's scratch), and scoring the
+    # archive has its temporaries
+    seen = sum(r[k] - p[k] for k in ("attention_scratch_bytes", "sdpa_scratch_bytes"))
+    assert seen > 0 and r["recall_scratch_bytes"] > 0
+    assert peak(r) - peak(p) == r["recall_slots_bytes"] + rotated + seen + r["recall_scratch_bytes"]
     assert r["archive_bytes_per_evicted_token"]["file"] == per_token  # the model's dtype
     rc, default, err = run_cli(capsys, *args)  # recall auto: 256 slots, an int8 archive
     assert rc == 0, err

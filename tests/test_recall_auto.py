@@ -17,7 +17,8 @@ from kvtool.core.events import Note
 from kvtool.core.sampling import RepeatGuard, make_sampler
 from kvtool.documents import open_document
 from kvtool.runtime import archive_disk
-from kvtool.runtime.settings import DEFAULT_RECALL, Settings, parse_recall, resolve_settings
+from kvtool.runtime.budget import DEFAULT_RECALL, parse_recall
+from kvtool.runtime.settings import Settings, resolve_settings
 from tests.helpers import tiny_checkpoint
 
 runner = CliRunner()

@@ -63,7 +63,7 @@ def test_explicit_close_releases_the_files(tmp_path):
     engine = recall_engine(tiny_llama(), "sink", 32, 16, archive_dir=str(tmp_path))
     cache = engine.new_cache()
     engine.feed(cache, [ids_of(80, 1)], progress=False)
-    stores = [st for a in recall.archives(cache) for st in (a.store, a.index, a.summaries)]
+    stores = [st for a in recall.archives(cache) for st in a.parts]  # key rows, value rows, positions, summaries
     assert stores and all(st.fd is not None for st in stores)
     recall.close(cache)
     assert all(st.fd is None for st in stores) and recall.archives(cache) == []

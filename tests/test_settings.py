@@ -7,17 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvtool.errors import EXIT_USAGE, UsageError
-from kvtool.runtime.settings import (
-    PROFILE_KEYS,
-    Budget,
-    Settings,
-    budget_tokens_from_bytes,
-    find_profile,
-    load_profile,
-    parse_budget,
-    parse_size,
-    resolve_settings,
-)
+from kvtool.runtime.budget import Budget, budget_tokens_from_bytes, parse_budget, parse_size
+from kvtool.runtime.settings import PROFILE_KEYS, Settings, find_profile, load_profile, resolve_settings
 
 REPO_PROFILES = Path(__file__).resolve().parent.parent / "kvtool" / "profiles"
 

@@ -65,7 +65,12 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         arch = p["archive_bytes_per_evicted_token"]
         rows += [
             ("recall slots", _b(p["recall_slots_bytes"]),
-             f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block"),
+             f"{p['recall_tokens']} tokens per KV head: an answer holds budget + recall + one block "
+             f"(K+V {_b(p['recall_kv_bytes'])} on top of the budget's promise"
+             + (", inside the byte budget)" if p.get("budget_conversion") else ")")),
+            ("recall scratch", _b(p["recall_scratch_bytes"]),
+             f"scoring the archive for a question of {p['recall_question_tokens']} tokens: its queries, the "
+             "scores held between two passes, one chunk"),
             ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['index'])}",
              f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
              f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),

@@ -62,7 +62,8 @@ def run_profile(
 ) -> dict[str, Any]:
     """Everything ``kvtool profile`` does after flag parsing; returns the printed plan."""
     from kvtool.documents import open_document
-    from kvtool.runtime.settings import parse_size, resolve_settings
+    from kvtool.runtime.budget import parse_size
+    from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before torch is imported and before seconds are spent loading the model.
     if doc_tokens is not None and doc_tokens < 1:

@@ -3,8 +3,9 @@
 Every head of a group keeps exactly ``capacity`` tokens, so every eviction drops the same number of
 tokens per head and a group's archive grows in lockstep across its heads::
 
-    GroupArchive (one per bounded head group), three append-only stores
-      store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V
+    GroupArchive (one per bounded head group), append-only stores
+      store        rows [archived, 2·h·d] in the model dtype: K (post-RoPE at the ORIGINAL position) then V,
+                   the key part and the value part of each row in two stores (``SplitRows``)
       index        rows [archived, h] int32: the original stream position of each archived token
       summaries    rows [completed pages, 2·h·d] float16: key minima then maxima, rounded outward
       tail         the open page's summary (the only part held in memory, on the keys' device)
@@ -29,22 +30,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kvtool.core.archive_stores import ArchiveStore
+from kvtool.config import SCAN_CHUNK, SCORE_BYTES
+from kvtool.core.archive_stores import ArchiveStore, SplitRows
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
 #: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
 SUMMARY_DTYPE = torch.float16
-#: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
-#: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
-#: positions every token is, in two passes (the bound's summaries sit at original positions, the
-#: question at compact ones, so the bound does not hold across the two frames)
-SCAN = 32768
-#: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
-#: question holds fewer tokens' scores rather than allocate more than this
-SCAN_BYTES = 64 << 20
-#: pages whose keys are read at once while scanning
-SCAN_CHUNK = 16
 #: completed pages whose summaries are read at once while bounding
 SUMMARY_CHUNK = 4096
 
@@ -111,9 +103,10 @@ ALIGN = 16
 class GroupArchive:
     """The archived tokens of one head group, in lockstep across its heads, with page summaries.
 
-    Three append-only stores (files on a real run), so host memory does not grow with the document:
-    ``store`` the K/V rows, ``index`` each token's original position per head (int32), ``summaries``
-    each completed page's per-channel key minima then maxima (float16, rounded outward). Only the open
+    Append-only stores (files on a real run), so host memory does not grow with the document:
+    ``store`` the K/V rows (their key and value parts in two stores: scoring reads the keys alone),
+    ``index`` each token's original position per head (int32), ``summaries`` each completed page's
+    per-channel key minima then maxima (float16, rounded outward). Only the open
     (last, incomplete) page's summary, ``tail``, is held in memory, on the keys' device.
 
     Appending runs once per layer and block, so it makes no host sync and allocates nothing once the
@@ -126,7 +119,7 @@ class GroupArchive:
           → copied with ONE copy into ``staging``, a host buffer kept on the archive and grown
             geometrically (pinned and non-blocking when the device is CUDA, a CUDA event marks the
             copy's end)
-          → :meth:`flush` writes the staged bytes to the three stores (``pwrite`` for files)
+          → :meth:`flush` writes the staged bytes to the stores (``pwrite`` for files)
 
     The flush is deferred: the next append (or any read: ``read``, ``positions_of``, ``all_positions``,
     ``page_summaries``, ``state_dict``) does it first, so the copy overlaps the next block's compute
@@ -142,7 +135,9 @@ class GroupArchive:
         self.d = head_dim
         self.dtype = dtype
         self.page_size = page_size
-        self.store = new_store(self.row_bytes(num_heads, head_dim, dtype))
+        self.part_bytes = self.row_bytes(num_heads, head_dim, dtype) // 2  # a row's key part, or its value part
+        self.store = SplitRows(new_store(self.part_bytes), new_store(self.part_bytes), *_row_columns(
+            num_heads, head_dim, dtype))
         self.index = new_store(4 * num_heads)
         self.summaries = new_store(2 * num_heads * head_dim * SUMMARY_DTYPE.itemsize)
         self.work = work if work is not None else AppendWork()
@@ -153,7 +148,7 @@ class GroupArchive:
         self.open_pages: Tensor | None = None  # the [L, 2, h, d] tensor ``open_page`` is a row of (``append_layers``)
         self.staging = torch.empty(0, dtype=torch.uint8)  # the last append's bytes, on their way to the stores
         self.pinned = False  # whether ``staging`` is pinned memory
-        self.staged: tuple[int, int, int] | None = None  # rows staged for store, index, summaries (None: none)
+        self.staged: tuple[int, ...] | None = None  # rows staged per part (``parts``; None: none)
         self.copied: torch.cuda.Event | None = None  # recorded after the staging copy (CUDA only)
 
     @staticmethod
@@ -167,17 +162,22 @@ class GroupArchive:
     def pages(self) -> int:
         return -(-self.length // self.page_size)
 
+    @property
+    def parts(self) -> tuple[ArchiveStore, ...]:
+        """The stores an append writes, in the order of its packed bytes: key parts, value parts, positions,
+        summaries of the pages it completes."""
+        return self.store.keys, self.store.values, self.index, self.summaries
+
     def nbytes(self) -> int:
         """Bytes held: K/V rows, positions and page summaries (in the stores or staged) and the open page."""
-        stores = (self.store, self.index, self.summaries)
-        staged = self.staged or (0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
-        held = sum((st.rows + k) * st.row_bytes for st, k in zip(stores, staged, strict=True))
+        staged = self.staged or (0, 0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
+        held = sum((st.rows + k) * st.row_bytes for st, k in zip(self.parts, staged, strict=True))
         return held + self.tail.numel() * self.tail.element_size()
 
-    def _offsets(self, counts: tuple[int, int, int]) -> list[int]:
-        """Where the store's, the index's and the summaries' rows start in the packed bytes, and their end."""
+    def _offsets(self, counts: tuple[int, ...]) -> list[int]:
+        """Where each part's rows (``parts``) start in the packed bytes, and their end."""
         at, out = 0, []
-        for st, k in zip((self.store, self.index, self.summaries), counts, strict=True):
+        for st, k in zip(self.parts, counts, strict=True):
             out.append(at)
             at += -(-k * st.row_bytes // ALIGN) * ALIGN
         return [*out, at]
@@ -191,7 +191,8 @@ class GroupArchive:
         """
         append_layers([self], keys.unsqueeze(0), values.unsqueeze(0), positions.unsqueeze(0))
 
-    def _stage(self, packed: Tensor, counts: tuple[int, int, int], total: int) -> None:
+
+    def _stage(self, packed: Tensor, counts: tuple[int, ...], total: int) -> None:
         """Copy the first ``total`` packed bytes of an append into ``staging`` with one copy; :meth:`flush`
         writes them. ``staging`` is sized like ``packed`` (for the most pages a block can complete)."""
         cuda = packed.device.type == "cuda"
@@ -218,7 +219,7 @@ class GroupArchive:
         if self.copied is not None:
             self.copied.synchronize()
         at = self._offsets(counts)
-        for st, k, start in zip((self.store, self.index, self.summaries), counts, at[:3], strict=True):
+        for st, k, start in zip(self.parts, counts, at[:-1], strict=True):
             if k:
                 st.append(self.staging[start : start + k * st.row_bytes].view(k, st.row_bytes))
 
@@ -280,17 +281,19 @@ class GroupArchive:
 
     def scores(self, queries: Tensor, pages: Tensor,
                place: Callable[[Tensor, Tensor], Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time.
+        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time (fewer for many rows).
 
         Yields the tokens' original positions [h, a] and their scores per query row [h, r, a] (−inf for
-        a tail page's missing tokens): the transient buffer is one chunk, however many pages.
+        a tail page's missing tokens): the transient buffer is one chunk, at most ``SCORE_BYTES`` (or one
+        page's), however many pages.
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
         q = queries.float().cpu()
         span = torch.arange(min(P, self.length))  # a page longer than the archive holds only what was archived
-        for lo in range(0, pages.shape[1], SCAN_CHUNK):
-            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + span).reshape(self.h, -1)
+        step = max(1, min(SCAN_CHUNK, SCORE_BYTES // (4 * self.h * max(q.shape[1], 1) * P)))
+        for lo in range(0, pages.shape[1], step):
+            idx = (pages[:, lo : lo + step].unsqueeze(-1) * P + span).reshape(self.h, -1)
             valid = idx < self.length
             keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
             if place is not None:
@@ -314,16 +317,21 @@ class GroupArchive:
         return int(pages.sum())
 
     def read(self, index: Tensor, values: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T]."""
+        """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T].
+
+        Without ``values`` only the key parts are read (and dequantized): scoring reads half the bytes."""
         self.flush()
         uniq, inverse = torch.unique(index, return_inverse=True)
-        rows = self.store.read(uniq)
-        rows = _dequantize(rows, self.h, self.d) if self.dtype == torch.int8 else rows.view(self.dtype).view(
-            -1, 2, self.h, self.d)
         heads = torch.arange(self.h).unsqueeze(1)
-        keys = rows[:, 0][inverse, heads]
-        vals = rows[:, 1][inverse, heads] if values else None
+        keys = self._decode(self.store.read_keys(uniq))[inverse, heads]
+        vals = self._decode(self.store.read_values(uniq))[inverse, heads] if values else None
         return keys, vals, self._positions(uniq, inverse)  # the same rows: one unique, not two
+
+    def _decode(self, part: Tensor) -> Tensor:
+        """Key (or value) parts [u, part_bytes] → [u, h, d]: int8 dequantized to float32, else viewed in the dtype."""
+        if self.dtype == torch.int8:
+            return _dequantize(part, self.h, self.d)
+        return part.view(self.dtype).view(-1, self.h, self.d)
 
     # -- persistence (kvtool/runtime/store.py writes these into a sibling of the .kvc) ------------------
     def state_dict(self, prefix: str) -> dict[str, Tensor]:
@@ -388,16 +396,17 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     h, d, P, device, work = a0.h, a0.d, a0.page_size, keys.device, a0.work
     lead = a0.length % P
     pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
-    counts = (n, n, done)
+    counts = (n, n, n, done)  # the parts: key rows, value rows, positions, completed pages' summaries
     at = a0._offsets(counts)  # the same layout in every layer's row of ``packed``
-    stride = -(-(at[2] + (n // P + 1) * a0.summaries.row_bytes) // ALIGN) * ALIGN  # the most an append of n needs
+    stride = -(-(at[3] + (n // P + 1) * a0.summaries.row_bytes) // ALIGN) * ALIGN  # the most an append of n needs
     packed = work.get("packed", (L, stride), torch.uint8, device)
-    _write_rows(a0.dtype, packed[:, at[0] : at[0] + n * a0.store.row_bytes].view(L, n, -1), keys.detach(),
-                values.detach(), work)
-    packed[:, at[1] : at[1] + n * a0.index.row_bytes].view(torch.int32).view(L, n, h).copy_(positions.transpose(1, 2))
+    pb = a0.part_bytes
+    _write_rows(a0.dtype, packed[:, at[0] : at[0] + n * pb].view(L, n, pb), packed[:, at[1] : at[1] + n * pb].view(
+        L, n, pb), keys.detach(), values.detach(), work)
+    packed[:, at[2] : at[2] + n * a0.index.row_bytes].view(torch.int32).view(L, n, h).copy_(positions.transpose(1, 2))
     opens = _open_pages(archives, device)
     summ = _summarise(keys.detach(), P, lead, pages, opens if lead else None, work)  # [L, pages, 2, h, d] in work
-    packed[:, at[2] : at[2] + done * a0.summaries.row_bytes].view(SUMMARY_DTYPE).view(L, done, 2, h, d).copy_(
+    packed[:, at[3] : at[3] + done * a0.summaries.row_bytes].view(SUMMARY_DTYPE).view(L, done, 2, h, d).copy_(
         summ[:, :done])
     if done < pages:
         opens.copy_(summ[:, done])
@@ -431,15 +440,15 @@ def _open_pages(archives: list[GroupArchive], device: torch.device) -> Tensor:
     return opens
 
 
-def _write_rows(dtype: torch.dtype, rows: Tensor, keys: Tensor, values: Tensor, work: AppendWork) -> None:
-    """K/V of ``n`` tokens per layer into their store rows ``rows`` [L, n, row_bytes]: cast, or int8 quantized
-    symmetrically per token and head (absmax / 127; a key's error is at most half its scale per channel),
-    codes [n, 2, h, d] then float32 scales [n, 2, h] in each row."""
+def _write_rows(dtype: torch.dtype, krows: Tensor, vrows: Tensor, keys: Tensor, values: Tensor,
+                work: AppendWork) -> None:
+    """K/V of ``n`` tokens per layer into their key and value parts ``krows``, ``vrows`` [L, n, part_bytes]: cast,
+    or int8 quantized symmetrically per token and head (absmax / 127; a key's error is at most half its scale per
+    channel), codes [n, h, d] then float32 scales [n, h] in each part."""
     L, h, n, d = keys.shape
     if dtype != torch.int8:
-        kv = rows.view(dtype).view(L, n, 2, h, d)
-        kv[:, :, 0].copy_(keys.transpose(1, 2))
-        kv[:, :, 1].copy_(values.transpose(1, 2))
+        krows.view(dtype).view(L, n, h, d).copy_(keys.transpose(1, 2))
+        vrows.view(dtype).view(L, n, h, d).copy_(values.transpose(1, 2))
         return
     kv = work.get("kv32", (L, n, 2, h, d), torch.float32, keys.device)
     kv[:, :, 0].copy_(keys.transpose(1, 2))
@@ -448,8 +457,10 @@ def _write_rows(dtype: torch.dtype, rows: Tensor, keys: Tensor, values: Tensor, 
     scale = work.get("scale32", (L, n, 2, h, 1), torch.float32, keys.device)
     top = work.constants(keys.device).top
     torch.amax(magnitude, -1, keepdim=True, out=scale).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
-    rows[..., : 2 * h * d].view(torch.int8).view(L, n, 2, h, d).copy_(kv.div_(scale).round_().clamp_(-127, 127))
-    rows[..., 2 * h * d :].copy_(scale.view(L, n, 2 * h).view(torch.uint8))
+    kv.div_(scale).round_().clamp_(-127, 127)
+    for i, rows in enumerate((krows, vrows)):
+        rows[..., : h * d].view(torch.int8).view(L, n, h, d).copy_(kv[:, :, i])
+        rows[..., h * d :].copy_(scale[:, :, i].view(L, n, h).view(torch.uint8))
 
 
 def _summarise(keys: Tensor, P: int, lead: int, pages: int, tails: Tensor | None, work: AppendWork) -> Tensor:
@@ -488,11 +499,21 @@ def _empty_page(h: int, d: int) -> Tensor:
     return torch.stack((torch.full((h, d), float("inf")), torch.full((h, d), float("-inf")))).to(SUMMARY_DTYPE)
 
 
-def _dequantize(rows: Tensor, h: int, d: int) -> Tensor:
-    """The inverse of ``GroupArchive._write_rows``'s int8 rows: [u, row_bytes] bytes → [u, 2, h, d] float32."""
-    q = rows[:, : 2 * h * d].view(torch.int8).view(-1, 2, h, d)
-    scale = rows[:, 2 * h * d :].contiguous().view(torch.float32).view(-1, 2, h, 1)
+def _dequantize(part: Tensor, h: int, d: int) -> Tensor:
+    """The inverse of ``GroupArchive._write_rows``'s int8 key (or value) parts: [u, h·d + 4·h] bytes → [u, h, d]
+    float32."""
+    q = part[:, : h * d].view(torch.int8).view(-1, h, d)
+    scale = part[:, h * d :].contiguous().view(torch.float32).view(-1, h, 1)
     return q.float() * scale
+
+
+def _row_columns(h: int, d: int, dtype: torch.dtype) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The byte ranges of a whole row (the ``.kvc`` archive's layout) that make up its key part and its value
+    part: K then V in the dtype; int8 codes of K, of V, then float32 scales of K, of V."""
+    if dtype == torch.int8:
+        return [(0, h * d), (2 * h * d, 2 * h * d + 4 * h)], [(h * d, 2 * h * d), (2 * h * d + 4 * h, 2 * h * (d + 4))]
+    half = GroupArchive.row_bytes(h, d, dtype) // 2
+    return [(0, half)], [(half, 2 * half)]
 
 
 def _round_outward(x: Tensor, work: AppendWork, most: int) -> Tensor:

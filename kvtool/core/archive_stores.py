@@ -4,7 +4,8 @@
 temporary file written with ``pwrite`` and read through a short-lived ``mmap``): the process RSS stays
 flat however long the document, and the file vanishes with the process, even on Ctrl-C, SIGTERM or
 SIGKILL, because it has no name after it is created. ``reserve_descriptors`` makes sure the files a
-read's archives keep open can be opened before reading starts.
+read's archives keep open can be opened before reading starts. :class:`SplitRows` keeps the key half and
+the value half of K/V rows in two such stores, so scoring the archive reads the keys alone.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _free(directory: str) -> str:
     return "unknown" if fs is None else f"{fs[0] / 2**20:,.0f} MiB"
 
 
-#: files a group's archive keeps open with ``FileStore``: rows, their positions, page summaries
-FILES_PER_GROUP = 3
+#: files a group's archive keeps open with ``FileStore``: key rows, value rows, their positions, page summaries
+FILES_PER_GROUP = 4
 #: descriptors left free for the rest of a run (model files, /proc reads, output) beside the archive's
 DESCRIPTOR_MARGIN = 16
 
@@ -162,3 +163,61 @@ class FileStore:
             self._release()  # closes the descriptor once, whoever asks first
             self.fd = None
         self.rows = 0
+
+
+class SplitRows:
+    """Rows of K/V bytes kept as two stores: each row's key part in one, its value part in the other.
+
+    A row as the rest of kvtool sees it (``row_bytes``; ``read``/``append``, the ``.kvc`` archive's
+    ``rows``) is the concatenation of byte ranges: ``key_cols`` make up the key part, in order, and
+    ``value_cols`` the value part. Scoring the archive needs keys only (``read_keys``): with the parts in
+    two files it reads half the bytes, where one file of whole rows would fault in every page of it.
+    """
+
+    def __init__(self, keys: ArchiveStore, values: ArchiveStore, key_cols: list[tuple[int, int]],
+                 value_cols: list[tuple[int, int]]) -> None:
+        self.keys = keys
+        self.values = values
+        self.key_cols = key_cols
+        self.value_cols = value_cols
+        self.row_bytes = keys.row_bytes + values.row_bytes
+        self.where = keys.where
+
+    @property
+    def rows(self) -> int:
+        return self.keys.rows
+
+    def append_parts(self, keys: Tensor, values: Tensor) -> None:
+        """Append ``n`` rows given as their key parts [n, key bytes] and value parts [n, value bytes]."""
+        self.keys.append(keys)
+        self.values.append(values)
+
+    def append(self, rows: Tensor) -> None:
+        """Append whole rows [n, row_bytes] (a loaded archive): split into their parts (a copy)."""
+        self.append_parts(_columns(rows, self.key_cols), _columns(rows, self.value_cols))
+
+    def read_keys(self, index: Tensor) -> Tensor:
+        """The key parts [k, key bytes] of rows ``index`` [k]."""
+        return self.keys.read(index)
+
+    def read_values(self, index: Tensor) -> Tensor:
+        return self.values.read(index)
+
+    def read(self, index: Tensor) -> Tensor:
+        """Whole rows [k, row_bytes] of ``index`` [k], put back together from their parts."""
+        out = torch.empty(index.numel(), self.row_bytes, dtype=torch.uint8)
+        for part, cols in ((self.read_keys(index), self.key_cols), (self.read_values(index), self.value_cols)):
+            at = 0
+            for a, b in cols:
+                out[:, a:b] = part[:, at : at + b - a]
+                at += b - a
+        return out
+
+    def close(self) -> None:
+        self.keys.close()
+        self.values.close()
+
+
+def _columns(rows: Tensor, cols: list[tuple[int, int]]) -> Tensor:
+    """Byte ranges ``cols`` of ``rows`` [n, row_bytes], side by side and contiguous."""
+    return torch.cat([rows[:, a:b] for a, b in cols], dim=1).contiguous()

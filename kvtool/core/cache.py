@@ -21,7 +21,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -134,13 +134,15 @@ class BoundedLayer(CacheLayerMixin):
         owner.rope.after_evict(g, True, owner.step.length)
         c.evict_seconds += evict_s + owner.clock() - t0
 
-    def context(self, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
+    def context(self, g: HeadGroup, probs: Tensor | None, evicting: bool = True) -> ScoreContext:
+        """What the group's policy sees this step; the protection only when it evicts (a step that only
+        observes, H2O's on every decoded token, would build a dozen [h, n] masks for nothing)."""
         owner = self.owner
         n = g.length
         keys, values = g.kv()
         pos = g.positions[:, :n]
         cap = g.capacity if g.capacity is not None else n
-        protected, priority = owner.protection(pos, g)
+        protected, priority = owner.protection(pos, g) if evicting else (None, None)
         return ScoreContext(
             layer_idx=self.layer_idx,
             heads=g.heads,
@@ -156,6 +158,12 @@ class BoundedLayer(CacheLayerMixin):
             block_len=owner.step_len,
             seen=owner.seen,
         )
+
+
+class QuerySink(Protocol):
+    """Where the attention function records a layer's queries while recall's question is fed (``recall.QueryLog``)."""
+
+    def append(self, entry: tuple[int, Tensor, float]) -> None: ...
 
 
 @dataclass
@@ -237,7 +245,7 @@ class BoundedCache(Cache):
         self.lazy = False
         self.counters = CacheCounters()
         self.step = StepInfo()
-        self.query_log: list[tuple[int, Tensor, float]] | None = None  # recall: (layer, queries, scaling)
+        self.query_log: QuerySink | None = None  # recall: gets (layer, queries, scaling) from the attention function
         self._scratch = torch.empty(0, dtype=torch.float32, device=device)
 
     def scratch(self, *shape: int) -> Tensor:
@@ -464,11 +472,12 @@ class BoundedCache(Cache):
         g.archive.append(keys, values, positions)
 
     # -- snapshots and persistence ------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, origin: bool = False) -> dict[str, Tensor]:
+        """Every group's persisted buffers (``origin``: with the original keys' copy, for snapshots)."""
         out: dict[str, Tensor] = {}
         for li, layer in enumerate(self.layers):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
-                out.update(g.state_dict(f"l{li}.g{gi}"))
+                out.update(g.state_dict(f"l{li}.g{gi}", origin))
         return out
 
     def scalars(self) -> dict[str, Any]:
@@ -485,15 +494,15 @@ class BoundedCache(Cache):
         self.pin_end = scalars.get("pin_end")
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """A copy of the stored tokens and counters (e.g. after the document, before a question).
+        """A copy of the stored tokens and counters (e.g. after the document, before a question), the original
+        keys' copy of compact positions included: a restore gives back the very keys the document left.
 
         On a GPU the copy lives in pinned host memory: it is as large as the cache, and a GPU's memory is what
-        bounds the budget (on a 24 GiB card an 8B model's largest budget grows by about two thirds); a restore
-        copies it back, once per question."""
+        bounds the budget; a restore copies it back, once per question."""
         if self.device.type != "cuda":
-            return {k: v.clone() for k, v in self.state_dict().items()}, self.scalars()
+            return {k: v.clone() for k, v in self.state_dict(origin=True).items()}, self.scalars()
         host = {}
-        for k, v in self.state_dict().items():
+        for k, v in self.state_dict(origin=True).items():
             host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
         return host, self.scalars()
 

@@ -41,7 +41,9 @@ class ScoreContext:
     probs: Tensor | None  # [h, r, n] float32 attention probs of the block's last r query rows,
     #                        averaged over the query heads sharing each KV head (engine GQA rule)
     state: dict[str, Tensor]  # name -> [h, n] float32 per-token state (views: in-place updates persist)
-    protected: Tensor  # [h, n] bool, tokens the engine always keeps (sinks, recent, pinned)
+    # [h, n] bool, tokens the engine always keeps (sinks, recent, pinned); None on a step that only observes
+    # (``observe`` without eviction: nothing is selected, so no protection is built)
+    protected: Tensor | None
     capacity: int  # tokens the group keeps after eviction
     block_len: int  # m
     seen: int = 0  # tokens seen before this block (position counter)
@@ -187,6 +189,7 @@ class Policy:
         Default: top-``capacity`` of ``score`` with protected tokens forced in. Policies whose
         choice is not a fixed ranking (CAOTE's greedy joint eviction) override this.
         """
+        assert ctx.protected is not None, "select runs only on evicting steps, which carry the protection"
         scores = self.score(ctx).float()
         return keep_top(scores, ctx.protected, ctx.capacity, ctx.priority)
 

@@ -258,25 +258,34 @@ class Engine:
         recalled (None: no recall).
         """
         restore()
+        self._question_frame(cache, ids.numel(), note=True)
         self.pin(cache, ids.numel(), answer_tokens)
         if self.config.recall == 0 or recall.archived_tokens(cache) == 0:
             logits = self.feed(cache, [ids], progress=False)
             assert logits is not None
             return logits, None
         t0 = cache.clock()
-        cache.query_log = []
+        log = cache.query_log = recall.QueryLog(cache, focus)  # the layers that recall, the focus rows only
         try:
             self.feed(cache, [ids], progress=False)
-            log = cache.query_log
         finally:
             cache.query_log = None
         restore()
-        result = recall.recall(cache, log, self.config.recall, focus, self.config.recall_placement)
+        self._question_frame(cache, ids.numel())
+        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement)
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.clock() - t0
         logits = self.feed(cache, [ids], progress=False)
         assert logits is not None
         return logits, result
+
+    def _question_frame(self, cache: BoundedCache, m: int, note: bool = False) -> None:
+        """``--positions auto``: a question that would pass the model's range is fed at compact positions from
+        its first token (not from the block that crosses), and again after the restore, so recall scores its
+        queries and the archive in one frame and places what it brings back as compact positions do."""
+        if cache.rope.prepare(cache.groups(), cache.seen, m) and note:
+            self.emit(Note(f"positions: switched to compact at token {cache.seen} for the question "
+                           f"(model range {self.max_positions})"))
 
     def feed(
         self,

@@ -263,14 +263,21 @@ class CompactPositions:
 
     def begin(self, groups: list[Packable], seen: int, m: int) -> Tensor:
         """Rotary position ids for a block of ``m`` tokens starting at stream position ``seen``."""
-        if not self.compact and self.mode == "auto" and self.max_positions is not None:
-            if seen + m > self.max_positions:
-                self.switch(groups, seen)
+        self.prepare(groups, seen, m)
         if self.compact:
             if self.next + m > self.limit:
                 self.renormalize(groups)
             return torch.arange(self.next, self.next + m, device=self.device)
         return torch.arange(seen, seen + m, device=self.device)
+
+    def prepare(self, groups: list[Packable], seen: int, m: int) -> bool:
+        """``auto``: switch to compact positions now if ``m`` tokens from stream position ``seen`` would pass the
+        model's range; whether it switched. ``begin`` asks per block; a question asks for its whole length
+        before it is fed, so all of it is fed, and recall scores it, in one frame."""
+        if self.compact or self.mode != "auto" or self.max_positions is None or seen + m <= self.max_positions:
+            return False
+        self.switch(groups, seen)
+        return True
 
     def first_rotary(self, seen: int) -> int:
         """The rotary position the next appended token gets."""

@@ -1,7 +1,8 @@
 """Recall: bring back the archived passages a question points at, into the cache for one answer.
 
     attach(cache)            every bounded group gets an archive and ``recall`` extra slots
-    feed(question)           with ``cache.query_log`` set: each layer's queries are recorded
+    feed(question)           with ``cache.query_log`` a ``QueryLog``: the queries of the layers that
+                             recall are recorded (the question's own rows only)
     restore(snapshot)        back to the cache as it was after the document
     recall(cache, log, N)    every KV head scores its archive against the recorded queries; the
                              positions all heads attend to most (with their sentences) come back,
@@ -19,7 +20,7 @@ uncompensated groups archive and recall (``recallable``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvtool.config import DEFAULT_RECALL_PLACEMENT
-from kvtool.core.archive import SCAN, SCAN_BYTES, AppendWork, GroupArchive
+from kvtool.config import DEFAULT_RECALL_PLACEMENT, SCAN, SCAN_BYTES, SCORE_BYTES
+from kvtool.core.archive import AppendWork, GroupArchive
 from kvtool.core.archive_stores import ArchiveStore
 from kvtool.core.cache import BoundedCache, HeadGroup
 
@@ -92,6 +93,12 @@ def bytes_per_token(cache: BoundedCache) -> int:
     return total
 
 
+def kv_bytes(cache: BoundedCache, tokens: int) -> int:
+    """K+V bytes of ``tokens`` recalled tokens per KV head in the groups that recall: what recall adds to the
+    budget's promise for an answer (a byte budget holds it)."""
+    return sum(tokens * g.num_heads * 2 * g.bytes_per_token_head() for g in recallable_groups(cache))
+
+
 def archives(cache: BoundedCache) -> list[GroupArchive]:
     return [g.archive for g in cache.groups() if g.archive is not None]
 
@@ -118,8 +125,47 @@ def close(cache: BoundedCache) -> None:
             g.archive = None
 
 
+class QueryLog:
+    """The queries of a question fed with recall on, recorded by the attention function layer by layer.
+
+    Only what recall scores with is kept: the layers with a group that has archived something (a
+    sliding layer's queries never vote) and, of each block, the ``focus`` rows of the fed suffix (the
+    question itself; None: every row), copied out so that the rest of the block's queries are freed.
+    Its size is rows x layers that recall x attention heads x head dim in the compute dtype
+    (``memory.recall_scratch_bytes`` plans it).
+    """
+
+    def __init__(self, cache: BoundedCache, focus: slice | None = None) -> None:
+        self.layers = {li for li, layer in enumerate(cache.layers)
+                       if any(g.archive is not None and g.archive.length for g in layer.groups)}  # type: ignore[attr-defined]
+        self.focus = focus
+        self.fed: dict[int, int] = {}  # rows fed so far, per layer
+        self.entries: list[tuple[int, Tensor, float]] = []
+
+    def append(self, entry: tuple[int, Tensor, float]) -> None:
+        """Record a layer's queries [1, heads, m, d] of the suffix's next ``m`` rows, and its scaling."""
+        layer_idx, query, scaling = entry
+        if layer_idx not in self.layers:
+            return
+        first = self.fed.get(layer_idx, 0)
+        m = query.shape[2]
+        self.fed[layer_idx] = first + m
+        if self.focus is None:
+            self.entries.append((layer_idx, query, scaling))
+            return
+        lo, hi = max(self.focus.start or 0, first), min(self.focus.stop if self.focus.stop is not None else
+                                                         first + m, first + m)
+        if hi > lo:
+            self.entries.append((layer_idx, query[:, :, lo - first : hi - first].clone(), scaling))
+
+    def __iter__(self) -> Iterator[tuple[int, Tensor, float]]:
+        return iter(self.entries)
+
+
 def _group_queries(g: HeadGroup, queries: list[Tensor], rows: slice) -> Tensor:
-    """The group's query rows ``rows`` of the fed question, as they attended: [h, q_per_kv · rows, d]."""
+    """The group's query rows ``rows`` of the fed question, as they attended: [h, q_per_kv · rows, d].
+
+    ``queries``: the logged [1, heads, m, d] queries of the layer, block after block."""
     q = torch.cat([x[0] if g.all_heads else x[0].index_select(0, g.q_index) for x in queries], dim=1)[:, rows]
     return q.reshape(g.num_heads, -1, q.shape[-1])
 
@@ -180,14 +226,16 @@ def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def recall(cache: BoundedCache, log: list[tuple[int, Tensor, float]], tokens: int,
+def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens: int,
            focus: slice | None = None, placement: str = DEFAULT_RECALL_PLACEMENT) -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
 
-    ``focus``: the rows of the fed suffix whose queries count (the question itself, not the
-    instruction and chat template around it, whose rows attend to the same generic attractors for
-    every question; None: every row). ``placement``: with compact positions, where a selection goes
-    (``relevance``: after the kept tokens, ``_placement``; ``document``: merged at its positions).
+    ``log``: each layer's recorded queries and scaling, in feeding order (a ``QueryLog``). ``focus``: the
+    rows of the fed suffix whose queries count (the question itself, not the instruction and chat
+    template around it, whose rows attend to the same generic attractors for every question; None:
+    every row, or a ``QueryLog`` that kept only those rows). ``placement``: with compact positions,
+    where a selection goes (``relevance``: after the kept tokens, ``_placement``; ``document``: merged
+    at its positions).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
     scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
@@ -250,6 +298,22 @@ def _ranking(relevance: Tensor) -> Tensor:
     return best + TIE * relevance
 
 
+def _kept_logsumexp(g: HeadGroup, q: Tensor, scaling: float) -> Tensor:
+    """log Σ exp(scaled q·k) over the group's kept tokens, per query row: [h, r, 1] float32.
+
+    Scored ``SCORE_BYTES`` at a time (a chunk of kept keys, copied to the host as float32), never as one
+    [h, r, kept] matrix: with an 8B model's 8K-token budget and a 500-token question that would be 0.5 GB.
+    """
+    keys = g.stored_keys()
+    h, r = q.shape[0], q.shape[1]
+    step = max(1, SCORE_BYTES // (4 * h * max(r, 1)))
+    z = torch.full((h, r, 1), -float("inf"))
+    for a in range(0, keys.shape[1], step):
+        scores = torch.bmm(q, keys[:, a : a + step].float().cpu().transpose(1, 2)).mul_(scaling)
+        z = torch.logaddexp(z, torch.logsumexp(scores, dim=2, keepdim=True))
+    return z
+
+
 def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,
                hold: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Each scored token's attention probability, maximised over the question rows.
@@ -259,10 +323,9 @@ def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tens
     every scored one, so a head that attends to its kept tokens anyway lends the archive little. Its
     normaliser needs every score first: up to ``hold`` tokens' scores are kept from the first pass,
     past that they are computed again (``chunks()`` a second time) — exact either way, in memory
-    bounded by ``hold``. Scores are consumed in place.
+    bounded by ``hold``. Scores are consumed in place; the kept tokens' are summed in chunks.
     """
-    kept = torch.bmm(q, g.stored_keys().float().cpu().transpose(1, 2)).mul_(scaling)
-    z = torch.logsumexp(kept, dim=2, keepdim=True)  # [h, r, 1]
+    z = _kept_logsumexp(g, q, scaling)  # [h, r, 1]
     held: list[tuple[Tensor, Tensor]] = []
     count = 0
     for positions, scores in chunks():

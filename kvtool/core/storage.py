@@ -44,6 +44,13 @@ LAZY_START_SLOTS = 4096
 PERSISTED = ("keys", "values", "positions", "rotary", "state")
 #: the scale buffer of each coded K/V buffer (int8 / int4)
 SCALES = {"keys": "key_scale", "values": "value_scale", "origin": "origin_scale"}
+#: buffers an in-memory snapshot holds beside ``PERSISTED`` and a ``.kvc`` does not (a load rebuilds them)
+SNAPSHOT_ONLY = ("origin", "origin_scale")
+
+
+def file_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors of a cache snapshot that a ``.kvc`` file holds (``SNAPSHOT_ONLY`` buffers left out)."""
+    return {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] not in SNAPSHOT_ONLY}
 
 
 def free_device_bytes(device: torch.device) -> int | None:
@@ -233,13 +240,20 @@ class HeadGroup:
         self.codec.decode(data, scale, out, work, self.scratch)
         if self.recent is not None:  # the window's tokens among them read their 16-bit copy
             lead = 0 if name == "origin" else self.off
-            a, b = max(start - lead, stop - lead - self.recent.size, 0), stop - lead
+            a, b = max(start - lead, stop - lead - self._window_span(), 0), stop - lead
             if b > a:  # keys at compact positions (with "origin" kept) turn from their original ones
                 shift = self.rotary[:, a:b] - self.positions[:, a:b] if "origin" in self.buffers else None
                 rotate = self.rotator.rotate if self.rotator is not None else None
                 self.recent.overlay(name, out[:, out.shape[1] - (b - a):], self.positions[:, a:b], shift, rotate,
                                     self._shared())
         return out
+
+    def _window_span(self) -> int:
+        """The newest stored slots among which int4's window tokens are (matched there by position): the
+        window's size, and the tokens recalled for this answer, which a relevance placement puts after the
+        kept ones (the document's newest tokens then sit that many slots further from the end)."""
+        assert self.recent is not None
+        return self.recent.size + (0 if self.recalled is None else self.recalled.shape[1])
 
     def _shared(self) -> Scratch:
         """The cache's shared decode scratch (a group used alone makes its own)."""
@@ -367,7 +381,7 @@ class HeadGroup:
         window = 0
         if newest and self.recent is not None:
             self.recent.record(original, values, positions, self._shared())
-            window = self.recent.size
+            window = self._window_span()
         row["state"] = self.new_state(keys, values)
         self.length += self.buffers.write(n, row, written={c for name in coded for c in self._coded_names(name)})
         if self.codec is not None and isinstance(row["state"], Tensor):  # tokens leaving the window included
@@ -502,8 +516,11 @@ class HeadGroup:
             self.comp_value_sum.zero_()
 
     # -- persistence -----------------------------------------------------------------------------
-    def state_dict(self, prefix: str) -> dict[str, Tensor]:
-        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in self.persisted}
+    def state_dict(self, prefix: str, origin: bool = False) -> dict[str, Tensor]:
+        """The stored tokens' persisted buffers (``.kvc``); ``origin``: also the original keys' copy and its
+        scales, when the group keeps one (an in-memory snapshot: a restore then needs no rebuild)."""
+        names = self.persisted + (self._coded_names("origin") if origin and "origin" in self.buffers else ())
+        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in names}
         if self.recent is not None:
             out.update({f"{prefix}.{name}": t.clone() for name, t in self.recent.state().items()})
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
@@ -511,6 +528,22 @@ class HeadGroup:
             out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
             out[f"{prefix}.comp_count"] = torch.tensor([self.comp_count], dtype=torch.long)
         return out
+
+    def _load_origin(self, tensors: dict[str, Tensor], prefix: str, n: int) -> None:
+        """The original keys' copy as the snapshot held it, or none: a cache that compact positions need it for
+        and a ``.kvc`` does not carry it rebuilds it from the keys once (``CompactPositions.start``).
+
+        Rebuilding it on every restore instead rounded each key's original twice (from its rotated codes back,
+        then again), and the question's re-pack rotated every kept key from that second rounding."""
+        if f"{prefix}.origin" not in tensors:
+            for name in self._coded_names("origin"):
+                self.buffers.remove(name)
+            return
+        if "origin" not in self.buffers:
+            self._add_coded("origin", 0)
+        for name in self._coded_names("origin"):
+            b = self.buffers[name]
+            self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)
 
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
         keys = tensors[f"{prefix}.keys"]
@@ -539,10 +572,7 @@ class HeadGroup:
             self.recent.load({k: tensors[f"{prefix}.{k}"] for k in self.recent.state() if f"{prefix}.{k}" in tensors})
         if "mass" in self.buffers:
             self.buffers.items["mass"].tokens(0, n).zero_()
-        if "origin" in self.buffers:  # back to the original frame: one rounding, not one per re-pack
-            self.buffers.remove("origin")
-            self.buffers.remove("origin_scale")
-            self.keep_origin()
+        self._load_origin(tensors, prefix, n)
         self.rotary_floor = int(self.rotary[:, 0].min()) if n else 0
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
             self.comp_key_sum.copy_(tensors[f"{prefix}.comp_key_sum"])

@@ -31,7 +31,8 @@ from typing import Any
 
 from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
 from kvtool.errors import UsageError
-from kvtool.runtime.settings import CPU_BLOCK, Settings, parse_budget, resolve_settings
+from kvtool.runtime.budget import parse_budget
+from kvtool.runtime.settings import CPU_BLOCK, Settings, resolve_settings
 
 #: What a directory of inputs may hold (other files are ignored).
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".epub", ".docx")

@@ -39,9 +39,9 @@ from kvtool.eval import (
 )
 from kvtool.eval.metrics import contains_answer
 from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
+from kvtool.runtime.budget import parse_recall
 from kvtool.runtime.memory import compact_positions
 from kvtool.runtime.session import Session
-from kvtool.runtime.settings import parse_recall
 
 # Wording measured on the embedded 135M model: with "The pass key is N ..." / "What is the pass key?" the
 # model defines the phrase "pass key" instead of reading the text (dense: 0 of 12 at 512-1K tokens);

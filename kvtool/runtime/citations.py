@@ -5,7 +5,9 @@ Two halves:
 * :class:`SourceMap`, built while the document is read: for every document token still held by some
   head of the cache, its stream position, token id and character span in the extracted text, plus
   the table of parts (page, chapter, section) by starting character. Entries of tokens no head holds
-  any more are pruned as the prefill goes, so the map is bounded by the cache, not the document.
+  any more are pruned as the prefill goes, so the map is bounded by the cache, not the document —
+  except while the cache archives evicted tokens for recall: then every token is kept (a recalled
+  passage must be citable), and the map grows with the archive (``session._prune_source``).
 * :func:`cite`, after an answer: the cache's per-token attention mass (accumulated by the attention
   function over the upper half of the layers and all their heads while the answer was decoded, see
   ``BoundedCache.start_mass``) is summed per position, the heaviest tokens are grown into sentence
@@ -61,7 +63,8 @@ class Section:
 
 
 class SourceMap:
-    """Document tokens → (character span, token id), kept only for tokens some head still holds."""
+    """Document tokens → (character span, token id), kept for the tokens some head still holds (or, while
+    recall archives, every token)."""
 
     def __init__(self, first_position: int) -> None:
         self.first_position = first_position  # stream position of the document's first token
@@ -100,9 +103,12 @@ class SourceMap:
     def pending_tokens(self) -> int:
         return self._pending_tokens
 
-    def prune(self, held: Tensor, seen: int) -> None:
-        """Drop the entries of tokens already fed (position < ``seen``) that no head holds (not in ``held``)."""
+    def prune(self, held: Tensor | None, seen: int) -> None:
+        """Drop the entries of tokens already fed (position < ``seen``) that no head holds (not in ``held``;
+        None: every token is still wanted, as with an archive recall may bring them back from)."""
         self._flush()
+        if held is None:
+            return
         keep = torch.isin(self.positions, held.to("cpu")) | (self.positions >= seen)
         self.positions, self.spans, self.ids = self.positions[keep], self.spans[keep], self.ids[keep]
 

@@ -26,6 +26,10 @@ from kvtool.config import (
     KV_WINDOW_TOKENS,
     QUANT_BYTES_PER_PARAM,
     ROTATE_CHUNK,
+    SCAN,
+    SCAN_BYTES,
+    SCAN_CHUNK,
+    SCORE_BYTES,
     dtype_name,
     kv_token_head_bytes,
     kv_window_bytes,
@@ -57,6 +61,9 @@ PROBS_COPIES = 2
 #: the allocator's peak, which the plan predicts, does not see it; what fits on a card leaves it free.
 #: Measured 685 MiB on an H200 (CUDA 13.0, torch 2.11, after one bf16 product), with headroom for other builds.
 CUDA_RUNTIME_BYTES = 768 * 2**20
+#: The question a plan assumes recall scores with (its own tokens, not the chat template's): its queries are
+#: held while the archive is scored (``recall_scratch_bytes``; a longer question adds its per-token share).
+PLANNED_QUESTION_TOKENS = 256
 Dims = Mapping[str, int]
 
 
@@ -224,10 +231,13 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     return out
 
 
-def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto") -> int:
+def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto",
+                   original_keys: bool = False) -> int:
     """A clone of ``tokens`` stored tokens per KV head: K and V as stored, int64 stream and RoPE positions,
-    float32 policy state (``BoundedCache.snapshot``)."""
-    per_head_token = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"] + 2 * 8 + 4 * n_fields
+    float32 policy state (``BoundedCache.snapshot``); ``original_keys``: the keys' original copy too, as the
+    cache keeps it (``keeps_original_keys``), so a restore gives it back instead of rounding it again."""
+    kv = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"]
+    per_head_token = kv + (kv // 2 if original_keys else 0) + 2 * 8 + 4 * n_fields
     return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
 
 
@@ -267,9 +277,12 @@ def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
     return expanded + scores
 
 
-def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto") -> int:
+def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtype: str = "auto",
+                         recall: int = 0) -> int:
     """The buffers coded K/V (``--kv-dtype``) are read and written through (``core/quant.py``'s ``Scratch``,
-    shared by every layer); 0 when K/V are stored in the compute dtype.
+    shared by every layer); 0 when K/V are stored in the compute dtype. ``recall``: slots a group holds
+    during an answer on top of capacity + block (read like the others; int4's window is matched over them
+    too, since a relevance placement puts them after the kept tokens).
 
     Reading: one layer's K and V decoded to the compute dtype, capacity plus one block; integer codes add
     one more K (or V) where they are scaled before their rotation back, and int4 the nibbles split (one
@@ -279,13 +292,14 @@ def decode_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, kv_dtyp
     if not coded_kv(elem, kv_dtype):
         return 0
     h, d, e = dims["num_kv_heads"], dims["head_dim"], dtype_bytes(elem)
+    slots = budget + block + recall
     if kv_dtype not in ("int8", "int4"):
-        return 2 * (budget + block) * h * d * e
-    read = 3 * (budget + block) * h * d * e
+        return 2 * slots * h * d * e
+    read = 3 * slots * h * d * e
     write = h * block * (2 * d * 4 + 4)
     if kv_dtype == "int4":
-        window = min(KV_WINDOW_TOKENS["int4"], budget + block)  # the window's tokens among those stored
-        read += (budget + block) * h * d + h * window * (d * min(e, 2) + 8 + 8 + 1)
+        window = min(KV_WINDOW_TOKENS["int4"] + recall, slots)  # the slots the window's tokens are matched over
+        read += slots * h * d + h * window * (d * min(e, 2) + 8 + 8 + 1)
         write += h * block * (d + d // 2)
     return read + write
 
@@ -301,6 +315,47 @@ def rotation_scratch_bytes(dims: Dims, elem: Any, tokens: int) -> int:
     h, d, e = dims["num_kv_heads"], dims["head_dim"], dtype_bytes(elem)
     step = min(ROTATE_CHUNK, tokens)
     return h * tokens * d * e + h * step * d * (12 + (8 if e != 4 else 0))
+
+
+def recall_slots_bytes(dims: Dims, elem: Any, recall: int, original_keys: bool = False, kv_dtype: str = "auto",
+                       n_fields: int = 0) -> int:
+    """The slots recall adds to every global layer's groups for an answer (``HeadGroup.make_room``): ``recall``
+    tokens per KV head of K and V as stored (with the original keys' copy when the cache keeps one) and the
+    policy's float32 state. Sliding-window layers never recall."""
+    per_head = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"]
+    per_head += (per_head // 2 if original_keys else 0) + 4 * n_fields
+    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
+    return recall * per_head * dims["num_kv_heads"] * layers
+
+
+def recall_kv_bytes(dims: Dims, elem: Any, recall: int, kv_dtype: str = "auto") -> int:
+    """K+V of ``recall`` recalled tokens per KV head in every global layer: what recall adds to the budget's
+    promise (a byte budget holds it; a token budget's plan shows it)."""
+    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
+    return recall * kv_bytes_per_token(dims, elem, kv_dtype)["per_layer"] * layers
+
+
+def recall_scratch_bytes(dims: Dims, elem: Any, budget: int, page: int, question: int = PLANNED_QUESTION_TOKENS,
+                         archived: int | None = None) -> int:
+    """Recall's temporaries while a question scores the archive (``core/recall.py``), for ``question`` tokens.
+
+    The query log: the question's rows of every global layer, all attention heads, in the compute dtype. One
+    group's rows gathered and in float32. The archive scores held between the softmax's two passes: at most
+    ``SCAN_BYTES``, or every archived token's (``archived`` per head, when known) if fewer. The scores being
+    computed, a chunk of at most ``SCORE_BYTES`` (or one page), and their softmax's temporary. The question
+    cannot exceed the budget (it is pinned in it).
+    """
+    h, heads, d, e = dims["num_kv_heads"], dims["num_attention_heads"], dims["head_dim"], dtype_bytes(elem)
+    q = max(1, min(question, budget))
+    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
+    log = layers * heads * q * d * e
+    queries = heads * q * d * (e + 4)
+    per_token = 4 * h * (heads // h) * q  # one token's scores: every row of every KV head
+    hold = max(page, min(SCAN, SCAN_BYTES // per_token))
+    held = per_token * (hold if archived is None else min(hold, archived))
+    archive_chunk = per_token * page * max(1, min(SCAN_CHUNK, SCORE_BYTES // (per_token * page)))
+    kept_chunk = per_token * max(1, min(budget, SCORE_BYTES // per_token))
+    return log + queries + held + 2 * max(archive_chunk, kept_chunk)
 
 
 def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
@@ -364,6 +419,9 @@ def predict_peak(
     compact: bool = False,
     rows_summed: bool = False,
     device_type: str = "cpu",
+    recall_tokens: int = 0,
+    recall_page: int = 32,
+    archived_tokens: int | None = None,
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -378,25 +436,34 @@ def predict_peak(
     ``compact``: keys move to compact positions (``compact_positions``), which adds the rotation's buffers.
     ``rows_summed``: the policy reads its probabilities summed over the rows (chunked: ``attention_scratch_bytes``).
     ``device_type``: on ``cuda`` the snapshot lives in pinned host memory (``snapshot_host_bytes``), not on the GPU.
+    ``recall_tokens``: slots recall adds per KV head during an answer (``recall_slots_bytes``), which every
+    buffer sized by a group's slots grows by, and its scoring's temporaries (``recall_scratch_bytes``, pages
+    of ``recall_page``; ``archived_tokens`` per head when the document's length is known).
     """
     kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys, kv_dtype)
+    held = budget_tokens + recall_tokens  # the keys a query sees during an answer
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
-    snapshot = snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype)
+    snapshot = snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype, original_keys)
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
         "kv_promised_bytes": kv["promised"],
         "kv_allocated_bytes": kv["allocated"],
-        "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, budget_tokens, rows, rows_summed),
-        "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
+        "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, held, rows, rows_summed),
+        "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, held, elem),
         "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
         "snapshot_bytes": 0 if device_type == "cuda" else snapshot,
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
-        parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype)
-    if compact:
-        parts["rotation_scratch_bytes"] = rotation_scratch_bytes(dims, elem, budget_tokens + block_size)
+        parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype,
+                                                                recall_tokens)
+    if compact:  # a group holding its recalled tokens is re-packed whole
+        parts["rotation_scratch_bytes"] = rotation_scratch_bytes(dims, elem, held + block_size)
+    if recall_tokens:
+        parts["recall_slots_bytes"] = recall_slots_bytes(dims, elem, recall_tokens, original_keys, kv_dtype, n_fields)
+        parts["recall_scratch_bytes"] = recall_scratch_bytes(dims, elem, budget_tokens, recall_page,
+                                                             archived=archived_tokens)
     # The promise is contained in the allocation, so it is not added twice.
     parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
     if device_type == "cuda":  # host memory: reported beside the peak, not in it

@@ -35,7 +35,8 @@ from typing import Any
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.archive_disk import archive_dir, fits
-from kvtool.runtime.settings import Settings, budget_tokens_for, default_block_size, parse_recall, sliding_note
+from kvtool.runtime.budget import budget_with_recall, parse_recall, sliding_note
+from kvtool.runtime.settings import Settings, default_block_size
 
 
 @dataclass
@@ -46,8 +47,8 @@ class ModelInfo:
     ``rows`` is the policy's ``query_rows(block_size)``, ``n_fields`` the number of float32
     per-token state fields it keeps. ``max_positions`` is the model's trained range: with
     ``positions auto`` a 16-bit cache that passes it keeps each key's original copy (see
-    ``memory.keeps_original_keys``). ``budget_tokens``/``budget_note`` may be given already resolved
-    (a session resolves them); otherwise ``plan`` resolves the settings' budget itself.
+    ``memory.keeps_original_keys``). ``budget_tokens``/``recall_tokens``/``budget_note`` may be given already
+    resolved (a session resolves them); otherwise ``plan`` resolves the settings' budget and recall itself.
     """
 
     name: str
@@ -63,7 +64,8 @@ class ModelInfo:
     n_fields: int = 0
     budget_tokens: int | None = None
     budget_note: str | None = None
-    resolved: bool = False  # budget_tokens/budget_note already resolved (None budget = policy full)
+    resolved: bool = False  # budget_tokens/recall_tokens/budget_note already resolved (None budget = policy full)
+    recall_tokens: int = 0  # resolved: the tokens per KV head recall may add (a byte budget holds them)
     budget_split: list[dict[str, Any]] | None = field(default=None, repr=False)
     max_positions: int | None = None  # the model's max_position_embeddings (when auto positions switch)
     kv_dtype: str = "auto"  # how the cache stores K/V (``--kv-dtype``; auto: ``dtype``)
@@ -109,6 +111,7 @@ def model_info(session: Any) -> ModelInfo:
         budget_tokens=session.budget_tokens,
         budget_note=session.budget_note,
         resolved=True,
+        recall_tokens=session.engine_config.recall,
         budget_split=budget_split,
         max_positions=getattr(engine, "max_positions", None),
         kv_dtype=session.settings.kv_dtype,
@@ -182,7 +185,7 @@ def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
     device = settings.device if settings.device != "auto" else "cpu"
     dtype = settings.dtype if settings.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
     tied = bool(getattr(text, "tie_word_embeddings", False))
-    budget, note = resolve_budget(settings, dims, dtype)
+    budget, recall, note = resolve_budget_and_recall(settings, dims, dtype)
     block = settings.block_size or default_block_size(device.split(":")[0], budget)
     env = PolicyEnv(num_layers=dims["num_layers"], num_kv_heads=dims["num_kv_heads"],
                     num_attention_heads=dims["num_attention_heads"], head_dim=dims["head_dim"], budget=budget,
@@ -193,6 +196,7 @@ def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
                      unquantized_params=_mem.embedding_params(dims, tied) if settings.quantize != "none" else 0,
                      policy=policy.spec, rows=min(max(int(policy.query_rows(block)), 0), block),
                      n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, budget_note=note, resolved=True,
+                     recall_tokens=recall if budget is not None else 0,
                      max_positions=getattr(text, "max_position_embeddings", None), kv_dtype=settings.kv_dtype,
                      rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None)
 
@@ -206,23 +210,40 @@ def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None
 
 
 def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> tuple[int | None, str | None]:
-    """Tokens per KV head for the settings' budget and, for a byte budget, the conversion line.
+    """Tokens per KV head the cache keeps for the settings' budget and, for a byte budget, the conversion line
+    (``resolve_budget_and_recall`` without the recall)."""
+    tokens, _, note = resolve_budget_and_recall(settings, dims, dtype)
+    return tokens, note
 
-    A byte budget is the promise of K+V for every layer and KV head (``settings.budget_tokens_from_bytes``);
-    the session resolves its budget here too. Policy ``full`` has no budget (None, None).
+
+def resolve_budget_and_recall(settings: Settings, dims: Mapping[str, int],
+                              dtype: Any) -> tuple[int | None, int, str | None]:
+    """(kept tokens per KV head, tokens per KV head recall may add, a byte budget's conversion line).
+
+    A token budget is what the cache keeps; recall's slots come on top (the plan shows them). A byte budget
+    is the memory K/V may take: kept and recalled tokens together stay inside it (``settings.
+    budget_with_recall``), and the line says how it is split. The session resolves its budget here too.
+    Policy ``full`` has no budget (None, 0, None): it evicts nothing, so nothing is recalled either.
     """
     if settings.policy.strip().lower() == "full":
-        return None, None
+        return None, 0, None
+    recall = parse_recall(settings.recall)
     b = settings.parsed_budget
     if b.tokens is not None:
-        return b.tokens, None
+        return b.tokens, recall, None
     assert b.nbytes is not None
     elem, kv = _mem.dtype_bytes(dtype), settings.kv_dtype
-    tokens = budget_tokens_for(b.nbytes, dims, elem, kv)
+    tokens, recall = budget_with_recall(b.nbytes, dims, elem, kv, recall, settings.recall == "auto")
     per_token = _mem.kv_bytes_per_token(dims, elem, kv)["total"]
-    note = (f"budget {b.text} = {tokens} tokens per KV head "
-            f"({per_token} bytes of K+V per token in {dtype_name(dtype) if kv == 'auto' else kv})") + sliding_note(dims)
-    return tokens, note
+    stored = dtype_name(dtype) if kv == "auto" else kv
+    if not recall:
+        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {stored})"
+    else:
+        kept = _mem.kv_bytes_at_budget(dims, elem, tokens, 0, kv_dtype=kv)["promised"]
+        note = (f"budget {b.text} = {tokens} tokens per KV head kept ({_mem.format_bytes(kept)}) + {recall} "
+                f"recalled while answering ({_mem.format_bytes(_mem.recall_kv_bytes(dims, elem, recall, kv))}; "
+                f"{per_token} bytes of K+V per token in {stored})")
+    return tokens, recall, note + sliding_note(dims)
 
 
 def _dense_plan(dims: Any, doc_tokens: int, kv_per_token: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
@@ -250,8 +271,9 @@ def plan(
     info = session_or_model_info if isinstance(session_or_model_info, ModelInfo) else model_info(session_or_model_info)
     dims, elem = info.dims, info.elem
     baseline = int(runtime_baseline or 0)
-    budget, note = (info.budget_tokens, info.budget_note) if info.resolved else resolve_budget(settings, dims,
-                                                                                               info.dtype)
+    budget, recall, note = (info.budget_tokens, info.recall_tokens, info.budget_note) if info.resolved else \
+        resolve_budget_and_recall(settings, dims, info.dtype)
+    recall = recall if budget is not None else 0  # only a bounded cache archives
     auto, settings = settings.block_size is None or info.block_auto, _with_block(settings, info, budget)
     block = settings.block_size
 
@@ -266,6 +288,10 @@ def plan(
     device_type = info.device.split(":")[0]
     original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens, kv)
     compact = _mem.compact_positions(settings.positions, info.max_positions, doc_tokens)
+    # recall's slots and temporaries are priced in the peak and in the largest-budget search alike
+    sized = {"original_keys": original_keys, "kv_dtype": kv, "compact": compact, "recall_tokens": recall,
+             "recall_page": settings.recall_page, "archived_tokens": doc_tokens, "rows_summed": info.rows_summed,
+             "device_type": device_type}
 
     out: dict[str, Any] = {
         "model": info.name,
@@ -281,22 +307,19 @@ def plan(
         "num_params": info.num_params,
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem, kv),
     }
-    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset,
-                 {**common, "original_keys": original_keys, "kv_dtype": kv, "compact": compact,
-                  "rows_summed": info.rows_summed, "device_type": device_type})
+    peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset, {**common, **sized})
     out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
                                               original_keys, kv)
     out["original_keys"] = original_keys
     out.update(_components(peak, info, weights, baseline))
-    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys, compact)
+    _add_recall(out, settings, info, peak, budget, recall, doc_tokens)
     if doc_tokens is not None:
         out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
                                    baseline + weights_offset,
                                    common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset,
-                                {**common, "rows_summed": info.rows_summed, "device_type": device_type},
-                                original_keys, kv, compact)
+                                {**common, **sized})
     if info.budget_split is not None:
         out["budget_split"] = info.budget_split
     return out
@@ -345,22 +368,21 @@ def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, c
 
 
 def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shifted_baseline: int,
-            common: dict[str, Any], original_keys: bool, kv_dtype: str = "auto",
-            compact: bool = False) -> dict[str, Any]:
-    """What fits in ``limit`` bytes: this plan, the largest budget (K/V as ``kv_dtype`` stores them), the longest
-    dense document (K/V in the compute dtype). On CUDA the allocator gets ``limit`` less the CUDA runtime's own
-    memory (``memory.CUDA_RUNTIME_BYTES``)."""
-    runtime = _mem.CUDA_RUNTIME_BYTES if common.get("device_type") == "cuda" else 0
+            sized: dict[str, Any]) -> dict[str, Any]:
+    """What fits in ``limit`` bytes: this plan, the largest budget (priced as the plan prices one: K/V as
+    ``--kv-dtype`` stores them, recall's slots and temporaries included), the longest dense document (K/V in the
+    compute dtype). ``sized``: ``predict_peak``'s keywords besides the budget, the block and the policy's. On
+    CUDA the allocator gets ``limit`` less the CUDA runtime's own memory (``memory.CUDA_RUNTIME_BYTES``)."""
+    runtime = _mem.CUDA_RUNTIME_BYTES if sized.get("device_type") == "cuda" else 0
     usable = limit - runtime
-    dense = {k: v for k, v in common.items() if k not in ("rows_summed", "device_type")}
+    dense = {k: sized[k] for k in ("num_params", "elem", "quantize", "unquantized_params")}
     return {
         "limit_bytes": limit,
         "cuda_runtime_bytes": runtime,
         "fits": predicted <= usable if predicted is not None else None,
         "largest_budget_tokens": _mem.largest_budget(
             usable, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
-            runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, kv_dtype=kv_dtype, compact=compact,
-            **common,
+            runtime_baseline_bytes=shifted_baseline, **sized,
         ),
         "dense_max_tokens": _mem.dense_max_tokens(usable, info.dims, runtime_baseline_bytes=shifted_baseline,
                                                   **dense),
@@ -388,23 +410,18 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
     return peak
 
 
-def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, dims: Mapping[str, int],
-                budget: int | None, doc_tokens: int | None, original_keys: bool, compact: bool) -> None:
-    """Recall's part of the plan (its slots in the peak, and in the largest rotation with compact positions;
-    a document's archive on disk), in place."""
-    recall_tokens = parse_recall(settings.recall) if budget is not None else 0
-    if recall_tokens:
-        out.update(_recall_plan(settings, info, dims, recall_tokens, out["kv_bytes_per_token"]["total"],
-                                original_keys))
-        if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
-            out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
-        if out["predicted_peak_bytes"] is not None:
-            out["predicted_peak_bytes"] += out["recall_slots_bytes"]
-        if compact and budget is not None:  # a group holding its recalled tokens is re-packed whole
-            grown = _mem.rotation_scratch_bytes(dims, info.elem, budget + settings.block_size + recall_tokens)
-            if out["predicted_peak_bytes"] is not None:
-                out["predicted_peak_bytes"] += grown - out["rotation_scratch_bytes"]
-            out["rotation_scratch_bytes"] = grown
+def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, peak: Mapping[str, Any], budget: int | None,
+                recall: int, doc_tokens: int | None) -> None:
+    """Recall's part of the plan, in place: its slots and temporaries (already in the peak), the K/V it adds to
+    the budget's promise, and a document's archive on disk."""
+    if not recall or budget is None:
+        return
+    out.update(_recall_plan(settings, info, info.dims, recall))
+    out.update({"recall_slots_bytes": peak["recall_slots_bytes"], "recall_kv_bytes": _mem.recall_kv_bytes(
+        info.dims, info.elem, recall, settings.kv_dtype), "recall_scratch_bytes": peak["recall_scratch_bytes"],
+        "recall_question_tokens": min(_mem.PLANNED_QUESTION_TOKENS, budget)})
+    if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
+        out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
 
 
 def _archive_on_disk(per_token: Mapping[str, int], doc_tokens: int, budget: int, recall: str) -> dict[str, Any]:
@@ -418,11 +435,10 @@ def _archive_on_disk(per_token: Mapping[str, int], doc_tokens: int, budget: int,
             else ("recall off by default: " if auto else "warning: ") + why}
 
 
-def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int,
-                 per_token: int, original_keys: bool) -> dict[str, Any]:
-    """Recall (kvtool/core/recall.py): ``recall`` more slots per KV head, allocated with the cache; the
-    archive lives in files: K/V rows, and an index (positions and page summaries, a few bytes per token).
-    Only global layers archive (a sliding window's evicted tokens are gone by the model's definition)."""
+def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], recall_tokens: int) -> dict[str, Any]:
+    """Recall (kvtool/core/recall.py): its size, and its archive in files: K/V rows, and an index (positions
+    and page summaries, a few bytes per token). Only global layers archive (a sliding window's evicted tokens
+    are gone by the model's definition)."""
     elem = info.elem
     global_layers = dims["num_layers"] - dims.get("sliding_layers", 0)
     heads = dims["num_kv_heads"] * global_layers
@@ -432,10 +448,6 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
     per_head_token = 2 * dims["head_dim"] * archive_elem + (2 * 4 if int8 else 0)
     return {
         "recall_tokens": recall_tokens,
-        # recall slots are slots of the same buffers, so they hold the original keys' copy too; only the
-        # global layers' groups get them (``per_token`` is summed over every layer, each holding the same)
-        "recall_slots_bytes": recall_tokens * (per_token + per_token // 2 if original_keys else per_token)
-        * global_layers // dims["num_layers"],
         "archive_dtype": info.dtype if settings.archive_dtype == "auto" else settings.archive_dtype,
         "recall_page": settings.recall_page,
         "archive_bytes_per_evicted_token": {

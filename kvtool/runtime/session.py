@@ -35,8 +35,8 @@ from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
-from kvtool.runtime.profiling import resolve_budget
-from kvtool.runtime.settings import CPU_BLOCK, Settings, default_block_size, parse_recall
+from kvtool.runtime.profiling import resolve_budget_and_recall
+from kvtool.runtime.settings import CPU_BLOCK, Settings, default_block_size
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,31 +169,13 @@ class Session:
         self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
                                            progress=self.say, phase=self.emit if listener else None)
-        # Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)
-        self.share = process_share() if settings.threads is None and self.loaded.device.type == "cpu" else None
-        if self.share is not None:
-            self.share.rebalance()
-            self.threads = self.share.threads
-        if self.loaded.device.type == "cpu":
-            shared = self.share.peers if self.share is not None else 0
-            peers = f"; {shared} other kvtool process(es) share them" if shared else ""
-            self.say(f"threads: {self.threads} (of {usable_cores()} usable cores"
-                     f"{', --threads' if settings.threads is not None else ''}{peers})")
+        self._share_cores()
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
-        self.budget_tokens, self.budget_note = self._resolve_budget()
-        self.block_auto = settings.block_size is None
-        self.block_note: str | None = None
-        if settings.block_size is None:  # auto: chosen for the device (runtime/settings.py)
-            settings = self.settings = dataclasses.replace(
-                settings, block_size=default_block_size(self.loaded.device.type, self.budget_tokens))
-            if self.loaded.device.type == "cuda":
-                self.block_note = (f"block {settings.block_size} tokens (auto on a GPU: up to a quarter of the budget; "
-                                   "--block-size to choose)")
+        settings = self._resolve_sizes()
         # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing); ``auto``
         # archives unless the disk is short, decided per read (``_auto_recall``)
-        self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
         self.recall_mode = "off" if not self.recall_tokens else "auto" if settings.recall == "auto" else "set"
         self.recall_note: str | None = None  # why ``auto`` recalls or not, for the dashboard and the stats
         # an unlinked file there: KVTOOL_ARCHIVE_DIR, else the system's temporary directory (TMPDIR)
@@ -232,14 +214,42 @@ class Session:
         self.answers: list[Answer] = []
 
     # -- set-up -----------------------------------------------------------------------------------
+    def _share_cores(self) -> None:
+        """Without --threads, share the cores with the other kvtool processes running now (runtime/cores.py)."""
+        settings = self.settings
+        self.share = process_share() if settings.threads is None and self.loaded.device.type == "cpu" else None
+        if self.share is not None:
+            self.share.rebalance()
+            self.threads = self.share.threads
+        if self.loaded.device.type == "cpu":
+            shared = self.share.peers if self.share is not None else 0
+            peers = f"; {shared} other kvtool process(es) share them" if shared else ""
+            self.say(f"threads: {self.threads} (of {usable_cores()} usable cores"
+                     f"{', --threads' if settings.threads is not None else ''}{peers})")
+
+    def _resolve_sizes(self) -> Settings:
+        """The budget, recall's tokens and the block for this model and device; the settings with the block set.
+
+        A byte budget holds the kept and the recalled tokens together; ``full`` has no budget and recalls
+        nothing; ``--block-size auto`` is chosen for the device (``settings.default_block_size``)."""
+        settings = self.settings
+        self.budget_tokens, self.recall_tokens, self.budget_note = resolve_budget_and_recall(
+            settings, self.dims, self.loaded.dtype)
+        self.block_auto = settings.block_size is None
+        self.block_note: str | None = None
+        if settings.block_size is None:
+            settings = self.settings = dataclasses.replace(
+                settings, block_size=default_block_size(self.loaded.device.type, self.budget_tokens))
+            if self.loaded.device.type == "cuda":
+                self.block_note = (f"block {settings.block_size} tokens (auto on a GPU: up to a quarter of the budget; "
+                                   "--block-size to choose)")
+        return settings
+
     @property
     def kv_dtype(self) -> str:
         """How the cache stores K/V (``--kv-dtype``; ``auto`` is the model's dtype)."""
         kv = self.settings.kv_dtype
         return str(self.loaded.dtype).replace("torch.", "") if kv == "auto" else kv
-
-    def _resolve_budget(self) -> tuple[int | None, str | None]:
-        return resolve_budget(self.settings, self.dims, self.loaded.dtype)
 
     def _wordy(self, ids: tuple[int, ...]) -> bool:
         """Whether tokens ``ids`` spell a letter: the n-grams the repeat guard stops (numbers may repeat)."""
@@ -279,12 +289,13 @@ class Session:
             return None if n is None else n + prefix.numel()
 
         def pruned(blocks: Iterator[Tensor]) -> Iterator[Tensor]:
-            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map); with
-            ``--recall auto``, drop the archive if the disk runs short."""
+            """Forget the source of tokens every head evicted, every few dozen blocks (bounded map; kept while
+            an archive can recall them: ``_prune_source``); with ``--recall auto``, drop the archive if the
+            disk runs short."""
             disk_watch = watch
             for block in blocks:
-                if source.pending_tokens > PRUNE_BLOCKS * bs:
-                    source.prune(held_positions(cache), cache.seen)
+                if source.pending_tokens > max(PRUNE_BLOCKS * bs, source.positions.numel()):
+                    _prune_source(source, cache)
                 if disk_watch is not None:
                     short = disk_watch.short(recall.archive_bytes(cache))
                     if short is not None:
@@ -299,7 +310,7 @@ class Session:
         finally:
             self._reading = None
         seconds = time.perf_counter() - t0
-        source.prune(held_positions(cache), cache.seen)
+        _prune_source(source, cache)
         for note in doc.notes:
             self.emit(Note(note))
         result = ReadResult(
@@ -539,6 +550,7 @@ class Session:
         return {
             "recall_tokens": self.recall_tokens,
             "recall_mode": self.recall_mode,  # auto (the default), set (--recall N) or off
+            "recall_kv_bytes": recall.kv_bytes(cache, self.recall_tokens) if cache is not None else 0,
             "recall_note": self.recall_note,
             "archive_bytes": recall.archive_bytes(cache) if cache is not None else 0,
             "archived_tokens": recall.archived_tokens(cache) if cache is not None else 0,
@@ -562,6 +574,20 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
 
 #: the source map forgets evicted tokens once this many blocks of new tokens are in it
 PRUNE_BLOCKS = 32
+
+
+def _prune_source(source: SourceMap, cache: BoundedCache) -> None:
+    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens.
+
+    While an archive exists, every document token is held or archived, and recall may bring any archived
+    one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
+    so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
+    kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
+    """
+    if recall.archives(cache):
+        source.prune(None, cache.seen)
+    else:
+        source.prune(held_positions(cache), cache.seen)
 
 
 def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:

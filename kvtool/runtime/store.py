@@ -144,7 +144,9 @@ def _norm_policy(spec: str) -> str:
 
 
 def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bool:
-    from kvtool.runtime.settings import budget_tokens_for, parse_budget
+    """Whether ``--budget`` names the file's budget: its text, its tokens, or bytes that convert to them (with the
+    archive's recall held inside them, as the prefill converted them, or without)."""
+    from kvtool.runtime.budget import budget_tokens_for, budget_with_recall, parse_budget
 
     if stored["budget_tokens"] is None:  # policy full: the budget never mattered
         return True
@@ -157,11 +159,18 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
     if b.tokens is not None:
         return b.tokens == stored["budget_tokens"]
     dims = (meta.get("model") or {}).get("dims") or {}
-    try:
-        tokens = budget_tokens_for(b.nbytes or 0, dims, DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"]))
-    except (KeyError, TypeError, ValueError, UsageError):
-        return False
-    return tokens == stored["budget_tokens"]
+    recall = meta["archive"].get("recall") if isinstance(meta.get("archive"), dict) else None
+    tokens = set()
+    for with_recall in (False, True):
+        if with_recall and not (isinstance(recall, int) and recall > 0):
+            continue
+        try:
+            elem, kv = DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"])
+            tokens.add(budget_with_recall(b.nbytes or 0, dims, elem, kv, recall, auto=False)[0] if with_recall
+                       else budget_tokens_for(b.nbytes or 0, dims, elem, kv))
+        except (KeyError, TypeError, ValueError, UsageError):
+            continue
+    return stored["budget_tokens"] in tokens
 
 
 
@@ -244,8 +253,11 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
     With recall on, the archive of evicted tokens is written first, complete and fsynced, under a fresh
     name the ``.kvc`` records (``kvtool.kvc.archive``); the ``.kvc`` is renamed into place after it.
     """
+    from kvtool.core.storage import file_tensors  # torch: this module is imported before bad input is refused
+
     path = check_output(path, force)  # fail before writing the (larger) archive
     tensors, scalars = read.snapshot if read.snapshot is not None else read.cache.snapshot()
+    tensors = file_tensors(tensors)  # a loaded cache rebuilds the original keys' copy itself
     meta = build_meta(session, read, tensors, scalars)
     name = os.path.basename(path)
     info = archive.save_archive(path, read.cache, phase_counter(session.emit, f"writing {name}'s archive"))

@@ -273,6 +273,7 @@ class CAOTE(OutputErrorModifier):
         if m == 0:
             return torch.arange(n, device=ctx.values.device).expand(h, n)
         alpha, values, forced = self.weights(ctx)
+        assert ctx.protected is not None  # select runs only on evicting steps, which carry the protection
         evicted, self.last_joint_error[ctx.layer_idx] = greedy_evict(alpha, values, m, ctx.protected | forced,
                                                                      self.objective)
         keep = torch.ones(h, n, dtype=torch.bool, device=alpha.device)

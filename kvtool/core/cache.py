@@ -214,6 +214,11 @@ class BoundedCache(Cache):
         self.step = StepInfo()
         self.query_log: list[tuple[int, Tensor, float]] | None = None  # recall: (layer, queries, scaling)
         self._scratch = torch.empty(0, dtype=torch.float32, device=device)
+        # recall (kvtool/core/recall.py): the archives' shared append buffers and the finalizer that closes
+        # their files, both kept here so that a cache reused for another document (``clear``) replaces them
+        self.archive_work: Any = None
+        self.archive_closer: weakref.finalize | None = None
+        self._empty = self.snapshot()  # the state ``clear`` goes back to (no tokens: a few empty tensors)
 
     def scratch(self, *shape: int) -> Tensor:
         """A float32 buffer of ``shape`` for one layer's attention probabilities, reused by every layer.
@@ -428,3 +433,19 @@ class BoundedCache(Cache):
 
     def restore(self, snap: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
         self.load(*snap)
+
+    def clear(self) -> None:
+        """Empty the cache for another document, keeping every buffer it has allocated.
+
+        One run over many documents then allocates its K/V buffers once (the process does not grow from
+        document to document). The empty state is restored the way a question restores the post-document
+        one, and the counters start again. The archive is the engine's to close and renew (``Engine.reuse_cache``).
+        """
+        self.restore(self._empty)
+        self.counters = CacheCounters()
+        self.step = StepInfo()
+        self.lazy = False
+        self.query_log = None
+        for g in self.groups():
+            if g.mass is not None:
+                g.stop_mass()

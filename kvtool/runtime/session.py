@@ -221,6 +221,9 @@ class Session:
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
+        # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache
+        self.reuse_cache = False
+        self._spare: BoundedCache | None = None
 
     # -- set-up -----------------------------------------------------------------------------------
     @property
@@ -310,18 +313,25 @@ class Session:
     def _new_cache(self) -> BoundedCache:
         """A new cache; with ``--recall auto``, one without an archive (and a line saying why) when the
         archive cannot be created (an unwritable directory, too few descriptors) instead of an error."""
+        spare = self._spare
+
+        def make() -> BoundedCache:
+            return self.engine.reuse_cache(spare) if spare is not None else self.engine.new_cache()
+
         try:
-            return self.engine.new_cache()
+            cache = make()
         except UsageError as e:
             if self.recall_mode != "auto" or e.field != "recall":
                 raise
             recall_tokens, self.engine_config.recall = self.engine_config.recall, 0
             try:
-                cache = self.engine.new_cache()
+                cache = make()
             finally:
                 self.engine_config.recall = recall_tokens
             self._recall_off(cache, f"recall off: {first_line(e)}")
-            return cache
+        if self.reuse_cache:
+            self._spare = cache
+        return cache
 
     def _auto_recall(self, cache: BoundedCache, expected: int | None, prefix: int) -> DiskWatch | None:
         """``--recall auto``: keep the new cache's archive if it fits the archive directory (predicted
@@ -449,6 +459,14 @@ class Session:
             rows.append(step[-1].float().cpu())
         cache.pin_start = None
         return torch.stack(rows)
+
+    def reset_counters(self) -> None:
+        """Start the answer and recall figures of :meth:`stats` again: a run over many documents reports
+        each answer's own, not the sum over every document before it."""
+        self.answers = []
+        self.recall_seconds = 0.0
+        self.recalled_pages = 0
+        self.recalled_tokens_max = 0
 
     def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None,
             cite_spans: bool = False) -> Answer:

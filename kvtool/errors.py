@@ -7,6 +7,7 @@ import re
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_PARTIAL = 3  # many documents: some failed (each has its error record), the others were answered
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM or SIGHUP (128 + 15, the shell's convention for SIGTERM)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import threading
@@ -22,6 +21,7 @@ from typer.exceptions import TyperException
 
 from kvtool import __version__
 from kvtool.cli import ask, cache, calibrate, eval, profile
+from kvtool.cli.error_lines import error_line
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
 from kvtool.errors import (
@@ -29,34 +29,10 @@ from kvtool.errors import (
     EXIT_USAGE,
     KvtoolError,
     Terminated,
-    UsageError,
     first_line,
     interrupt_exit,
     printable,
 )
-
-#: how an error raised below the CLI (``UsageError.field``) names its setting, and the flag's spelling
-FIELD_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "budget": ((r"^budget (?=\d)", "--budget "), ("raise the budget", "raise --budget"),
-               ("lower the budget or the block size", "lower --budget or --block-size"),
-               ("a KV budget", "a KV budget (--budget)")),
-    "block_size": ((r"^block size", "--block-size"),),
-    "sinks": ((r"^sinks and recent", "--sinks and --recent"),),
-    "positions": ((r"^positions must", "--positions must"), (r"^compact positions", "--positions compact"),
-                  ("use absolute positions", "use --positions absolute")),
-    "recall": ((r"^recall must", "--recall must"), ("turn recall off", "use --recall off")),
-    "page_size": ((r"^archive page size", "--recall-page"),),
-    "policy_opt": (("policy option ", "--policy-opt "),),
-}
-
-
-def error_line(e: BaseException) -> str:
-    """The one line printed for ``e``: a ``UsageError``'s setting named by its command-line flag."""
-    text = str(e)
-    field = e.field if isinstance(e, UsageError) else None
-    for pattern, flag in FIELD_FLAGS.get(field or "", ()):
-        text = re.sub(pattern if pattern.startswith("^") else re.escape(pattern), flag, text, count=1)
-    return printable(text, one_line=True)
 
 
 class _Group(typer.core.TyperGroup):

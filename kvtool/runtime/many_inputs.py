@@ -92,8 +92,10 @@ def _walk(top: str, suffixes: tuple[str, ...], out: Inputs) -> Iterator[str]:
         for name in sorted(files):
             if name.startswith("."):
                 continue
-            if name.lower().endswith(suffixes):
-                yield os.path.join(root, name)
+            path = os.path.join(root, name)
+            # a FIFO or a device found in a walk would wait or never end: only regular files (named ones are read)
+            if name.lower().endswith(suffixes) and os.path.isfile(path):
+                yield path
             else:
                 out.skipped += 1
 

@@ -332,3 +332,17 @@ def test_a_run_closes_every_file_it_opens(model_dir, tmp_path):
     r = run(*args)
     assert r.exit_code == EXIT_PARTIAL and len(records(r.stdout)) == 3 + 24, r.output
     assert fds() <= before
+
+
+def test_ray_is_imported_by_the_cluster_module_only():
+    """Ray is optional (kvtool[cluster]): one module imports it, and the CLI does not load it unless --ray is given."""
+    import re
+
+    package = Path(ROOT) / "kvtool"
+    importers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                       if re.search(r"^\s*(import ray\b|from ray\b)", p.read_text(encoding="utf-8"), re.M))
+    assert importers == [os.path.join("runtime", "cluster.py")]
+    probe = "import sys, kvtool.cli.app; print('ray' in sys.modules, 'torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.stdout.split() == ["False", "False"], r.stderr

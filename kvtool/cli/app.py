@@ -1,8 +1,8 @@
 """The ``kvtool`` command line (Typer): the app, its error handling, and where each command is mounted.
 
 Answers go to stdout; progress, notes and errors go to stderr. Every error a user can cause is one
-line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 130 interrupted,
-143 terminated by SIGTERM/SIGHUP).
+line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 3 some of many documents
+failed, 130 interrupted, 143 terminated by SIGTERM/SIGHUP).
 """
 
 from __future__ import annotations

@@ -221,9 +221,11 @@ class Session:
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
-        # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache
+        # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache, and
+        # writes its snapshot over the last one's
         self.reuse_cache = False
         self._spare: BoundedCache | None = None
+        self._snapshot_store: dict[str, Tensor] = {}
 
     # -- set-up -----------------------------------------------------------------------------------
     @property
@@ -306,9 +308,23 @@ class Session:
             fmt=doc.fmt,
             notes=doc.notes,
         )
-        result.snapshot = cache.snapshot()
+        result.snapshot = self._snapshot(cache)
         self.last_read = result
         return result
+
+    def _snapshot(self, cache: BoundedCache) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The post-document snapshot. With ``reuse_cache`` it is written into buffers kept from the last read
+        (a read is then valid until the next one): the largest allocation of a read is made once per run, not
+        once per document, so the allocator is not left with a snapshot-sized hole per document."""
+        if not self.reuse_cache:
+            return cache.snapshot()
+        out = {}
+        for key, t in cache.state_dict().items():
+            buf = self._snapshot_store.get(key)
+            if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype or buf.device != t.device:
+                buf = self._snapshot_store[key] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+            out[key] = buf[: t.numel()].view(t.shape).copy_(t)
+        return out, cache.scalars()
 
     def _new_cache(self) -> BoundedCache:
         """A new cache; with ``--recall auto``, one without an archive (and a line saying why) when the

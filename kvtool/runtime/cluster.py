@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -114,10 +116,15 @@ def connect(where: str) -> Iterator[str]:
     else:
         kwargs["address"] = where
         what = f"the Ray cluster at {where}"
+    in_main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if in_main else None
     try:
         ray.init(runtime_env={"env_vars": env}, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise UsageError(f"cannot {'start' if where == 'local' else 'join'} {what}: {first_line(e)}") from None
+    finally:
+        if sigterm is not None:  # ray.init installs its own; kvtool's stops the run like Ctrl-C (exit 143)
+            signal.signal(signal.SIGTERM, sigterm)
     try:
         yield what
     finally:

@@ -289,6 +289,7 @@ def test_one_document_keeps_its_single_document_output(model_dir, docs):
     (["ask", "{empty}", "--question", "q"], "no documents to read"),
     (["ask", "{doc}", "{doc}", "--question", ""], "question 1 is empty"),
     (["prefill", "{doc}", "{doc}"], "-o DIR/"),
+    (["prefill", "{doc}", "{tmp}/x.txt", "-o", "{tmp}/out.kvc"], "many documents need a directory"),
     (["summarize", "{doc}", "{tmp}/x.txt", "-o", "{doc}"], "is one of the documents"),
     (["summarize", "{doc}", "{doc}", "-o", "{tmp}/notes.txt"], "line 1 is not a kvtool record"),
 ])

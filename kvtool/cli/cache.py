@@ -38,7 +38,7 @@ def prefill(
 ) -> None:
     """Read a document (or many) once under a KV budget and save the compressed cache (.kvc) for later questions."""
     documents = list(file or [])
-    to_dir = bool(output) and (output.endswith(os.sep) or os.path.isdir(output))
+    to_dir = bool(output) and output.endswith(os.sep)  # `-o DIR/`: one .kvc per document, even for one
     if many.is_many(documents, files_from, None, ray) or to_dir:
         many.run_many("prefill", documents, flags or {}, profile=profile, quiet=quiet, files_from=files_from,
                       output=output, ray=ray, workers=workers, doc_format=doc_format, force=force)

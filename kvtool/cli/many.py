@@ -235,7 +235,7 @@ def _settings(command: str, first: str, overrides: dict[str, Any], profile: str 
 
 def _output_directory(output: str) -> str:
     """``prefill -o DIR/``: the directory the caches go to, created when missing (its parent must exist)."""
-    if os.path.lexists(output) and not os.path.isdir(output):
+    if (os.path.lexists(output) and not os.path.isdir(output)) or output.lower().endswith(".kvc"):
         raise UsageError(f"output {output} is a file; many documents need a directory (-o DIR/), one .kvc each")
     if not os.path.isdir(output):
         parent = os.path.dirname(os.path.abspath(output.rstrip(os.sep)))

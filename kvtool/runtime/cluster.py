@@ -44,7 +44,18 @@ from kvtool.runtime.many import (
 
 try:  # the optional extra: without it, --ray is one line and exit 2 (``require``)
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import (
+        NodeDiedError,
+        ObjectLostError,
+        OutOfMemoryError,
+        RayActorError,
+        RayTaskError,
+        WorkerCrashedError,
+    )
+
+    #: what a worker's death looks like to the driver: the actor died or is unreachable, its node is gone, Ray's
+    #: memory monitor killed it, or a record it had sent was lost with its node
+    LOST = (RayActorError, NodeDiedError, ObjectLostError, OutOfMemoryError, WorkerCrashedError)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError:
     ray = None
@@ -271,7 +282,7 @@ class _Dispatch:
             if isinstance(cause, KvtoolError):
                 raise KvtoolError(f"a Ray worker cannot start: {first_line(cause)}", cause.exit_code) from None
             raise KvtoolError(f"a Ray worker cannot start: {first_line(cause)}") from None
-        except RayActorError:  # died while starting, or restarted too often: out of the pool
+        except LOST:  # died while starting, or restarted too often: out of the pool
             return
         if not self.version_checked:
             from kvtool import __version__
@@ -291,7 +302,7 @@ class _Dispatch:
             self.driver.finished(job, time.monotonic() - t0)
             self.idle.append(actor)
             return
-        except RayActorError as e:
+        except LOST as e:
             self._lost(stream, e)
             return
         except RayTaskError as e:  # a setting every document would fail on, or the worker's own code failed

@@ -16,6 +16,8 @@ of the rest (embedding, norm, LM head, kvtool's per-block set-up) is what is lef
 
 * ``transformers``: its own chunked prefill (``DynamicCache``, SDPA) and decode, the reference;
 * ``ask (default)``: what ``kvtool ask`` runs by default (``h2o``, recall on: an int8 archive of evicted tokens);
+* ``ask (GPU path)``: the same as a CUDA device runs it (``BoundedCache.fused_output``: the output from SDPA,
+  H2O's probabilities computed for their column sums only);
 * ``sink``, ``tova``, ``snapkv``, ``keydiff``, ``h2o``: eviction only.
 
 Sync ops (a CUDA run would stop the host until the GPU catches up: ``item``, ``nonzero``, boolean indexing…)
@@ -44,7 +46,8 @@ NO_KERNEL = frozenset({"detach", "lift_fresh", "alias", "_to_copy_noop", "empty"
                        "new_empty", "new_empty_strided", "set_", "resize_", "_reshape_alias", "lift"})
 BLOCK, BUDGET, HIDDEN = 16, 48, 64
 #: targets: kvtool / transformers, per layer
-TARGETS = {("ask (default)", "block"): 1.5, ("ask (default)", "token"): 1.3, ("sink", "block"): 1.2}
+TARGETS = {("ask (default)", "block"): 1.5, ("ask (default)", "token"): 1.3, ("ask (GPU path)", "block"): 1.5,
+           ("ask (GPU path)", "token"): 1.3, ("sink", "block"): 1.2}
 
 
 class OpCounter:
@@ -123,7 +126,7 @@ def count_transformers(layers: int) -> tuple[OpCounter, OpCounter]:
     return per_block, per_token
 
 
-def count_kvtool(layers: int, policy: str, recall: bool) -> tuple[OpCounter, OpCounter]:
+def count_kvtool(layers: int, policy: str, recall: bool, fused: bool = False) -> tuple[OpCounter, OpCounter]:
     """kvtool's engine: one steady evicting block, then one decoded token (a lazy step: no eviction)."""
     import torch
 
@@ -138,6 +141,7 @@ def count_kvtool(layers: int, policy: str, recall: bool) -> tuple[OpCounter, OpC
         env = model_env(model, cfg)
         engine = Engine(model, build_policy(policy, {}, env), cfg, env=env)
         cache = engine.new_cache()
+        cache.fused_output = fused  # the GPU's way for H2O: output from SDPA, probabilities for their sums only
         ids = _ids(BUDGET + 4 * BLOCK, 1)
         with torch.inference_mode():
             for s in range(0, BUDGET + 3 * BLOCK, BLOCK):  # past the first evictions: a steady block next
@@ -156,7 +160,8 @@ def count_kvtool(layers: int, policy: str, recall: bool) -> tuple[OpCounter, OpC
     return per_block, per_token
 
 
-ROWS = {"transformers": None, "ask (default)": ("h2o", True), "sink": ("sink", False), "tova": ("tova", False),
+ROWS = {"transformers": None, "ask (default)": ("h2o", True), "ask (GPU path)": ("h2o", True, True),
+        "sink": ("sink", False), "tova": ("tova", False),
         "snapkv": ("snapkv", False), "keydiff": ("keydiff", False), "h2o": ("h2o", False)}
 
 

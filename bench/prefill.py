@@ -329,18 +329,21 @@ def concurrency(base: dict, policy: str, n: int, threads: int | None) -> float |
 
 
 def roofline_gflops(device_name: str) -> float:
+    """The best matmul rate in the dtype the rows compute in: float32 on a CPU, bf16 (and a larger product, to
+    fill the card) on CUDA, where the models are materialised in bf16."""
     import torch
 
     dev = torch.device(device_name)
-    a = torch.randn(2048, 2048, device=dev)
-    b = torch.randn(2048, 2048, device=dev)
+    n, dtype = (8192, torch.bfloat16) if dev.type == "cuda" else (2048, torch.float32)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
     best = 0.0
     for _ in range(5):
         sync(dev)
         t0 = time.perf_counter()
         a @ b
         sync(dev)
-        best = max(best, 2 * 2048**3 / (time.perf_counter() - t0) / 1e9)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
     return best
 
 
@@ -364,7 +367,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="2k,8k,32k,128k")
     ap.add_argument("--policies", default="sink,keydiff,tova,snapkv+caote,h2o+vatp,razor")
     ap.add_argument("--budget", default="1k")
-    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--block-size", default="128",
+                    help="tokens per block, or auto: what kvtool picks on the device (runtime/settings.py)")
     ap.add_argument("--dense-max", default="32k", help="longest document for the dense and chunked rows")
     ap.add_argument("--chunked-max", default="8k", help="longest document for the chunked row (targets use 2K)")
     ap.add_argument("--long-policies", default=None,
@@ -419,20 +423,26 @@ def main() -> None:
     lengths = [parse_tokens(x) for x in args.lengths.split(",") if x]
     policies = [p for p in args.policies.split(",") if p]
     long_policies = policies if args.long_policies is None else [p for p in args.long_policies.split(",") if p]
-    budget, block = parse_tokens(args.budget), args.block_size
+    budget = parse_tokens(args.budget)
     dense_max = parse_tokens(args.dense_max)
     chunked_max = parse_tokens(args.chunked_max)
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
-            "block_size": block, "decode_tokens": args.decode_tokens, "threads": args.threads,
+            "block_size": None, "decode_tokens": args.decode_tokens, "threads": args.threads,
             "layers": args.layers if args.config else None, "sync_timing": args.sync_timing,
             "sdpa_probe": args.sdpa_probe}
 
     import torch
 
+    from kvtool.runtime.settings import default_block_size
+
     device_name = "cuda" if (args.device in ("auto", "cuda") and torch.cuda.is_available()) else "cpu"
+    block = default_block_size(device_name, budget) if args.block_size == "auto" else int(args.block_size)
+    base["block_size"] = block
     roof = roofline_gflops(device_name)
+    roof_dtype = "bf16" if device_name == "cuda" else "fp32"
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
-          f"{torch.get_num_threads()}, device {device_name}; fp32 matmul roofline {roof:.0f} GFLOP/s", flush=True)
+          f"{torch.get_num_threads()}, device {device_name}; {roof_dtype} matmul roofline {roof:.0f} GFLOP/s",
+          flush=True)
     rows: list[dict] = []
     sweep_rows: list[dict] = []
 

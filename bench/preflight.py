@@ -37,6 +37,17 @@ def module_line(name: str) -> tuple[str, str | None]:
     return f"ok      {name} {version}", version
 
 
+def cuda_runtime_bytes() -> int:
+    """GPU memory this process holds outside torch's allocator once it has run a bf16 product: the CUDA
+    context, loaded kernels, cuBLAS's handle and workspace (total − free − what the allocator reserved)."""
+    import torch
+
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    free, total = torch.cuda.mem_get_info(0)
+    return int(total - free - torch.cuda.memory_reserved(0))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", dest="json_path", default=None)
@@ -63,6 +74,10 @@ def main() -> int:
                        bf16=torch.cuda.is_bf16_supported())
             print(f"ok      cuda {torch.version.cuda}: {props.name}, sm_{props.major}{props.minor}, "
                   f"{props.multi_processor_count} SMs, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free)")
+            doc["cuda_runtime_bytes"] = runtime = cuda_runtime_bytes()
+            print(f"ok      the CUDA runtime holds {runtime / 2**20:.0f} MiB outside torch's allocator (context, "
+                  "kernels, cuBLAS workspace after one bf16 product; kvtool's plan allows "
+                  "runtime/memory.CUDA_RUNTIME_BYTES)")
         else:
             print(f"absent  cuda: torch {torch.__version__} sees no CUDA device (torch.version.cuda "
                   f"{torch.version.cuda})")

@@ -114,3 +114,14 @@ def profile_dirs() -> list[Path]:
             seen.add(key)
             out.append(d)
     return out
+
+
+#: bytes of float32 attention probabilities one chunk of query rows may take (``core/attention.py``): a GPU-sized
+#: block over a long budget (Llama-3.1-8B, block 1,024 over 5K keys: 640 MiB per layer at once) is scored in
+#: chunks instead, so the working set stays bounded whatever the block (the memory plan counts one chunk)
+PROBS_CHUNK_BYTES = 64 << 20
+
+
+def probs_chunk_rows(attention_heads: int, keys: int) -> int:
+    """Query rows per chunk of explicit probabilities: ``PROBS_CHUNK_BYTES`` of float32 over ``keys`` keys."""
+    return max(1, PROBS_CHUNK_BYTES // (attention_heads * keys * 4))

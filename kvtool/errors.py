@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import reprlib
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -10,6 +11,7 @@ EXIT_USAGE = 2
 EXIT_PARTIAL = 3  # many documents: some failed (each has its error record), the others were answered
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM or SIGHUP (128 + 15, the shell's convention for SIGTERM)
+EXIT_PIPE = 141  # the reader of stdout closed the pipe (128 + 13, SIGPIPE: what `cat | head -c1` reports for cat)
 
 
 class KvtoolError(Exception):
@@ -43,6 +45,25 @@ def first_line(e: BaseException, limit: int = 160) -> str:
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+_SHOWN.maxlevel = 2
+_SHOWN.maxdict = _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxset = 4
+_SHOWN.maxlong = 40
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, bounded whatever ``value`` is (a value read from a file).
+
+    A huge string, a deep or self-similar structure (YAML aliases, a "billion laughs") or a 5,000-digit
+    number is shown by its start: never walked whole, never a line longer than a couple hundred characters.
+    """
+    try:
+        return _SHOWN.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is named by its type
+        return f"<{type(value).__name__}>"
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM/SIGHUP, raised from the signal handler so that cleanup runs exactly as for Ctrl-C.
 
@@ -63,15 +84,23 @@ def interrupt_exit(e: BaseException) -> tuple[str, int]:
 
 
 # C0 controls but tab and newline, DEL and C1 controls: ESC starts ANSI/OSC sequences, CR rewrites a line.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Then the Unicode characters that reorder or split what a terminal shows: the bidi marks, embeddings,
+# overrides and isolates (U+202E turns "txt.exe" into "exe.txt"), and the line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def printable(text: object, one_line: bool = False) -> str:
-    """``text`` with every terminal control character shown as ``\\xNN``: printed literally, never obeyed.
+    """``text`` with every terminal control character shown as ``\\xNN`` (bidi and separator characters as
+    ``\\uNNNN``): printed literally, never obeyed.
 
-    For user-supplied strings (file names, .kvc metadata, model names) on their way to a terminal; rich
-    markup is a separate concern (print through ``rich.text.Text`` or with ``markup=False``). ``one_line`` also
-    escapes newlines and tabs, so that an error stays one line.
+    For user-supplied strings (file names, .kvc metadata, model names, document headings) on their way to a
+    terminal; rich markup is a separate concern (print through ``rich.text.Text`` or with ``markup=False``).
+    ``one_line`` also escapes newlines and tabs, so that an error stays one line.
     """
-    out = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    out = _CONTROL.sub(_escape, str(text))
     return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out

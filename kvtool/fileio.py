@@ -67,3 +67,36 @@ def private_dir(path: str | os.PathLike[str]) -> str:
     if st.st_mode & 0o077:
         raise OSError(f"{p} is open to other users (mode {stat.S_IMODE(st.st_mode):o}); expected 0700")
     return p
+
+
+def read_capped(path: str | os.PathLike[str], cap: int, what: str) -> bytes:
+    """The bytes of a small file kvtool reads whole (a profile, a calibration), at most ``cap`` of them.
+
+    A FIFO or device is refused instead of waited on, and a larger file (or a sparse one claiming a GiB)
+    is refused after reading ``cap + 1`` bytes: what it holds never decides how much is read. Every
+    failure is a one-line ``UsageError`` naming ``what``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {os.fspath(path)}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{what} {os.fspath(path)} is not a regular file")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        chunks, got = [], 0
+        while got <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {os.fspath(path)}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if got > cap:
+        raise UsageError(f"{what} {os.fspath(path)} is larger than {cap >> 10:,} KiB, far more than such a file "
+                         "needs; refused")
+    return b"".join(chunks)

@@ -19,8 +19,9 @@
 # It writes OUT_DIR/gpu-check.json (every step's figures, exit codes and the device) and OUT_DIR/gpu-check.log.
 # Without CUDA (or with CUDA_VISIBLE_DEVICES=) it prints the plan and exits 0, as --dry-run does.
 #
-# Environment: DEADLINE (seconds for all steps, default 500), LENGTHS (default 4k,32k,128k), BUDGET (4k),
-# BLOCK (128), DECODE_TOKENS (128), PYTHON (default: .venv's python if present, else python3).
+# Environment: DEADLINE (seconds for all steps, default 500), ONLY (a comma list of steps to run, default all),
+# LENGTHS (default 4k,32k,128k), BUDGET (4k), BLOCK (auto: what kvtool picks on the GPU), DECODE_TOKENS (64),
+# PYTHON (default: .venv's python if present, else python3).
 # Exit code: 0 when every step ran and passed, 1 otherwise (the JSON says which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +35,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 DEADLINE=${DEADLINE:-500}
 LENGTHS=${LENGTHS:-4k,32k,128k}
 BUDGET=${BUDGET:-4k}
-BLOCK=${BLOCK:-128}
-DECODE_TOKENS=${DECODE_TOKENS:-128}
+BLOCK=${BLOCK:-auto}
+DECODE_TOKENS=${DECODE_TOKENS:-64}
+ONLY=${ONLY:-}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(
@@ -59,6 +61,7 @@ if [ "$DRY" = 1 ] || ! has_cuda; then
   echo "gpu-check plan ($PY; JSON and log into $OUT_DIR/; all steps within DEADLINE=${DEADLINE} s):" >&2
   for s in "${STEPS[@]}"; do
     IFS='|' read -r name cap pred cmd <<<"$s"
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
     total=$((total + pred))
     printf '  %-9s ~%3d s (timeout %3d s)  %s\n' "$name" "$pred" "$cap" "$cmd" >&2
   done
@@ -78,6 +81,7 @@ START=$(date +%s)
 RESULTS=()
 for s in "${STEPS[@]}"; do
   IFS='|' read -r name cap pred cmd <<<"$s"
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
   left=$((DEADLINE - ($(date +%s) - START)))
   limit=$((cap < left ? cap : left))
   [ "$name" = smi ] && limit=$cap  # the device's state is read whatever time is left

@@ -331,6 +331,7 @@ def test_a_read_with_recall_archives_each_block_without_allocating(positions, tm
     layer's archive shares one ``AppendWork``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from kvtool.core import stacks
     from kvtool.core.cache import BoundedCache
     from kvtool.core.engine import Engine, EngineConfig, model_env
     from kvtool.policies import build_policy
@@ -340,13 +341,14 @@ def test_a_read_with_recall_archives_each_block_without_allocating(positions, tm
     cfg = EngineConfig(budget=40, block_size=8, positions=positions, recall=16, page_size=8, archive_dir=str(tmp_path))
     env = model_env(model, cfg)
     engine = Engine(model, build_policy("h2o", {}, env), cfg, env=env)
-    archive_dropped = BoundedCache.archive_dropped
+    def labelled(real):  # a layer's archive path, and a stack's (every layer's at once)
+        def run(self, target, dropped):
+            with record_function("archive_dropped"):
+                real(self, target, dropped)
+        return run
 
-    def labelled(self, g, dropped):
-        with record_function("archive_dropped"):
-            archive_dropped(self, g, dropped)
-
-    monkeypatch.setattr(BoundedCache, "archive_dropped", labelled)
+    monkeypatch.setattr(BoundedCache, "archive_dropped", labelled(BoundedCache.archive_dropped))
+    monkeypatch.setattr(stacks, "archive_stack", labelled(stacks.archive_stack))
     ids = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(3))
     cache = engine.new_cache()
     for s in range(0, 200, 8):
@@ -364,7 +366,7 @@ def test_a_read_with_recall_archives_each_block_without_allocating(positions, tm
 
     events = [(chain(e), e.cpu_memory_usage) for e in prof.events() if e.name != "archive_dropped"]
     archived = [(names, used) for names, used in events if "archive_dropped" in names]
-    assert len(archived) > 100  # the archive path ran, for every layer and block
+    assert len(archived) > 40  # the archive path ran, for every block
     assert [(names, used) for names, used in archived if used > 0] == []
     works = {id(g.archive.work) for layer in cache.layers for g in layer.groups if g.archive is not None}
     assert len(works) == 1 and all(g.archive.length > 0 for layer in cache.layers for g in layer.groups)

@@ -110,7 +110,6 @@ def test_policies_json():
         (["ask", "{doc}", "q", "--block-size", "0"], "--block-size"),
         (["ask", "{doc}", "q", "--device", "tpu"], "device"),
         (["ask", "{doc}", "q", "--model", "{missing}"], "does not exist"),
-        (["ask", "{doc}", "q", "--quantize", "4bit", "--device", "cpu"], "CUDA"),
         (["ask", "{doc}"], "question"),
     ],
 )

@@ -195,12 +195,16 @@ def test_cuda_dense_equality_against_a_float32_reference(family, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "mistral", "gemma3"])
-def test_cuda_outputs_after_eviction_equal_masking_reference(monkeypatch, family, dtype):
-    """After eviction, against the float64 masking reference of the same weights (run on the CPU)."""
+@pytest.mark.parametrize("policy", ["tova", "h2o"])
+def test_cuda_outputs_after_eviction_equal_masking_reference(monkeypatch, family, dtype, policy):
+    """After eviction, against the float64 masking reference of the same weights (run on the CPU); ``h2o`` takes
+    the GPU's way (the output from SDPA, the probabilities for their sums only) and every layer is evicted at
+    the block's end together."""
     ids = _ids(96, 4)
     model = tiny_family(family).to("cuda", dtype)
     seen = record_visibility(monkeypatch)
-    got, cache = stream_logits(make_engine(model, "tova", 40, block_size=8), ids)
+    got, cache = stream_logits(make_engine(model, policy, 40, block_size=8), ids)
+    assert cache.fused_output
     monkeypatch.undo()
     assert cache.counters.evicted_tokens > 0
     noise_in_dtype = dense_logits(model, ids.cuda())

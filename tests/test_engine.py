@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.core.cache import HeadGroup
+from kvtool.core import cache as cache_module
+from kvtool.core import stacks as stacks_module
 from kvtool.errors import UsageError
 from tests.helpers import (
     ALL_POLICIES,
@@ -71,13 +72,15 @@ def test_cache_never_exceeds_budget_prefill_and_decode(monkeypatch, policy, fact
     _, cache = stream_logits(engine, ids, check=check)
     # decoding evicts lazily: at most capacity + block at every step, exactly capacity after an eviction
     settled: list[int] = []
-    gather = HeadGroup.gather
+    step = cache_module.evict_step
 
-    def spy(self, keep):
-        gather(self, keep)
-        settled.append(self.length)
+    def spy(target, *args):  # a group, or every layer's group of a stack at once
+        out = step(target, *args)
+        settled.append(target.length)
+        return out
 
-    monkeypatch.setattr(HeadGroup, "gather", spy)
+    monkeypatch.setattr(cache_module, "evict_step", spy)
+    monkeypatch.setattr(stacks_module, "evict_step", spy)
     logits = engine.step(cache, torch.tensor([5]), 1)
 
     def each_token(tok):
@@ -209,3 +212,30 @@ def test_a_cache_is_freed_with_its_last_reference(policy, budget):
         assert gone() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_h2o_in_chunks_and_from_sdpa_equals_the_one_pass(monkeypatch, fused):
+    """A GPU-sized block scores H2O's probabilities a few rows at a time (``probs_chunk_rows``), and on CUDA takes
+    the output from SDPA (``BoundedCache.fused_output``): both forced here on the CPU, the logits, H2O's
+    accumulated attention and what each head keeps equal the one-pass path's."""
+    from kvtool.core import attention
+
+    model = tiny_qwen2()
+    ids = torch.randint(0, VOCAB, (160,), generator=torch.Generator().manual_seed(11))
+
+    def run(chunk_rows, fused_output):
+        monkeypatch.setattr(attention, "probs_chunk_rows", chunk_rows)
+        engine = make_engine(model, "h2o", 48, block_size=32)
+        cache = engine.new_cache()
+        cache.fused_output = fused_output
+        logits, _ = stream_logits(engine, ids, cache)
+        g = cache.layers[-1].groups[0]
+        return logits, g.state[0, :, : g.length].clone(), g.positions[:, : g.length].clone(), cache
+
+    ref_logits, ref_acc, ref_pos, _ = run(attention.probs_chunk_rows, False)
+    logits, acc, pos, cache = run(lambda heads, keys: 5, fused)  # 32-row blocks in chunks of 5 rows
+    assert cache.counters.evicted_tokens > 0
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(acc, ref_acc, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pos, ref_pos)

@@ -212,7 +212,7 @@ def test_profile_expected_memory_matches_formulas(
 ) -> None:
     """The numbers written in the shipped profiles are what memory.py computes (no drift), for their policy."""
     from kvtool.policies import REGISTRY
-    from kvtool.runtime.settings import load_profile, parse_budget
+    from kvtool.runtime.settings import default_block_size, load_profile, parse_budget
 
     data = load_profile(PROFILES / f"{profile}.yaml")
     policy = REGISTRY.bases[data["policy"]]()  # a plain base (no modifiers) in every shipped profile
@@ -223,16 +223,19 @@ def test_profile_expected_memory_matches_formulas(
     num_params = llama_param_count(dims, tied)
     unquantized = embedding_params(dims, tied)
     assert parse_budget(data["budget"]).tokens == budget
+    block = data["block_size"] or default_block_size(data["device"], budget)  # auto: the device's block
     peak = predict_peak(
         dims,
         num_params=num_params,
         elem=elem,
         budget_tokens=budget,
-        block_size=data["block_size"],
+        block_size=block,
         quantize=quantize,
         unquantized_params=unquantized,
-        rows=policy.query_rows(data["block_size"]),
+        rows=policy.query_rows(block),
         n_fields=len(policy.state_fields),
+        rows_summed=policy.rows_summed,
+        device_type=data["device"],
     )
     assert expected["num_params"] == num_params
     assert expected["unquantized_params"] == unquantized

@@ -15,10 +15,12 @@ import os
 import pytest
 import torch
 
+from kvtool.core import archive as archive_module
 from kvtool.core import recall
+from kvtool.core import stacks as stacks_module
 from kvtool.core.archive import GroupArchive, dropped_indices
 from kvtool.core.archive_stores import FileStore, MemoryStore
-from kvtool.core.cache import BoundedLayer
+from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.policies import build_policy
@@ -333,15 +335,16 @@ def test_interrupt_during_archiving_leaves_no_file(tmp_path, monkeypatch):
     engine = recall_engine(model, "keydiff", 32, 64, archive_dir=str(tmp_path))
     cache = engine.new_cache()
     calls = {"n": 0}
-    real = GroupArchive.append
+    real = archive_module.append_layers
 
-    def interrupted(self, *a):
+    def interrupted(*a):  # every append goes through it: one layer's, or a stack's
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real(self, *a)
+        return real(*a)
 
-    monkeypatch.setattr(GroupArchive, "append", interrupted)
+    monkeypatch.setattr(archive_module, "append_layers", interrupted)
+    monkeypatch.setattr(stacks_module, "append_layers", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.feed(cache, [ids_of(120, 1)], progress=False)
     assert os.listdir(tmp_path) == []
@@ -382,25 +385,27 @@ def test_recalled_kv_equal_what_was_evicted(positions, monkeypatch):
     engine = recall_engine(model, "keydiff", 32, 512, positions=positions)
     cache = engine.new_cache()
     evicted: dict[tuple[int, int], tuple] = {}  # (layer, head) → (k, v, pos) at eviction, original positions
-    real = BoundedLayer.after_attention
+    real = BoundedCache.evict_deferred
+    assert all(g.stack is not None for g in cache.groups())  # every eviction waits for the block's end
 
-    def spy(self, g, probs):
-        before = (g.keys[0, :, g.off : g.off + g.length].clone(), g.values[0, :, g.off : g.off + g.length].clone(),
-                  g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone())
-        real(self, g, probs)
-        kept = g.positions[:, : g.length]
-        for h in range(g.num_heads):
-            gone = ~torch.isin(before[2][h], kept[h])
-            k = before[0][h, gone]
-            if positions == "compact":
-                delta = before[2][h, gone] - before[3][h, gone]
-                k = cache.rotator.rotate(k.unsqueeze(0), delta.unsqueeze(0))[0].clone()  # a view of its buffer
-            for kk, vv, pp in zip(k, before[1][h, gone], before[2][h, gone], strict=True):
-                evicted[(self.layer_idx, h, int(pp))] = (kk, vv)
+    def spy(self):
+        before = [(g.keys[0, :, g.off : g.off + g.length].clone(), g.values[0, :, g.off : g.off + g.length].clone(),
+                   g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone()) for g in self.groups()]
+        real(self)
+        for li, (g, (k_all, v_all, p_all, r_all)) in enumerate(zip(self.groups(), before, strict=True)):
+            kept = g.positions[:, : g.length]
+            for h in range(g.num_heads):
+                gone = ~torch.isin(p_all[h], kept[h])
+                k = k_all[h, gone]
+                if positions == "compact":
+                    delta = p_all[h, gone] - r_all[h, gone]
+                    k = cache.rotator.rotate(k.unsqueeze(0), delta.unsqueeze(0))[0].clone()  # a view of its buffer
+                for kk, vv, pp in zip(k, v_all[h, gone], p_all[h, gone], strict=True):
+                    evicted[(li, h, int(pp))] = (kk, vv)
 
-    monkeypatch.setattr(BoundedLayer, "after_attention", spy)
+    monkeypatch.setattr(BoundedCache, "evict_deferred", spy)
     engine.feed(cache, [ids_of(100, 5)], progress=False)
-    monkeypatch.setattr(BoundedLayer, "after_attention", real)
+    monkeypatch.setattr(BoundedCache, "evict_deferred", real)
     for li, layer in enumerate(cache.layers):
         g = layer.groups[0]
         a = g.archive

@@ -115,7 +115,7 @@ def test_defaults_validate() -> None:
     ("field", "value"),
     [
         ("block_size", 0),
-        ("block_size", "128"),
+        ("block_size", "big"),
         ("sinks", -1),
         ("recent", -1),
         ("recent", 1.5),

@@ -25,6 +25,7 @@ from kvtool.cli.error_lines import error_line
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
 from kvtool.errors import (
+    EXIT_PIPE,
     EXIT_RUNTIME,
     EXIT_USAGE,
     KvtoolError,
@@ -33,6 +34,7 @@ from kvtool.errors import (
     interrupt_exit,
     printable,
 )
+from kvtool.stdio import guard_closed_streams, no_prompts
 
 
 class _Group(typer.core.TyperGroup):
@@ -51,6 +53,11 @@ class _Group(typer.core.TyperGroup):
             msg, code = interrupt_exit(e)
             print(msg, file=sys.stderr)
             raise typer.Exit(code) from None
+        except BrokenPipeError:
+            # the reader of stdout went away (`| head -c1`): stop now, quietly, with the status cat has when
+            # SIGPIPE ends it (click itself would turn it into exit 1)
+            discard_stdout()
+            raise typer.Exit(EXIT_PIPE) from None
 
 
 app = typer.Typer(
@@ -139,8 +146,18 @@ def _termination_signals() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app and turn every failure into one line and an exit code."""
-    with _termination_signals():
+    """Entry point: run the app and turn every failure into one line and an exit code.
+
+    A closed stdout or stderr is pointed at ``/dev/null`` first (so no file kvtool opens takes its
+    descriptor, and no error line falls back to stdout); a closed stdout is then refused, since the answers
+    would be lost after all the work. No library may prompt on stdin while the command runs.
+    """
+    stdout_closed, _ = guard_closed_streams()
+    if stdout_closed:
+        print("kvtool: error: stdout is closed: kvtool writes its output there (redirect it to /dev/null to "
+              "discard it)", file=sys.stderr)
+        return EXIT_USAGE
+    with _termination_signals(), no_prompts():
         return _main(argv)
 
 
@@ -173,9 +190,9 @@ def _main(argv: list[str] | None) -> int:
         print(msg, file=sys.stderr)
         return code
     except BrokenPipeError:
-        # the reader of stdout went away (e.g. `| head`): not an error worth a message
+        # the reader of stdout went away (`| head -c1`): stop quietly, with the status cat has when SIGPIPE ends it
         discard_stdout()
-        return EXIT_RUNTIME
+        return EXIT_PIPE
     except OSError as e:
         if e.errno not in WRITE_ERRNOS:
             return _internal_error(e)

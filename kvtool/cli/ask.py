@@ -57,7 +57,7 @@ def ask(
     """Answer questions about a document (or many: DOC... --question Q) read under a KV budget."""
     if question or questions_file is not None:  # every argument is a document
         documents = [d for d in (file, *(questions or [])) if d is not None]
-        asked = read_questions(question, questions_file)
+        asked = read_questions(question, questions_file, sayer(quiet))
         if many.is_many(documents, files_from, output, ray):
             many.run_many("ask", documents, flags or {}, profile=profile, quiet=quiet, files_from=files_from,
                           output=output, ray=ray, workers=workers, questions=asked, cite=cite, doc_format=doc_format)
@@ -66,7 +66,7 @@ def ask(
         file, questions_list = (documents[0] if documents else None), asked
     else:
         many.refuse_many_options("ask", files_from=files_from, output=output, ray=ray, workers=workers)
-        questions_list = read_questions(questions, questions_file)
+        questions_list = read_questions(questions, questions_file, sayer(quiet))
     if file is None:
         raise UsageError("give a document: kvtool ask FILE QUESTION..., or kvtool ask DOC... --question QUESTION")
     run_ask(file, questions_list, flags or {}, profile=profile, json_out=json_out, jsonl=jsonl, quiet=quiet,
@@ -134,11 +134,23 @@ def _run(
     ``recall_auto=False``: ``--recall auto`` (the default) means off (a summary asks about everything,
     not a passage recall could find)."""
     started = time.monotonic()
-    from kvtool.runtime import store
-    from kvtool.runtime.settings import resolve_settings
 
     # Files, .kvc headers and settings are checked before torch is imported (a bad path fails in ms).
     kind, source = _open_input(path, doc_format, quiet)
+    try:
+        return _read_and_work(path, kind, source, overrides, profile, quiet, work, started, full_stats, verb,
+                              recall_auto)
+    finally:
+        if kind == "document":
+            source.close()  # a read abandoned partway (or never begun: bad settings) closes its file now
+
+
+def _read_and_work(path: str, kind: str, source: Any, overrides: dict[str, Any], profile: str | None, quiet: bool,
+                   work: Callable[[Any, Any], list[Any]], started: float, full_stats: bool, verb: str,
+                   recall_auto: bool) -> tuple[Any, Any, list[Any], dict[str, Any]]:
+    from kvtool.runtime import store
+    from kvtool.runtime.settings import resolve_settings
+
     asked = overrides.get("recall") is not None or resolve_settings(profile, {}).recall != "auto"
     if kind == "kvc":
         overrides = store.settings_overrides(source, overrides)

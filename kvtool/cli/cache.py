@@ -55,8 +55,6 @@ def _prefill_one(file: str, output: str | None, force: bool, doc_format: str | N
     from kvtool.documents import open_document
     from kvtool.kvc.format import is_kvc
     from kvtool.kvc.write import check_output
-    from kvtool.runtime import store
-    from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before the model loads.
     if not output:
@@ -64,8 +62,16 @@ def _prefill_one(file: str, output: str | None, force: bool, doc_format: str | N
     if file != "-" and doc_format in (None, "auto") and is_kvc(file):
         raise UsageError(f"{file} is already a .kvc cache; prefill reads a text document (ask it directly)")
     check_output(output, force, source=file)
-    doc = open_document(file, doc_format, notify=sayer(quiet))
-    settings = resolve_settings(profile, flags)
+    with open_document(file, doc_format, notify=sayer(quiet)) as doc:  # closed however the read ends
+        _prefill(doc, output, force, profile, json_out, quiet, flags)
+
+
+def _prefill(doc: Any, output: str, force: bool, profile: str | None, json_out: bool, quiet: bool,
+             flags: dict[str, Any] | None) -> None:
+    from kvtool.runtime import store
+    from kvtool.runtime.settings import resolve_settings
+
+    settings = resolve_settings(profile, flags or {})
     from kvtool.runtime.session import Session  # torch loads only once the input is known to be good
 
     say = sayer(quiet)

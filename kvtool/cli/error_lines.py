@@ -25,10 +25,16 @@ FIELD_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+#: the longest error line printed: whatever a message quotes from a file, the line stays readable
+MAX_ERROR_CHARS = 600
+
+
 def error_line(e: BaseException) -> str:
-    """The one line printed for ``e``: a ``UsageError``'s setting named by its command-line flag."""
-    text = str(e)
+    """The one line printed for ``e``: a ``UsageError``'s setting named by its command-line flag, controls
+    escaped, at most :data:`MAX_ERROR_CHARS` characters."""
+    text = str(e)[: 4 * MAX_ERROR_CHARS]
     field = e.field if isinstance(e, UsageError) else None
     for pattern, flag in FIELD_FLAGS.get(field or "", ()):
         text = re.sub(pattern if pattern.startswith("^") else re.escape(pattern), flag, text, count=1)
-    return printable(text, one_line=True)
+    line = printable(text, one_line=True)
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from kvtool.cli.options import AGREEMENT_SETTINGS, EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
-from kvtool.cli.output import emit_json, stderr_console
+from kvtool.cli.output import emit_json, sayer, stderr_console
 from kvtool.data import sample_path
 
 eval_app = typer.Typer(
@@ -243,7 +243,8 @@ def agreement(
         from kvtool.errors import UsageError
 
         raise UsageError(f"--doc {path} is not a file")
-    task = AgreementTask(grid=build_grid(), doc_path=path, questions=read_questions_file(Path(questions_file)),
+    questions = read_questions_file(Path(questions_file), sayer(quiet))
+    task = AgreementTask(grid=build_grid(), doc_path=path, questions=questions,
                          first_tokens=positive(first_tokens, "--first-tokens"),
                          max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
     _finish(run_agreement(task, RichReporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

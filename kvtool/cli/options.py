@@ -25,7 +25,8 @@ PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction 
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="KV budget per head and layer: tokens "
                                                "(4096, 4k) or bytes of K+V (512MiB, 2GB).")]
-BlockOpt = Annotated[int | None, typer.Option("--block-size", help="Prefill block size in tokens (default 128).")]
+BlockOpt = Annotated[str | None, typer.Option(
+    "--block-size", help="Prefill block size in tokens, or auto (the default: 128 on a CPU, up to 1024 on CUDA).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 QuantOpt = Annotated[str | None, typer.Option(
@@ -167,8 +168,11 @@ def parse_policy_opts(items: list[str]) -> dict[str, str]:
     return out
 
 
-def read_questions(questions: list[str] | None, questions_file: Path | None) -> list[str]:
-    """The questions from the arguments, then from ``--questions-file``; none may be empty (checked before reading)."""
+def read_questions(questions: list[str] | None, questions_file: Path | None,
+                   notify: Callable[[str], None] | None = None) -> list[str]:
+    """The questions from the arguments, then from ``--questions-file``; none may be empty (checked before reading).
+
+    ``notify`` hears "waiting for input" before a FIFO is opened (it may wait for a writer)."""
     qs = list(questions or [])
     for i, q in enumerate(qs, 1):
         if not q.strip():
@@ -176,7 +180,7 @@ def read_questions(questions: list[str] | None, questions_file: Path | None) -> 
     if questions_file is not None:
         from kvtool.documents import read_lines  # bounded: a huge file or /dev/zero is refused, not read
 
-        from_file = read_lines(questions_file, "--questions-file")
+        from_file = read_lines(questions_file, "--questions-file", notify=notify)
         if not from_file and not qs:
             raise UsageError(f"--questions-file {questions_file} has no questions (one per line)")
         qs += from_file

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -15,6 +16,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+
+from kvtool.errors import printable
 
 
 def stderr_console() -> Console:
@@ -25,8 +28,8 @@ def sayer(quiet: bool) -> Callable[[str], None]:
     """A function that prints a note on stderr, or nothing with ``--quiet``."""
 
     def say(msg: str) -> None:
-        if not quiet:
-            print(msg, file=sys.stderr, flush=True)
+        if not quiet:  # notes carry file names and document text: controls are shown, never obeyed
+            print(printable(msg), file=sys.stderr, flush=True)
 
     return say
 
@@ -46,8 +49,20 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EFBIG, getattr(errno, "
 
 
 def emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    """One JSON document on stdout: strict JSON (a NaN or infinity, which JSON cannot spell, becomes null)."""
+    sys.stdout.write(json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False) + "\n")
     sys.stdout.flush()
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (dicts, lists and tuples walked)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def write_text(piece: str) -> None:

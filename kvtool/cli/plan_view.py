@@ -57,7 +57,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
           if p.get("rotation_scratch_bytes") else []),
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
-        ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"),
+        ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"
+         if not p.get("snapshot_host_bytes") else
+         f"on the GPU: none ({_b(p['snapshot_host_bytes'])} in pinned host memory, copied back per question)"),
     ]
     if p.get("recall_tokens"):
         arch = p["archive_bytes_per_evicted_token"]
@@ -79,7 +81,9 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
 def render_plan(p: Mapping[str, Any], console: Any) -> None:
     """Print the plan (and measurement, dense and memory comparisons, razor split) with rich."""
     budget = p["budget_tokens"]
-    head = f"{p['model']}  {p['dtype']} on {p['device']}  policy {p['policy']}  block {p['block_size']}  "
+    auto = " (auto: " + ("GPU-sized" if p["device"].startswith("cuda") else "the CPU's") + ")" \
+        if p.get("block_auto") else ""
+    head = f"{p['model']}  {p['dtype']} on {p['device']}  policy {p['policy']}  block {p['block_size']}{auto}  "
     head += f"budget {budget} tokens per KV head" if budget is not None else "no budget (full cache)"
     console.print(head)
     if p.get("budget_conversion"):
@@ -106,6 +110,8 @@ def render_plan(p: Mapping[str, Any], console: Any) -> None:
     mem = p.get("memory")
     if mem:
         fits = "" if mem["fits"] is None else (" (this plan fits)" if mem["fits"] else " (this plan does NOT fit)")
+        if mem.get("cuda_runtime_bytes"):
+            fits += f" after {_F(mem['cuda_runtime_bytes'])} for the CUDA runtime (context, cuBLAS workspace)"
         console.print(
             f"in {_F(mem['limit_bytes'])}{fits}: largest budget {mem['largest_budget_tokens']} tokens per KV head; "
             f"dense transformers holds at most {mem['dense_max_tokens']} tokens"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -69,23 +70,39 @@ def run_profile(
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None
+    try:
+        return _plan_and_measure(settings, document, doc_tokens, limit, json_out, quiet)
+    finally:
+        if document is not None:
+            document.close()  # a read abandoned partway (or never begun) closes its file now
 
+
+def _plan_and_measure(settings: Any, document: Any, doc_tokens: int | None, limit: int | None, json_out: bool,
+                      quiet: bool) -> dict[str, Any]:
+    """The plan (from a config alone, or from the loaded model) and, with a document, the measured read."""
     # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
+    import rich.console  # noqa: F401 (counted in the baseline, as the table drawn later needs it)
     import torch  # noqa: F401
     import transformers  # noqa: F401
-    from rich.console import Console
 
-    from kvtool.cli.plan_view import render_plan
+    from kvtool.cli import plan_view  # noqa: F401
     from kvtool.runtime import profiling
     from kvtool.runtime.session import Session
 
+    model_dir = Path(settings.model).expanduser() if settings.model else None
+    if model_dir is not None and model_dir.is_dir() and not profiling.has_weights(model_dir):
+        if document is not None:
+            raise UsageError(f"{model_dir} holds no weights: it can be planned (--memory, --doc-tokens), not read "
+                             "(drop the document)")
+        return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit), json_out)
     rss_before_load = process_rss()
     say = sayer(quiet)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash if document is not None else None, say=say)
         on_cuda = session.loaded.device.type == "cuda"
         baseline = 0 if on_cuda else rss_before_load
-        result = profiling.plan(session, settings, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
+        resolved = session.settings  # the block chosen for the device
+        result = profiling.plan(session, resolved, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
         if document is not None:
             meter = session.engine.meter
             with meter.track():
@@ -94,10 +111,10 @@ def run_profile(
             if result["budget_tokens"] is None:
                 # policy full keeps every token read: its prediction needs the length, known only now
                 n = read.document_tokens + read.prefix_tokens
-                result = profiling.plan(session, settings, doc_tokens=n, memory=limit, runtime_baseline=baseline)
+                result = profiling.plan(session, resolved, doc_tokens=n, memory=limit, runtime_baseline=baseline)
             # the dense comparison: --doc-tokens if given, else the document just read
             dense_n = doc_tokens if doc_tokens is not None else read.document_tokens
-            result["dense"] = profiling.plan(session, settings, doc_tokens=dense_n, runtime_baseline=baseline)["dense"]
+            result["dense"] = profiling.plan(session, resolved, doc_tokens=dense_n, runtime_baseline=baseline)["dense"]
             predicted = result["predicted_peak_bytes"]
             result["measured"] = {
                 "peak_bytes": int(peak),
@@ -110,9 +127,17 @@ def run_profile(
                 "kv_allocated_bytes": read.cache.allocated_bytes(),
                 "kv_promised_bytes": read.cache.promised_bytes(),
             }
+    return _show(result, json_out)
+
+
+def _show(result: dict[str, Any], json_out: bool) -> dict[str, Any]:
+    """The plan on stdout: JSON, or the table (a pipe or file gets one wide enough not to wrap)."""
+    from rich.console import Console
+
+    from kvtool.cli.plan_view import render_plan
+
     if json_out:
         emit_json(result)
     else:
-        # a pipe or file gets a table wide enough not to wrap the descriptions
         render_plan(result, Console(highlight=False, width=None if sys.stdout.isatty() else 120))
     return result

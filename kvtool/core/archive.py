@@ -71,6 +71,18 @@ class AppendWork:
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.device], Tensor] = {}
         self.limits: dict[torch.device, Constants] = {}
+        self.host = torch.empty(0, dtype=torch.uint8)  # the staging of appends of several layers at once
+        self.event: torch.cuda.Event | None = None
+
+    def staging(self, nbytes: int, device: torch.device) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Host bytes (pinned when ``device`` is CUDA) for a stack's append, and the CUDA event marking the copy's
+        end (None on CPU). Grown geometrically; the archives that staged in the old buffer keep it alive."""
+        cuda = device.type == "cuda"
+        if nbytes > self.host.numel() or (cuda and not self.host.is_pinned()):
+            self.host = torch.empty(max(nbytes, 2 * self.host.numel(), 1 << 16), dtype=torch.uint8, pin_memory=cuda)
+        if cuda and self.event is None:
+            self.event = torch.cuda.Event()
+        return self.host[:nbytes], self.event if cuda else None
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """Buffer ``name`` viewed as ``shape`` in ``dtype`` (contents undefined); replaced only when too small."""
@@ -138,6 +150,7 @@ class GroupArchive:
         self.empty = _empty_page(num_heads, head_dim)  # never written to: shared by every fresh open page
         self.tail = self.empty  # [2, h, d]: min, max of the open page's keys (``empty`` or ``open_page``)
         self.open_page: Tensor | None = None  # where appends write the open page's summary (keys' device)
+        self.open_pages: Tensor | None = None  # the [L, 2, h, d] tensor ``open_page`` is a row of (``append_layers``)
         self.staging = torch.empty(0, dtype=torch.uint8)  # the last append's bytes, on their way to the stores
         self.pinned = False  # whether ``staging`` is pinned memory
         self.staged: tuple[int, int, int] | None = None  # rows staged for store, index, summaries (None: none)
@@ -170,81 +183,13 @@ class GroupArchive:
         return [*out, at]
 
     # -- appending (in inference mode, as the engine runs: every buffer written here is an inference tensor) --
-    @torch.inference_mode()
     def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> None:
         """Archive ``n`` tokens per head: keys/values [h, n, d] (keys at original positions), positions [h, n].
 
         Computed on the keys' device into ``work`` and staged (class docstring): no host sync, no new
         buffer once the largest block has been through; the stores get the bytes at the next append or read.
         """
-        n = keys.shape[1]
-        if n == 0:
-            return
-        self.flush()  # the previous append's bytes: their copy has overlapped the compute since
-        h, d, P, device = self.h, self.d, self.page_size, keys.device
-        lead = self.length % P
-        pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
-        counts = (n, n, done)
-        at = self._offsets(counts)  # sized below for the most pages n keys can complete: later blocks fit
-        packed = self.work.get("packed", (at[2] + (n // P + 1) * self.summaries.row_bytes,), torch.uint8, device)
-        self._write_rows(packed[at[0] : at[0] + n * self.store.row_bytes].view(n, -1), keys.detach(), values.detach())
-        packed[at[1] : at[1] + n * self.index.row_bytes].view(torch.int32).view(n, h).copy_(positions.t())
-        if self.open_page is None or self.open_page.device != device:
-            self.open_page = torch.empty(2, h, d, dtype=SUMMARY_DTYPE, device=device)
-        summ = self._summarise(keys.detach(), pages)  # [pages, 2, h, d] in work
-        packed[at[2] : at[2] + done * self.summaries.row_bytes].view(SUMMARY_DTYPE).view(done, 2, h, d).copy_(
-            summ[:done])
-        self.tail = self.open_page.copy_(summ[done]) if done < pages else self.empty
-        self._stage(packed, counts, at[-1])
-        self.length += n
-
-    def _write_rows(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
-        """K/V of ``n`` tokens into their store rows ``rows`` [n, row_bytes]: cast, or int8 quantized
-        symmetrically per token and head (absmax / 127; a key's error is at most half its scale per channel),
-        codes [n, 2, h, d] then float32 scales [n, 2, h]."""
-        n, h, d = keys.shape[1], self.h, self.d
-        if self.dtype != torch.int8:
-            kv = rows.view(self.dtype).view(n, 2, h, d)
-            kv[:, 0].copy_(keys.transpose(0, 1))
-            kv[:, 1].copy_(values.transpose(0, 1))
-            return
-        kv = self.work.get("kv32", (n, 2, h, d), torch.float32, keys.device)
-        kv[:, 0].copy_(keys.transpose(0, 1))
-        kv[:, 1].copy_(values.transpose(0, 1))
-        magnitude = torch.abs(kv, out=self.work.get("abs32", (n, 2, h, d), torch.float32, keys.device))
-        scale = self.work.get("scale32", (n, 2, h, 1), torch.float32, keys.device)
-        top = self.work.constants(keys.device).top
-        torch.amax(magnitude, -1, keepdim=True, out=scale).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
-        rows[:, : 2 * h * d].view(torch.int8).view(n, 2, h, d).copy_(kv.div_(scale).round_().clamp_(-127, 127))
-        rows[:, 2 * h * d :].copy_(scale.view(n, 2 * h).view(torch.uint8))
-
-    def _summarise(self, keys: Tensor, pages: int) -> Tensor:
-        """Summaries [pages, 2, h, d] (``SUMMARY_DTYPE``, rounded outward, in ``work``) of the pages that
-        ``keys`` [h, n, d] touch: the open one (its summary so far is ``tail``; none when the last block
-        ended on a page boundary), the whole pages after it, and a new open page with what is left."""
-        h, n, d, P, device = self.h, keys.shape[1], self.d, self.page_size, keys.device
-        lead = self.length % P
-        kf = self.work.get("keys32", (h, n, d), torch.float32, device).copy_(keys)
-        most = n // P + 2  # the most pages n keys can touch: every buffer is sized for it, so none grows later
-        x = self.work.get("summ32", (most, 2, h, d), torch.float32, device)[:pages]
-        tail = self.work.get("tail32", (2, h, d), torch.float32, device)
-        first = min(n, P - lead) if lead else 0
-        full = (n - first) // P
-        p = 0
-        if first:  # the open page so far, in float32 (the tail may be on the CPU when just loaded)
-            tail.copy_(self.tail, non_blocking=True)
-            torch.minimum(torch.amin(kf[:, :first], 1, out=x[0, 0]), tail[0], out=x[0, 0])
-            torch.maximum(torch.amax(kf[:, :first], 1, out=x[0, 1]), tail[1], out=x[0, 1])
-            p = 1
-        if full:
-            body = kf[:, first : first + full * P].view(h, full, P, d)
-            torch.amin(body, 2, out=x[p : p + full, 0].transpose(0, 1))
-            torch.amax(body, 2, out=x[p : p + full, 1].transpose(0, 1))
-            p += full
-        if p < pages:
-            torch.amin(kf[:, first + full * P :], 1, out=x[p, 0])
-            torch.amax(kf[:, first + full * P :], 1, out=x[p, 1])
-        return _round_outward(x, self.work, most)
+        append_layers([self], keys.unsqueeze(0), values.unsqueeze(0), positions.unsqueeze(0))
 
     def _stage(self, packed: Tensor, counts: tuple[int, int, int], total: int) -> None:
         """Copy the first ``total`` packed bytes of an append into ``staging`` with one copy; :meth:`flush`
@@ -343,8 +288,9 @@ class GroupArchive:
         """
         P = self.page_size
         q = queries.float().cpu()
+        span = torch.arange(min(P, self.length))  # a page longer than the archive holds only what was archived
         for lo in range(0, pages.shape[1], SCAN_CHUNK):
-            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + torch.arange(P)).reshape(self.h, -1)
+            idx = (pages[:, lo : lo + SCAN_CHUNK].unsqueeze(-1) * P + span).reshape(self.h, -1)
             valid = idx < self.length
             keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
             if place is not None:
@@ -419,6 +365,122 @@ class GroupArchive:
         self.staging = torch.empty(0, dtype=torch.uint8)  # a copy still in flight keeps its pinned block
         for st in (self.store, self.index, self.summaries):
             st.close()
+
+
+@torch.inference_mode()
+def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, positions: Tensor) -> None:
+    """Archive ``n`` tokens per head in each of ``archives`` at once: keys/values [L, h, n, d] (keys at original
+    positions) and positions [L, h, n], layer ``l``'s to ``archives[l]``.
+
+    The archives of a stack of layers hold the same number of tokens (every layer evicts as many per block),
+    so one append computes every layer's K/V rows, positions and page summaries with one launch each, packs
+    them into ``[L, stride]`` bytes and stages them with one copy: each archive's ``staging`` is its row of
+    the shared staging buffer (``AppendWork.staging``). One archive (``GroupArchive.append``) is the case L = 1,
+    staged in its own buffer. No host sync, and nothing allocated once the largest block has been through.
+    """
+    a0, L, n = archives[0], len(archives), keys.shape[2]
+    if n == 0:
+        return
+    for a in archives:
+        a.flush()  # the previous append's bytes: their copy has overlapped the compute since
+    if any(a.length != a0.length for a in archives):
+        raise ValueError("archives appended together must hold the same number of tokens")
+    h, d, P, device, work = a0.h, a0.d, a0.page_size, keys.device, a0.work
+    lead = a0.length % P
+    pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
+    counts = (n, n, done)
+    at = a0._offsets(counts)  # the same layout in every layer's row of ``packed``
+    stride = -(-(at[2] + (n // P + 1) * a0.summaries.row_bytes) // ALIGN) * ALIGN  # the most an append of n needs
+    packed = work.get("packed", (L, stride), torch.uint8, device)
+    _write_rows(a0.dtype, packed[:, at[0] : at[0] + n * a0.store.row_bytes].view(L, n, -1), keys.detach(),
+                values.detach(), work)
+    packed[:, at[1] : at[1] + n * a0.index.row_bytes].view(torch.int32).view(L, n, h).copy_(positions.transpose(1, 2))
+    opens = _open_pages(archives, device)
+    summ = _summarise(keys.detach(), P, lead, pages, opens if lead else None, work)  # [L, pages, 2, h, d] in work
+    packed[:, at[2] : at[2] + done * a0.summaries.row_bytes].view(SUMMARY_DTYPE).view(L, done, 2, h, d).copy_(
+        summ[:, :done])
+    if done < pages:
+        opens.copy_(summ[:, done])
+    for layer, a in enumerate(archives):
+        a.tail = opens[layer] if done < pages else a.empty
+        a.length += n
+    if L == 1:
+        a0._stage(packed[0], counts, at[-1])
+        return
+    staging, event = work.staging(L * stride, device)
+    staging.view(L, stride)[:, : at[-1]].copy_(packed[:, : at[-1]], non_blocking=device.type == "cuda")
+    if event is not None:
+        event.record(torch.cuda.current_stream(device))
+    for layer, a in enumerate(archives):
+        a.staging, a.pinned, a.copied, a.staged = staging[layer * stride : (layer + 1) * stride], False, event, counts
+
+
+def _open_pages(archives: list[GroupArchive], device: torch.device) -> Tensor:
+    """The archives' open-page summaries as one [L, 2, h, d] tensor on ``device`` that each archive's
+    ``open_page`` views (made once: later appends of the same archives find it in place)."""
+    opens = archives[0].open_pages
+    if (opens is not None and opens.device == device and opens.shape[0] == len(archives)
+            and all(a.open_pages is opens and a.open_page is not None and a.open_page.data_ptr() == opens[i].data_ptr()
+                    for i, a in enumerate(archives))):
+        return opens
+    a0 = archives[0]
+    opens = torch.empty(len(archives), 2, a0.h, a0.d, dtype=SUMMARY_DTYPE, device=device)
+    for layer, a in enumerate(archives):  # once per stack (or after a load): a copy of each open page so far
+        opens[layer].copy_(a.tail)
+        a.open_page, a.open_pages = opens[layer], opens
+    return opens
+
+
+def _write_rows(dtype: torch.dtype, rows: Tensor, keys: Tensor, values: Tensor, work: AppendWork) -> None:
+    """K/V of ``n`` tokens per layer into their store rows ``rows`` [L, n, row_bytes]: cast, or int8 quantized
+    symmetrically per token and head (absmax / 127; a key's error is at most half its scale per channel),
+    codes [n, 2, h, d] then float32 scales [n, 2, h] in each row."""
+    L, h, n, d = keys.shape
+    if dtype != torch.int8:
+        kv = rows.view(dtype).view(L, n, 2, h, d)
+        kv[:, :, 0].copy_(keys.transpose(1, 2))
+        kv[:, :, 1].copy_(values.transpose(1, 2))
+        return
+    kv = work.get("kv32", (L, n, 2, h, d), torch.float32, keys.device)
+    kv[:, :, 0].copy_(keys.transpose(1, 2))
+    kv[:, :, 1].copy_(values.transpose(1, 2))
+    magnitude = torch.abs(kv, out=work.get("abs32", (L, n, 2, h, d), torch.float32, keys.device))
+    scale = work.get("scale32", (L, n, 2, h, 1), torch.float32, keys.device)
+    top = work.constants(keys.device).top
+    torch.amax(magnitude, -1, keepdim=True, out=scale).div_(top).clamp_(min=torch.finfo(torch.float32).tiny)
+    rows[..., : 2 * h * d].view(torch.int8).view(L, n, 2, h, d).copy_(kv.div_(scale).round_().clamp_(-127, 127))
+    rows[..., 2 * h * d :].copy_(scale.view(L, n, 2 * h).view(torch.uint8))
+
+
+def _summarise(keys: Tensor, P: int, lead: int, pages: int, tails: Tensor | None, work: AppendWork) -> Tensor:
+    """Summaries [L, pages, 2, h, d] (``SUMMARY_DTYPE``, rounded outward, in ``work``) of the pages that ``keys``
+    [L, h, n, d] touch in pages of ``P``, ``lead`` tokens into the open page: the open one (its summary so far
+    is ``tails`` [L, 2, h, d]; none when the last block ended on a page boundary), the whole pages after it,
+    and a new open page with what is left."""
+    L, h, n, d = keys.shape
+    device = keys.device
+    kf = work.get("keys32", (L, h, n, d), torch.float32, device).copy_(keys)
+    most = n // P + 2  # the most pages n keys can touch: every buffer is sized for it, so none grows later
+    x = work.get("summ32", (L * most, 2, h, d), torch.float32, device)[: L * pages].view(L, pages, 2, h, d)
+    tail = work.get("tail32", (L, 2, h, d), torch.float32, device)
+    first = min(n, P - lead) if lead else 0
+    full = (n - first) // P
+    p = 0
+    if first:  # the open page so far, in float32 (the tail may be on the CPU when just loaded)
+        assert tails is not None
+        tail.copy_(tails, non_blocking=True)
+        torch.minimum(torch.amin(kf[:, :, :first], 2, out=x[:, 0, 0]), tail[:, 0], out=x[:, 0, 0])
+        torch.maximum(torch.amax(kf[:, :, :first], 2, out=x[:, 0, 1]), tail[:, 1], out=x[:, 0, 1])
+        p = 1
+    if full:
+        body = kf[:, :, first : first + full * P].view(L, h, full, P, d)
+        torch.amin(body, 3, out=x[:, p : p + full, 0].transpose(1, 2))
+        torch.amax(body, 3, out=x[:, p : p + full, 1].transpose(1, 2))
+        p += full
+    if p < pages:
+        torch.amin(kf[:, :, first + full * P :], 2, out=x[:, p, 0])
+        torch.amax(kf[:, :, first + full * P :], 2, out=x[:, p, 1])
+    return _round_outward(x.view(L * pages, 2, h, d), work, L * most).view(L, pages, 2, h, d)
 
 
 def _empty_page(h: int, d: int) -> Tensor:

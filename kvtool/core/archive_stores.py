@@ -9,6 +9,7 @@ read's archives keep open can be opened before reading starts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -144,11 +145,17 @@ class FileStore:
         assert self.fd is not None
         if self.rows == 0:
             return torch.empty(0, self.row_bytes, dtype=torch.uint8)
-        with mmap.mmap(self.fd, self.rows * self.row_bytes, access=mmap.ACCESS_READ) as mm:
+        mm = mmap.mmap(self.fd, self.rows * self.row_bytes, access=mmap.ACCESS_READ)
+        view = None
+        try:
             view = np.frombuffer(mm, dtype=np.uint8).reshape(self.rows, self.row_bytes)
-            out = torch.from_numpy(view[index.numpy()])  # fancy indexing copies: nothing points into the map
+            return torch.from_numpy(view[index.numpy()])  # fancy indexing copies: nothing points into the map
+        finally:
+            # the view goes before the map closes, also when a signal (SIGTERM, Ctrl-C) interrupts the copy: a map
+            # closed under a live view raises BufferError, which would replace the interruption
             del view
-        return out
+            with contextlib.suppress(BufferError):
+                mm.close()
 
     def close(self) -> None:
         if self.fd is not None:

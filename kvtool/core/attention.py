@@ -41,6 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from kvtool.config import probs_chunk_rows
 from kvtool.core.cache import BoundedCache, BoundedLayer, HeadGroup
 from kvtool.errors import UsageError
 
@@ -120,6 +121,19 @@ def _probs(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, softcap: f
     return grouped
 
 
+def _additive(cache: BoundedCache, mask: Tensor, key: tuple | None) -> Tensor:
+    """A boolean visibility mask as float32 0 / −inf for the explicit probabilities (cached per block by ``key``,
+    so layers add it instead of inverting and filling it each)."""
+    full_key = None if key is None else (*key, "f32")
+    masks = cache.step.masks
+    if full_key is not None and full_key in masks:
+        return masks[full_key]
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if full_key is not None:
+        masks[full_key] = out  # type: ignore[index]
+    return out
+
+
 def _decode_mass(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float, off: int) -> Tensor:
     """One decode query's probabilities summed over the query heads of each KV head: [h, n] (citations).
 
@@ -174,6 +188,43 @@ def _sdpa(cache: BoundedCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     return out.view(1, h * q_per_kv, m, v.shape[-1])
 
 
+def _explicit_chunked(cache: BoundedCache, g: HeadGroup, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                      scaling: float, softcap: float | None, want: bool,
+                      output: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """The block's output from explicit probabilities (``output``), ``probs_chunk_rows`` query rows at a time, and
+    (``want``) the probabilities summed over every row, [h, 1, n] (a policy that reads them only so:
+    ``rows_summed``).
+
+    One chunk when the block fits (a CPU block, or a short budget): the same work as one pass.
+    """
+    h, qk, m, n, dv = k.shape[1], g.q_per_kv, q.shape[2], k.shape[2], v.shape[-1]
+    chunk = min(m, probs_chunk_rows(h * qk, n))
+    out = sums = None
+    if chunk == m:
+        attn = _probs(q, k, mask, scaling, softcap, cache.scratch(h, qk * m, n))
+        if output:
+            out = torch.bmm(attn.view(h, qk * m, n).to(v.dtype), v[0]).view(1, h * qk, m, dv)
+        if want:
+            sums = attn[..., g.off :].sum((1, 2)).div_(qk).unsqueeze(1)
+        return out, sums
+    if output:
+        out = torch.empty(1, h * qk, m, dv, dtype=v.dtype, device=v.device)
+    if want:
+        sums = torch.zeros(h, 1, n - g.off, dtype=torch.float32, device=v.device)
+    for r0 in range(0, m, chunk):
+        r1 = min(m, r0 + chunk)
+        attn = _probs(q[:, :, r0:r1], k, None if mask is None else mask[r0:r1], scaling, softcap,
+                      cache.scratch(h, qk * (r1 - r0), n))
+        if out is not None:
+            part = torch.bmm(attn.view(h, qk * (r1 - r0), n).to(v.dtype), v[0])
+            out[0, :, r0:r1].copy_(part.view(h * qk, r1 - r0, dv))
+        if sums is not None:
+            sums[:, 0].add_(attn[..., g.off :].sum((1, 2)))
+    if sums is not None:
+        sums.div_(qk)
+    return out, sums
+
+
 def _reduce_gqa(p: Tensor, off: int) -> Tensor:
     """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head (mean)."""
     return p[..., off:].mean(1)
@@ -197,14 +248,26 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
         mask = _block_mask(cache, m, n, g.off, bias, q.dtype, q.device)
         mask_key = (m, n, g.off) if bias is None else None  # the compensation bias is per group: not shared
     probs = None
+    if (rows or softcap is not None) and mask is not None and mask.dtype == torch.bool:
+        mask = _additive(cache, mask, mask_key)  # float32 0 / −inf, once per block: one add per layer
     if rows == m or softcap is not None:
         t0 = cache.clock()
-        attn = _probs(q, k, mask, scaling, softcap, cache.scratch(len(g.heads), g.q_per_kv * m, k.shape[2]))
-        # every row: the probabilities give the output too
-        h, qk, _, nk = attn.shape
-        out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
+        attn = None
+        if cache.fused_output and softcap is None and rows == m and policy.rows_summed:
+            # a GPU: the output from SDPA's fused kernel (what transformers computes, bit for bit), the column
+            # sums from float32 probabilities alone: a third of the passes over the [h, rows, n] matrix
+            out = _sdpa(cache, q, k, v, mask, mask_key, scaling)
+            probs = _explicit_chunked(cache, g, q, k, v, mask, scaling, None, True, output=False)[1]
+        elif (rows == m and policy.rows_summed) or rows == 0:  # bounded: chunks of rows, their sums kept
+            out, probs = _explicit_chunked(cache, g, q, k, v, mask, scaling, softcap, rows > 0)
+        else:
+            attn = _probs(q, k, mask, scaling, softcap, cache.scratch(len(g.heads), g.q_per_kv * m, k.shape[2]))
+            # every row: the probabilities give the output too
+            h, qk, _, nk = attn.shape
+            out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
+            if rows > 0:
+                probs = _reduce_gqa(attn[:, :, m - rows :], g.off)
         if rows > 0:
-            probs = _reduce_gqa(attn[:, :, m - rows :], g.off)
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     else:
@@ -218,7 +281,8 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             cache.counters.prob_rows += rows
             cache.counters.probs_seconds += cache.clock() - t0
     if g.mass is not None and m == 1:  # citing: this decode step's attention over the stored tokens
-        g.mass[:, :n] += attn[..., g.off :].sum((1, 2)) if rows == 1 else _decode_mass(q, k, mask, scaling, g.off)
+        g.mass[:, :n] += attn[..., g.off :].sum((1, 2)) if rows == 1 and attn is not None else _decode_mass(
+            q, k, mask, scaling, g.off)
     layer.after_attention(g, probs)
     return out
 

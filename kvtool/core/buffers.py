@@ -2,10 +2,18 @@
 
 A head group (``kvtool/core/storage.py``) keeps K/V, positions, policy state and the rest as entries here,
 so eviction's gather, recall's merge, growth and ``.kvc`` loading move all of them with the same index.
+
+Head groups of the same layout in every layer (a uniform policy: one group of all KV heads per layer) keep
+their buffers in a :class:`LayerStack`: each buffer is ONE tensor with a layer axis right before the heads'
+(``[L, h, slots, d]`` for keys, ``[F, L, h, slots]`` for policy state), and each group's registry holds views
+of its layer. A block's eviction then gathers every layer with one ``gather`` per buffer instead of one per
+layer (the engine's launch count per layer stays near transformers' own: ``bench/launches.py``). Buffers a
+group registers later (the original keys' copy, citation mass) stay the group's own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -26,30 +34,62 @@ class TokenBuffer:
         return self.data.narrow(self.axis, self.lead + start, stop - start)
 
     def index(self, idx: Tensor) -> Tensor:
-        """``idx`` [h, c] shaped and expanded to gather this buffer's tokens along its axis."""
+        """``idx`` [..., h, c] shaped and expanded to gather this buffer's tokens along its axis (the axes of
+        ``idx`` but the last are the ones right before the token axis: heads, and layers in a stack)."""
+        k = idx.dim() - 1
         shape = [1] * self.data.dim()
-        shape[self.axis - 1], shape[self.axis] = idx.shape
+        shape[self.axis - k : self.axis + 1] = idx.shape
         size = list(self.data.shape)
-        size[self.axis] = idx.shape[1]
+        size[self.axis] = idx.shape[-1]
         return idx.view(shape).expand(size)
 
 
 class TokenBuffers:
-    """A registry of per-token buffers sharing one slot count; every operation applies to all of them."""
+    """A registry of per-token buffers sharing one slot count; every operation applies to all of them.
 
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
+    In a :class:`LayerStack` (``stack``, ``layer``) the buffers added with ``shared=True`` are views of the
+    stack's tensors, and growth resizes the whole stack.
+    """
+
+    def __init__(self, slots: int, stack: LayerStack | None = None, layer: int = 0) -> None:
+        self._slots = slots
         self.items: dict[str, TokenBuffer] = {}
+        # weak: the stack holds its registries, a strong reference back would make a cycle that keeps every
+        # layer's K/V alive until Python's cyclic collector runs
+        self._stack = weakref.ref(stack) if stack is not None else None
+        self.layer = layer
+
+    @property
+    def stack(self) -> LayerStack | None:
+        return self._stack() if self._stack is not None else None
+
+    @property
+    def slots(self) -> int:
+        return self.stack.slots if self.stack is not None else self._slots
 
     def add(self, name: str, head_shape: tuple[int, ...], tail: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device, lead: int = 0) -> Tensor:
-        """Register a zeroed buffer ``[*head_shape, lead + slots, *tail]`` (``head_shape`` ends with the heads)."""
+            device: torch.device, lead: int = 0, shared: bool = False) -> Tensor:
+        """Register a zeroed buffer ``[*head_shape, lead + slots, *tail]`` (``head_shape`` ends with the heads).
+
+        ``shared``: in a stack, one tensor for every layer (each registry holds its layer's view); else this
+        registry's own."""
+        if shared and self.stack is not None:
+            self.items[name] = self.stack.add(name, head_shape, tail, dtype, device, lead, self.layer)
+            return self.items[name].data
         data = torch.zeros(*head_shape, lead + self.slots, *tail, dtype=dtype, device=device)
         self.items[name] = TokenBuffer(data, len(head_shape), lead)
         return data
 
     def remove(self, name: str) -> None:
-        self.items.pop(name, None)
+        """Drop a buffer of this registry's own (a stack's shared buffers stay)."""
+        if self.stack is None or name not in self.stack.items:
+            self.items.pop(name, None)
+
+    def own(self) -> list[TokenBuffer]:
+        """The buffers that are this registry's own (all of them outside a stack)."""
+        if self.stack is None:
+            return list(self.items.values())
+        return [b for name, b in self.items.items() if name not in self.stack.items]
 
     def __contains__(self, name: str) -> bool:
         return name in self.items
@@ -62,15 +102,14 @@ class TokenBuffers:
                    for b in self.items.values())
 
     def resize(self, slots: int, keep: int) -> None:
-        """Reallocate every buffer with ``slots`` slots, keeping the first ``keep`` tokens (and leading slots)."""
-        for b in self.items.values():
-            shape = list(b.data.shape)
-            shape[b.axis] = b.lead + slots
-            data = torch.zeros(shape, dtype=b.data.dtype, device=b.data.device)
-            n = b.lead + keep
-            data.narrow(b.axis, 0, n).copy_(b.data.narrow(b.axis, 0, n))
-            b.data = data
-        self.slots = slots
+        """Reallocate every buffer with ``slots`` slots, keeping the first ``keep`` tokens (and leading slots).
+
+        In a stack the whole stack grows (its layers fill in lockstep), every layer's own buffers with it."""
+        if self.stack is not None:
+            self.stack.resize(slots)
+            return
+        _resize(self.items.values(), slots, keep)
+        self._slots = slots
 
     def write(self, start: int, values: dict[str, Tensor | float], written: Collection[str] = ()) -> int:
         """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros, but
@@ -110,3 +149,67 @@ class TokenBuffers:
     def load(self, name: str, t: Tensor, n: int) -> None:
         b = self.items[name]
         b.data.narrow(b.axis, 0, b.lead + n).copy_(t)
+
+
+def _resize(buffers: Collection[TokenBuffer], slots: int, keep: int) -> None:
+    """Reallocate ``buffers`` in place with ``slots`` slots, keeping their first ``keep`` tokens."""
+    for b in buffers:
+        shape = list(b.data.shape)
+        shape[b.axis] = b.lead + slots
+        data = torch.zeros(shape, dtype=b.data.dtype, device=b.data.device)
+        n = b.lead + min(keep, b.data.shape[b.axis] - b.lead)
+        data.narrow(b.axis, 0, n).copy_(b.data.narrow(b.axis, 0, n))
+        b.data = data
+
+
+class LayerStack:
+    """The shared buffers of ``layers`` head groups of one layout, one per layer (module docstring)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.slots = 0
+        self.items: dict[str, TokenBuffer] = {}  # the stacked tensors: the layer axis right before the heads'
+        self.views: list[TokenBuffers] = []
+
+    def registry(self, layer: int, slots: int) -> TokenBuffers:
+        """Layer ``layer``'s registry (the first one sets the stack's slot count; all must agree)."""
+        if not self.views:
+            self.slots = slots
+            self.views = [TokenBuffers(slots, self, i) for i in range(self.layers)]
+        if slots != self.slots:
+            raise ValueError(f"layer {layer} wants {slots} slots, its stack has {self.slots}")
+        return self.views[layer]
+
+    def add(self, name: str, head_shape: tuple[int, ...], tail: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device, lead: int, layer: int) -> TokenBuffer:
+        """The stacked buffer ``name`` (made zeroed by the first layer that adds it), viewed at ``layer``."""
+        if name not in self.items:
+            *outer, heads = head_shape
+            data = torch.zeros(*outer, self.layers, heads, lead + self.slots, *tail, dtype=dtype, device=device)
+            self.items[name] = TokenBuffer(data, len(head_shape) + 1, lead)
+        return self._view(self.items[name], layer)
+
+    @staticmethod
+    def _view(b: TokenBuffer, layer: int) -> TokenBuffer:
+        return TokenBuffer(b.data.select(b.axis - 2, layer), b.axis - 1, b.lead)
+
+    def resize(self, slots: int) -> None:
+        """Every layer's buffers with ``slots`` slots (contents kept), the views re-pointed."""
+        _resize(self.items.values(), slots, self.slots)
+        for layer, view in enumerate(self.views):
+            _resize(view.own(), slots, self.slots)
+            for name, b in self.items.items():
+                if name in view.items:
+                    view.items[name] = self._view(b, layer)
+        self.slots = slots
+
+    def gather(self, keep: Tensor, n: int) -> None:
+        """Keep tokens ``keep`` [L, h, c] (indices into the first ``n`` of each layer) in every layer at once;
+        each layer's own buffers with its slice."""
+        c = keep.shape[-1]
+        for b in self.items.values():
+            b.tokens(0, c).copy_(b.tokens(0, n).gather(b.axis, b.index(keep)))
+        for layer, view in enumerate(self.views):
+            for b in view.own():
+                if b.data.numel():
+                    b.tokens(0, c).copy_(b.tokens(0, n).gather(b.axis, b.index(keep[layer])))

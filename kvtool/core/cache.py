@@ -31,6 +31,7 @@ from kvtool.core.contract import GroupSpec, ScoreContext
 from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
 from kvtool.core.quant import KVCodec, Scratch
+from kvtool.core.stacks import Stack, evict_stack, stack_layout
 from kvtool.core.storage import LAZY_GROUP_BYTES, LAZY_START_SLOTS, HeadGroup, free_device_bytes
 
 __all__ = ["LAZY_GROUP_BYTES", "LAZY_START_SLOTS", "BoundedCache", "BoundedLayer", "CacheCounters", "HeadGroup",
@@ -105,22 +106,32 @@ class BoundedLayer(CacheLayerMixin):
 
     # eviction ----------------------------------------------------------------------------------
     def after_attention(self, g: HeadGroup, probs: Tensor | None) -> None:
-        """Let the group's policy observe the block, then evict down to capacity."""
+        """Let the group's policy observe the block; evict down to capacity now, or with the other layers of
+        its stack at the end of the block (``BoundedCache.evict_deferred``: one gather for every layer)."""
         owner = self.owner
         evicting = g.evicts_now(owner.lazy, owner.lazy_limit)
-        if not evicting and not g.policy.observe_every_step:
+        if g.policy.observe_every_step:  # running state sees every block, as the layer's attention ends
+            t0 = owner.clock()
+            g.policy.observe(owner.observation(self.layer_idx, g, probs))
+            owner.counters.score_seconds += owner.clock() - t0
+        if not evicting:
             owner.rope.after_evict(g, False, owner.step.length)
             return
+        owner.counters.max_stored = max(owner.counters.max_stored, g.length)
+        if not owner.defer(g, probs):
+            self.evict(g, probs)
+
+    def evict(self, g: HeadGroup, probs: Tensor | None) -> None:
+        """Bring ``g`` down to its capacity now (archiving what it drops when recall is on)."""
+        owner = self.owner
         c = owner.counters
-        c.max_stored = max(c.max_stored, g.length)
         archive = owner.archive_dropped if g.archive is not None and owner.pin_start is None else None
-        dropped, score_s, evict_s = evict_step(g, self.context(g, probs), evicting, archive, owner.clock)
+        dropped, score_s, evict_s = evict_step(g, self.context(g, probs), archive, owner.clock)
         c.score_seconds += score_s
-        if evicting:
-            c.evicted_tokens += dropped * g.num_heads
-            c.max_cached = max(c.max_cached, g.length)
+        c.evicted_tokens += dropped * g.num_heads
+        c.max_cached = max(c.max_cached, g.length)
         t0 = owner.clock()
-        owner.rope.after_evict(g, evicting, owner.step.length)
+        owner.rope.after_evict(g, True, owner.step.length)
         c.evict_seconds += evict_s + owner.clock() - t0
 
     def context(self, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
@@ -182,14 +193,28 @@ class BoundedCache(Cache):
         layers = []
         # coded K/V (``--kv-dtype``) are decoded into one scratch shared by every group: layers read in turn
         self.kv_scratch = Scratch(dtype, device)
+        stacked = stack_layout(layer_specs) if codec is None else {}
         for idx, specs in enumerate(layer_specs):
-            groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device, codec)
-                      for s in specs]
+            groups = [HeadGroup(s, num_kv_heads, q_per_kv, head_dim, block_size, dtype, device, codec,
+                                stack=stacked.get((idx, gi))) for gi, s in enumerate(specs)]
             for g in groups:  # Gemma 3: local and global layers rotate with different RoPE bases
                 g.rotator = rotator.for_layer(idx) if rotator is not None else None
                 g.scratch = self.kv_scratch
             layers.append(BoundedLayer(self, idx, groups))
         super().__init__(layers=layers)
+        members: dict[int, list[HeadGroup]] = {}
+        for layer in layers:
+            for g in layer.groups:
+                if g.stack is not None:
+                    members.setdefault(id(g.stack), []).append(g)
+        self.stacks = [Stack(gs[0].stack, gs) for gs in members.values()]
+        self._stack_of = {id(g): st for st in self.stacks for g in st.groups}
+        self._layer_of = {id(g): layer for layer in layers for g in layer.groups}
+        self._empty = torch.empty(0, device=device)  # what an observation context holds for keys and values
+        # where a policy reads every row's probabilities only summed (H2O), the output comes from SDPA's fused
+        # kernel and the probabilities are computed for the sums alone (``core/attention.py``): on a GPU, where
+        # memory traffic and not the product's FLOPs is the cost; a CPU keeps the one pass that gives both
+        self.fused_output = device.type == "cuda"
         self.num_kv_heads = num_kv_heads
         self.num_attention_heads = num_attention_heads
         self.head_dim = head_dim
@@ -218,7 +243,7 @@ class BoundedCache(Cache):
         # their files, both kept here so that a cache reused for another document (``clear``) replaces them
         self.archive_work: Any = None
         self.archive_closer: weakref.finalize | None = None
-        self._empty = self.snapshot()  # the state ``clear`` goes back to (no tokens: a few empty tensors)
+        self._blank = self.snapshot()  # the state ``clear`` goes back to (no tokens: a few empty tensors)
 
     def scratch(self, *shape: int) -> Tensor:
         """A float32 buffer of ``shape`` for one layer's attention probabilities, reused by every layer.
@@ -358,6 +383,7 @@ class BoundedCache(Cache):
         return rotary
 
     def end_step(self) -> None:
+        self.evict_deferred()
         self.seen += self.step.length
         if self.rope.compact:
             self.rope.next += self.step.length
@@ -366,6 +392,42 @@ class BoundedCache(Cache):
         if settled:  # a group holding lazily decoded tokens counts as stored, not as settled
             self.counters.max_cached = max(self.counters.max_cached, max(settled))
         self.counters.max_stored = max(self.counters.max_stored, max(lengths))
+
+    # -- eviction (kvtool/core/evict.py does the step) ------------------------------------------------------
+    def observation(self, layer_idx: int, g: HeadGroup, probs: Tensor | None) -> ScoreContext:
+        """What a policy observes right after a layer's attention (``Policy.observe``): probabilities, state,
+        positions; no keys, values or protection (built only when a block evicts)."""
+        n = g.length
+        return ScoreContext(layer_idx=layer_idx, heads=g.heads, keys=self._empty, values=self._empty,
+                            positions=g.positions[:, :n], query_positions=self.step_original_positions, probs=probs,
+                            state=g.state_views(), protected=self._empty, capacity=g.capacity or n,
+                            block_len=self.step.length, seen=self.seen)
+
+    def defer(self, g: HeadGroup, probs: Tensor | None) -> bool:
+        """Leave ``g``'s eviction to the block's end, with the other layers of its stack; False when it
+        must evict now (no stack, or state only this group holds: recalled tokens, citation mass)."""
+        st = self._stack_of.get(id(g))
+        if st is None or g.recalled is not None or g.mass is not None or not st.policy.batchable:
+            return False
+        stacked = st.keep_probs(st.groups.index(g), probs, self.step.length)
+        st.pending.append(g)
+        g.deferred_probs = stacked
+        return True
+
+    def evict_deferred(self) -> None:
+        """Evict the groups whose eviction was left to the block's end: a whole stack at once when every
+        layer of it evicts (one score, one top-k, one gather per buffer for all layers), else one by one."""
+        for st in self.stacks:
+            if not st.pending:
+                continue
+            pending, st.pending = st.pending, []
+            lengths = {g.length for g in pending}
+            if len(pending) == len(st.groups) and len(lengths) == 1:
+                evict_stack(self, st)
+                continue
+            for g in pending:  # layers out of step: each alone, with the probabilities it stashed
+                stacked, g.deferred_probs = g.deferred_probs, None
+                self._layer_of[id(g)].evict(g, None if stacked is None else stacked[st.groups.index(g)])
 
     # -- attention mass (citations) ----------------------------------------------------------------------
     def start_mass(self, first_layer: int = 0) -> None:
@@ -428,8 +490,17 @@ class BoundedCache(Cache):
         self.pin_end = scalars.get("pin_end")
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """A copy of the stored tokens and counters (e.g. after the document, before a question)."""
-        return {k: v.clone() for k, v in self.state_dict().items()}, self.scalars()
+        """A copy of the stored tokens and counters (e.g. after the document, before a question).
+
+        On a GPU the copy lives in pinned host memory: it is as large as the cache, and a GPU's memory is what
+        bounds the budget (on a 24 GiB card an 8B model's largest budget grows by about two thirds); a restore
+        copies it back, once per question."""
+        if self.device.type != "cuda":
+            return {k: v.clone() for k, v in self.state_dict().items()}, self.scalars()
+        host = {}
+        for k, v in self.state_dict().items():
+            host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
+        return host, self.scalars()
 
     def restore(self, snap: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
         self.load(*snap)
@@ -441,7 +512,7 @@ class BoundedCache(Cache):
         document to document). The empty state is restored the way a question restores the post-document
         one, and the counters start again. The archive is the engine's to close and renew (``Engine.reuse_cache``).
         """
-        self.restore(self._empty)
+        self.restore(self._blank)
         self.counters = CacheCounters()
         self.step = StepInfo()
         self.lazy = False

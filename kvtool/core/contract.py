@@ -113,6 +113,13 @@ class Policy:
     #: True if ``layer_groups`` lays out heads itself (RazorAttention's retrieval/other groups); a modifier
     #: may wrap such a base only if it forwards the layout (``Modifier.forwards_layout``)
     own_layout: ClassVar[bool] = False
+    #: True if ``score`` reads the probabilities only summed over their rows (``probs.sum(dim=1)``), so the
+    #: engine may hand it the row sums ([h, 1, n]) instead of every row
+    rows_summed: ClassVar[bool] = False
+    #: True if ``score``/``select`` treat every head alone and never depend on the layer: the engine may then
+    #: score every layer of a layout at once at the end of a block, heads of all layers flattened
+    #: (``[layers · h, n]``), with ``layer_idx`` −1
+    batchable: ClassVar[bool] = True
 
     env: PolicyEnv | None = None
 
@@ -120,6 +127,11 @@ class Policy:
     def query_rows(self, block_len: int) -> int:
         """Number of the block's *last* query rows whose attention probabilities are needed."""
         return 0
+
+    def score_rows(self, block_len: int) -> int:
+        """Rows of ``ctx.probs`` that ``score``/``select`` read when the block evicts: those of ``query_rows``,
+        unless ``observe`` consumed them already on every block (running state: none are read later)."""
+        return 0 if self.observe_every_step else self.query_rows(block_len)
 
     @property
     def needs_attention(self) -> bool:
@@ -154,7 +166,12 @@ class Policy:
         return {}
 
     def observe(self, ctx: ScoreContext) -> None:
-        """Update running per-token state from this block (called before ``score``)."""
+        """Update running per-token state from this block (called before ``score``).
+
+        A policy with ``observe_every_step`` observes right after the layer's attention, on every block,
+        through a context holding ``probs``, ``state``, ``positions``, ``seen`` and ``block_len`` only: its
+        ``keys``, ``values`` and ``protected`` are empty there (they are for ``score`` and ``select``).
+        """
 
     def score(self, ctx: ScoreContext) -> Tensor:
         """Return a fresh [h, n] tensor of retention scores: higher is kept.
@@ -221,6 +238,17 @@ class Modifier(Policy):
     @property
     def own_layout(self) -> bool:  # type: ignore[override]
         return self.forwards_layout and self.base.own_layout
+
+    @property
+    def rows_summed(self) -> bool:  # type: ignore[override]
+        return self.base.rows_summed
+
+    @property
+    def batchable(self) -> bool:  # type: ignore[override]
+        return self.base.batchable
+
+    def score_rows(self, block_len: int) -> int:
+        return self.base.score_rows(block_len)
 
     def layer_groups(self, layer_idx: int, env: PolicyEnv) -> list[GroupSpec]:
         if self.forwards_layout:

@@ -10,13 +10,13 @@ per-token buffer of the group is gathered with the same index (``TokenBuffers.ga
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from kvtool.core.archive import dropped_indices
-from kvtool.core.contract import ScoreContext
-from kvtool.core.storage import HeadGroup
+from kvtool.core.contract import Policy, ScoreContext
 
 #: protection grades (higher kept first); a token's rank is grade · SPAN + its order within the grade
 GRADE_SINK, GRADE_PINNED, GRADE_RECENT, GRADE_POLICY = 4, 3, 2, 1
@@ -30,13 +30,23 @@ def protection_rank(pos: Tensor, sinks: Tensor, pinned: Tensor, recent: Tensor) 
     return grade * SPAN + order
 
 
-#: archives the dropped tokens of a group: (group, dropped indices [h, n − c])
-Archiver = Callable[[HeadGroup, Tensor], None]
+#: archives the dropped tokens of a group (or of a stack of groups): (target, dropped indices [h, n − c])
+Archiver = Callable[[Any, Tensor], None]
 
 
-def evict_step(g: HeadGroup, ctx: ScoreContext, evicting: bool, archive: Archiver | None,
+class Target(Protocol):
+    """What eviction acts on: a head group, or the groups of every layer of a stack (heads flattened)."""
+
+    policy: Policy
+    length: int
+
+    def gather(self, keep: Tensor) -> None: ...
+
+
+def evict_step(g: Target, ctx: ScoreContext, archive: Archiver | None,
                clock: Callable[[], float]) -> tuple[int, float, float]:
-    """Observe the block and, when ``evicting``, bring ``g`` down to its capacity.
+    """Bring ``g`` down to its capacity: the policy observes (unless it observed the block already, at its
+    attention: ``observe_every_step``), selects the tokens to keep, the others go to the archive, ``gather``.
 
     Returns (tokens evicted per head, seconds scoring, seconds evicting).
     """
@@ -46,11 +56,10 @@ def evict_step(g: HeadGroup, ctx: ScoreContext, evicting: bool, archive: Archive
         if ctx.priority is not None:  # the policy's own protection ranks below the engine's
             ctx.priority = torch.where(ctx.protected, ctx.priority, GRADE_POLICY * SPAN + ctx.positions)
         ctx.protected = ctx.protected | extra
-    g.policy.observe(ctx)
-    keep = g.policy.select(ctx) if evicting else None
+    if not g.policy.observe_every_step:
+        g.policy.observe(ctx)
+    keep = g.policy.select(ctx)
     t1 = clock()
-    if keep is None:
-        return 0, t1 - t0, 0.0
     n, c = g.length, keep.shape[1]
     if archive is not None and n > c:
         archive(g, dropped_indices(keep, n))

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kvtool.core.archive import GroupArchive, dropped_indices
-from kvtool.core.buffers import TokenBuffers
+from kvtool.core.buffers import LayerStack, TokenBuffers
 from kvtool.core.contract import GroupSpec, Policy
 from kvtool.core.positions import Rotator
 from kvtool.core.quant import SCALE_DTYPE, KVCodec, RecentWindow, Scratch
@@ -48,8 +48,9 @@ SCALES = {"keys": "key_scale", "values": "value_scale", "origin": "origin_scale"
 
 def free_device_bytes(device: torch.device) -> int | None:
     """Memory the device can still give (CUDA: free memory; CPU: MemAvailable), None when unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":  # the driver's free memory and what torch's allocator holds but does not use
+        free = torch.cuda.mem_get_info(device)[0]
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -77,7 +78,10 @@ class HeadGroup:
     """Storage for the KV heads of one layer that share a capacity and a policy."""
 
     def __init__(self, spec: GroupSpec, num_kv_heads: int, q_per_kv: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, codec: KVCodec | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, codec: KVCodec | None = None,
+                 stack: tuple[LayerStack, int] | None = None) -> None:
+        """``stack``: (the stack, this group's layer in it) when the group shares its buffers with groups of
+        the same layout in the other layers (``kvtool/core/buffers.py``), which are then evicted together."""
         self.heads = list(spec.heads)
         self.capacity = spec.capacity
         self.base_capacity = spec.capacity  # recall raises ``capacity`` for one answer; restore lowers it
@@ -112,13 +116,16 @@ class HeadGroup:
         slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
         if slots * per_slot > LAZY_GROUP_BYTES:
             slots = min(slots, LAZY_START_SLOTS)
-        self.buffers = TokenBuffers(slots)
+        self.stack = stack[0] if stack is not None else None
+        # the stack's probabilities this group's eviction reads, when it was left to the block's end
+        self.deferred_probs: Tensor | None = None
+        self.buffers = TokenBuffers(slots) if stack is None else stack[0].registry(stack[1], slots)
         for name in ("keys", "values"):
-            self._add_coded(name, self.off)
+            self._add_coded(name, self.off, shared=True)
         self.persisted = PERSISTED + (("key_scale", "value_scale") if codec is not None and codec.integer else ())
-        self.buffers.add("positions", (h,), (), torch.long, device)
-        self.buffers.add("rotary", (h,), (), torch.long, device)
-        self.buffers.add("state", (len(self.state_fields), h), (), torch.float32, device)
+        self.buffers.add("positions", (h,), (), torch.long, device, shared=True)
+        self.buffers.add("rotary", (h,), (), torch.long, device, shared=True)
+        self.buffers.add("state", (len(self.state_fields), h), (), torch.float32, device, shared=True)
         self.length = 0
         # Lowest RoPE position any stored key holds, as a Python int (compact re-packing reads it on
         # every step; reading it from ``rotary`` would be a host sync per layer). Exact while the
@@ -185,15 +192,16 @@ class HeadGroup:
             self._put("origin", 0, keys)
 
     # -- coded K/V (kvtool/core/quant.py) -------------------------------------------------------
-    def _add_coded(self, name: str, lead: int) -> None:
-        """Register a [h, lead + slots, d] K/V buffer in the storage format, with its scale when integer."""
+    def _add_coded(self, name: str, lead: int, shared: bool = False) -> None:
+        """Register a [h, lead + slots, d] K/V buffer in the storage format, with its scale when integer
+        (``shared``: in the layer stack, when the group has one)."""
         c, h = self.codec, (self.num_heads,)
         if c is None:
-            self.buffers.add(name, h, (self.head_dim,), self.dtype, self.device, lead=lead)
+            self.buffers.add(name, h, (self.head_dim,), self.dtype, self.device, lead=lead, shared=shared)
             return
-        self.buffers.add(name, h, (c.tail(self.head_dim),), c.storage_dtype, self.device, lead=lead)
+        self.buffers.add(name, h, (c.tail(self.head_dim),), c.storage_dtype, self.device, lead=lead, shared=shared)
         if c.integer:
-            self.buffers.add(SCALES[name], h, (), SCALE_DTYPE, self.device, lead=lead)
+            self.buffers.add(SCALES[name], h, (), SCALE_DTYPE, self.device, lead=lead, shared=shared)
 
     def _coded_names(self, name: str) -> tuple[str, ...]:
         """Buffer ``name`` and, when the codes are integer, its scale's buffer."""
@@ -525,7 +533,7 @@ class HeadGroup:
             raise ValueError(f"{prefix}: policy state has {st.shape[0]} fields, expected {self.state.shape[0]}")
         for name in self.persisted:
             b = self.buffers[name]
-            self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype), n)
+            self.buffers.load(name, tensors[f"{prefix}.{name}"].to(b.device, b.dtype, non_blocking=True), n)
         self.length = n
         if self.recent is not None:
             self.recent.load({k: tensors[f"{prefix}.{k}"] for k in self.recent.state() if f"{prefix}.{k}" in tensors})

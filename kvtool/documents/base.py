@@ -7,6 +7,7 @@ by a bounded look-back), and every cap below is checked as bytes are read, not f
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,9 +55,21 @@ class Reader(Protocol):
 
 
 def require(module: str, fmt: str) -> None:
-    """A one-line error when the ``documents`` extra is missing (kvtool itself reads text without it)."""
+    """A one-line error when the ``documents`` extra is missing (kvtool itself reads text without it), or is
+    installed but does not import (a dependency of it missing or broken): the module is imported here, so a
+    broken install is named with what to install, not met as an ``ImportError`` halfway through a read."""
     if importlib.util.find_spec(module) is None:
         raise UsageError(f"reading {fmt.upper()} needs the documents extra: pip install 'kvtool[documents]'")
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - ImportError, or whatever a broken package raises as it loads
+        text = " ".join(str(e).split())
+        name = getattr(e, "name", None) or ""
+        missing = "lxml_html_clean" if "lxml_html_clean" in text or name.startswith("lxml.html.clean") else (
+            name.split(".")[0] if isinstance(e, ImportError) and name else None)
+        fix = f"pip install {missing}" if missing and missing != module else "pip install 'kvtool[documents]'"
+        raise UsageError(f"reading {fmt.upper()} needs {module}, which is installed but does not import "
+                         f"({type(e).__name__}: {text[:120]}): {fix}") from None
 
 
 def cut_point(text: str, limit: int, prefer: str = " ", lookback: int = LOOKBACK_CHARS) -> int:

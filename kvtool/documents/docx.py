@@ -127,6 +127,10 @@ class DocxReaderParts:
             self.box.close()
             raise UsageError(f"{name} is not a valid DOCX (corrupt: word/document.xml is missing)")
 
+    def close(self) -> None:
+        """Close the container now (a read abandoned partway, or never started)."""
+        self.box.close()
+
     def parts(self) -> Iterator[Part]:
         sections = _Sections()
         feed = XmlFeed(sections.start, sections.end, sections.data)
@@ -137,7 +141,7 @@ class DocxReaderParts:
                 while True:
                     chunk = f.read()
                     try:
-                        feed.feed(chunk, self.name, final=not chunk)
+                        feed.feed(chunk, f"{self.name}: word/document.xml", final=not chunk)
                     except pyexpat.ExpatError as e:
                         raise self.box.corrupt(f"word/document.xml: {e}") from None
                     if not chunk:

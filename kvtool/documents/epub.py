@@ -18,7 +18,7 @@ from typing import BinaryIO
 from urllib.parse import unquote
 
 from kvtool.documents.base import Part, TextOut, title_of
-from kvtool.documents.zipxml import Container, XmlFeed
+from kvtool.documents.zipxml import Container, XmlFeed, parse_whole
 from kvtool.errors import UsageError
 
 _FONT_OBFUSCATION = ("http://www.idpf.org/2008/embedding", "http://ns.adobe.com/pdf/enc#RC")
@@ -120,10 +120,7 @@ class EpubReaderParts:
     def _xml(self, path: str) -> ET.Element:
         """A metadata member (small, capped) parsed whole."""
         data = self.box.read(self.box.confined(path))
-        try:
-            return ET.fromstring(data)
-        except ET.ParseError as e:
-            raise self.box.corrupt(f"{path}: {e}") from None
+        return parse_whole(data, path, self.box)
 
     def _pieces(self, path: str, state: _Chapter) -> Iterator[tuple[str, int]]:
         """A chapter's text in pieces (and the bytes of the chapter inflated so far), parsed as it inflates."""
@@ -140,6 +137,10 @@ class EpubReaderParts:
                     yield piece, f.read_bytes
                 if not chunk:
                     return
+
+    def close(self) -> None:
+        """Close the container now (a read abandoned partway, or never started)."""
+        self.box.close()
 
     def parts(self) -> Iterator[Part]:
         chapter = 0

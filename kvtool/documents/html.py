@@ -8,6 +8,7 @@ whole (at most :data:`MAX_HTML_BYTES`); its text is handed out in parts of at mo
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -21,18 +22,37 @@ _TITLE_CLOSE = re.compile(r"</title", re.I)
 _CHARSET = re.compile(rb"charset=[\"']?([A-Za-z0-9_-]{1,40})")
 
 
+#: codecs Python knows that are not a page's character encoding (or decode nothing): never used for a page
+_NOT_CHARSETS = frozenset({"idna", "punycode", "undefined", "unicode_escape", "raw_unicode_escape", "utf_7"})
+
+
 def decode(data: bytes) -> str:
-    """Bytes of a web page as text: UTF-8 (BOM allowed), else the declared charset, else Latin-1."""
+    """Bytes of a web page as text: UTF-8 (BOM allowed), else the declared charset, else Latin-1.
+
+    A declared charset Python does not know, or one that is not a text encoding (``idna``, ``undefined``,
+    ``rot13``), is ignored like a missing one: the page is read as Latin-1, never an error."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         m = _CHARSET.search(data[:4096])
-        if m:
+        charset = _charset(m.group(1).decode("ascii")) if m else None
+        if charset is not None:
             try:
-                return data.decode(m.group(1).decode("ascii"), errors="replace")
-            except LookupError:
+                return data.decode(charset, errors="replace")
+            except (LookupError, UnicodeError, ValueError):
                 pass
         return data.decode("latin-1")
+
+
+def _charset(name: str) -> str | None:
+    """The codec ``name`` names, if it is a text encoding a page may be written in."""
+    try:
+        info = codecs.lookup(name)
+    except LookupError:
+        return None
+    if not getattr(info, "_is_text_encoding", True) or info.name.replace("-", "_") in _NOT_CHARSETS:
+        return None
+    return info.name
 
 
 def page_title(markup: str) -> str | None:

@@ -33,6 +33,12 @@ class MarkdownReaderParts:
         self.progress = progress  # share of the file's bytes handed out so far
         self.notes: list[str] = []
 
+    def close(self) -> None:
+        """Stop the decoding stream now (its ``finally`` closes the file)."""
+        close = getattr(self.pieces, "close", None)
+        if close is not None:
+            close()
+
     def parts(self) -> Iterator[Part]:
         title: str | None = None
         at_line_start = True  # the next piece starts a line (pieces may be cut mid-line)

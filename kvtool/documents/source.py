@@ -32,6 +32,8 @@ SPOOL_BYTES = 8 * 1024 * 1024
 #: a questions file: at most this many bytes and non-empty lines
 MAX_QUESTIONS_BYTES = 1024 * 1024
 MAX_QUESTION_LINES = 10_000
+#: whitespace read ahead from a stream that starts blank, to tell an empty one from a document (held for the reader)
+MAX_BLANK_HEAD = 16 * 1024 * 1024
 
 
 @dataclass
@@ -68,6 +70,26 @@ class Document:
     @property
     def name(self) -> str:
         return "<stdin>" if self.path == "-" else self.path
+
+    parts_iter: Any = field(default=None, repr=False)  # the running ``iter_parts`` generator, closed with the document
+
+    def close(self) -> None:
+        """Close what the document holds open, now: a read abandoned partway (an error, Ctrl-C) or never
+        started (bad settings after the file was opened) releases its file here, not when it is collected.
+        Safe to call twice; stdin itself stays open."""
+        for closing in (self.parts_iter, self.reader):
+            close = getattr(closing, "close", None)
+            if close is not None:
+                close()
+        self.parts_iter = None
+        if self.stream is not sys.stdin.buffer and not self.stream.closed:
+            self.stream.close()
+
+    def __enter__(self) -> Document:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _binary_error(name: str, offset: int) -> UsageError:
@@ -106,6 +128,16 @@ def open_document(path: str, fmt: str | None = None, notify: Callable[[str], Non
     """
     stream, size = _open(path, notify)
     try:
+        return _check(path, fmt, stream, size)
+    except BaseException:  # a refused document closes its file now, not when it is collected
+        if stream is not sys.stdin.buffer:
+            stream.close()
+        raise
+
+
+def _check(path: str, fmt: str | None, stream: BinaryIO, size: int | None) -> Document:
+    """``open_document`` once the file is open: sniff, detect, and hand the document to its reader."""
+    try:
         head = stream.read(SNIFF_BYTES)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
@@ -117,16 +149,61 @@ def open_document(path: str, fmt: str | None = None, notify: Callable[[str], Non
     if kind in ("text", "markdown"):
         if b"\x00" in head:
             raise _binary_error(name, head.index(0))
+        decoder = codecs.getincrementaldecoder("utf-8")()
         try:
-            first = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+            first = decoder.decode(head, final=False)
         except UnicodeDecodeError as e:
             raise UsageError(f"{name} is not UTF-8 text (invalid byte at offset {e.start})") from None
-        if len(head) < SNIFF_BYTES and _blank(first):
-            raise UsageError(f"{name} is empty")
+        if _blank(first):
+            if len(head) < SNIFF_BYTES or _blank_to_the_end(doc, decoder):
+                raise UsageError(f"{name} is empty")
         doc.reader = _text_reader(doc)
     else:
         doc.reader = _binary_reader(doc)
     return doc
+
+
+def _blank_to_the_end(doc: Document, decoder: codecs.IncrementalDecoder) -> bool:
+    """Whether a text document whose first bytes are blank holds nothing but whitespace: found up front, so
+    that an empty file is refused before a model loads, not after its whitespace was read through it.
+
+    A regular file is scanned with ``pread`` (nothing held; the read position does not move) until its
+    first non-blank character. A stream (stdin, a FIFO) cannot be rewound: its leading whitespace is kept
+    in ``doc.head`` for the reader, at most :data:`MAX_BLANK_HEAD` bytes of it. A NUL or an invalid byte
+    ends the scan (not blank: the reader reports it where it is).
+    """
+    fd = _regular_fd(doc.stream)
+    offset = len(doc.head)
+    while True:
+        try:
+            chunk = os.pread(fd, CHUNK_BYTES, offset) if fd is not None else doc.stream.read(CHUNK_BYTES)
+        except OSError as e:
+            raise UsageError(f"cannot read {doc.name}: {e.strerror or e}") from None
+        if fd is None:
+            doc.head += chunk
+        offset += len(chunk)
+        if b"\x00" in chunk:
+            return False
+        try:
+            text = decoder.decode(chunk, final=not chunk)
+        except UnicodeDecodeError:
+            return False
+        if not _blank(text):
+            return False
+        if not chunk:
+            return True
+        if fd is None and len(doc.head) > MAX_BLANK_HEAD:
+            raise UsageError(f"{doc.name} starts with more than {MAX_BLANK_HEAD >> 20} MiB of whitespace; "
+                             "refused (is it empty?)")
+
+
+def _regular_fd(stream: BinaryIO) -> int | None:
+    """The descriptor of ``stream`` when it is a regular file (``pread`` works), else None."""
+    try:
+        fd = stream.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _blank(text: str) -> bool:
@@ -231,38 +308,54 @@ def iter_text(doc: Document, chunk_bytes: int = CHUNK_BYTES, cut: str = " ") -> 
 
 
 def iter_parts(doc: Document) -> Iterator[Part]:
-    """The document's parts in order, counted as they are read (progress shows pages or chapters)."""
+    """The document's parts in order, counted as they are read (progress shows pages or chapters).
+
+    ``doc.close()`` ends the iteration where it stands and closes the reader's files."""
+    gen = _parts(doc)
+    doc.parts_iter = gen
+    return gen
+
+
+def _parts(doc: Document) -> Iterator[Part]:
     reader = doc.reader if doc.reader is not None else _text_reader(doc)
     doc.reader = reader
-    for part in reader.parts():
-        if part.new_unit:
-            doc.parts_done += 1
-        if part.fraction is not None:
-            doc.fraction = part.fraction
-        yield part
+    parts = reader.parts()
+    try:
+        for part in parts:
+            if part.new_unit:
+                doc.parts_done += 1
+            if part.fraction is not None:
+                doc.fraction = part.fraction
+            yield part
+    finally:
+        parts.close()
 
 
 def extract_text(path: str, max_chars: int, fmt: str | None = None) -> str:
     """The extracted text of a document of any format, at most ``max_chars`` characters (evaluation inputs)."""
-    doc = open_document(path, fmt)
     out: list[str] = []
     have = 0
-    for part in iter_parts(doc):
-        out.append(part.text[: max_chars - have])
-        have += len(out[-1])
-        if have >= max_chars:
-            break
+    with open_document(path, fmt) as doc:  # closed when enough text is in, mid-document
+        for part in iter_parts(doc):
+            out.append(part.text[: max_chars - have])
+            have += len(out[-1])
+            if have >= max_chars:
+                break
     return "".join(out)
 
 
 def read_lines(path: Path, what: str, max_bytes: int = MAX_QUESTIONS_BYTES,
-               max_lines: int = MAX_QUESTION_LINES) -> list[str]:
+               max_lines: int = MAX_QUESTION_LINES, notify: Callable[[str], None] | None = None) -> list[str]:
     """The non-empty lines of a small UTF-8 file (a questions file), stripped; bounded whatever the file is.
 
     At most ``max_bytes`` are read (``/dev/zero`` or a huge file is refused, not read to the end) and at
     most ``max_lines`` lines are kept; beyond either, a one-line ``UsageError`` names ``what`` and the cap.
+    A FIFO (or another non-regular file) may wait for a writer when opened: ``notify`` is told so first,
+    as for a document, so a wait never looks like a hang.
     """
     try:
+        if notify is not None and os.path.exists(path) and not os.path.isfile(path):
+            notify(f"waiting for input on {what} {path} (not a regular file; Ctrl-C to stop)")
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:

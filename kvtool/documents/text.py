@@ -18,6 +18,12 @@ class TextReaderParts:
         self.progress = progress  # share of the file's bytes handed out so far
         self.notes: list[str] = []
 
+    def close(self) -> None:
+        """Stop the decoding stream now (its ``finally`` closes the file)."""
+        close = getattr(self.pieces, "close", None)
+        if close is not None:
+            close()
+
     def parts(self) -> Iterator[Part]:
         first = True
         for piece in self.pieces:

@@ -1,7 +1,8 @@
 """ZIP members (EPUB, DOCX) read as bounded streams and parsed as XML by expat, a chunk at a time.
 
 Nothing a container claims is trusted: every member is inflated through a counter that refuses it
-once it passes :data:`MAX_MEMBER_BYTES` or :data:`MAX_RATIO` times its compressed size, and the whole
+once it passes :data:`MAX_MEMBER_BYTES` or :data:`MAX_RATIO` times the compressed bytes it has consumed so
+far, and the whole
 container once :data:`MAX_BOOK_BYTES` are inflated or :data:`MAX_RATIO` times the file's size. The XML
 is fed to expat :data:`CHUNK_BYTES` at a time and handed to callbacks as it is parsed, so a chapter or a
 paragraph is never held whole; expat buffers an unfinished tag, which may not exceed
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import posixpath
 import pyexpat
+import re
 import zipfile
 from collections.abc import Callable
 from html.entities import html5
@@ -125,6 +127,20 @@ class _Member:
         self.box, self.member, self.raw, self.compressed, self.cap = box, member, raw, compressed, cap
         self.read_bytes = 0
 
+    def consumed(self) -> int:
+        """Compressed bytes the decompressor has taken so far (at least 1).
+
+        Compared with the bytes inflated so far, so that a bomb is refused within its first MiBs: against the
+        member's whole compressed size, a 1.7 MB chapter of one repeated sentence passes 170 MB before the
+        ratio cap trips. zipfile keeps the count in ``_compress_left`` (the file bytes not read yet) and the
+        decompressor's ``unconsumed_tail`` (read, not yet inflated); without them, the whole size is used.
+        """
+        left = getattr(self.raw, "_compress_left", None)
+        if not isinstance(left, int):
+            return self.compressed
+        tail = getattr(getattr(self.raw, "_decompressor", None), "unconsumed_tail", b"")
+        return max(1, self.compressed - left - len(tail if isinstance(tail, bytes) else b""))
+
     def __enter__(self) -> _Member:
         return self
 
@@ -142,9 +158,11 @@ class _Member:
         what = f"{box.name}: {self.member!r:.80} inflates to"
         if self.read_bytes > self.cap:
             raise UsageError(f"{what} more than {_mib(self.cap)} (the cap for one {box.kind} member); refused")
-        if self.read_bytes > RATIO_FLOOR_BYTES and self.read_bytes > MAX_RATIO * self.compressed:
-            raise UsageError(f"{what} more than {self.read_bytes // self.compressed:,} times its compressed size "
-                             f"({_mib(self.compressed)}; the cap is {MAX_RATIO}x): a decompression bomb? refused")
+        if self.read_bytes > RATIO_FLOOR_BYTES and self.read_bytes > MAX_RATIO * self.consumed():
+            consumed = self.consumed()
+            raise UsageError(f"{what} more than {self.read_bytes // consumed:,} times the compressed bytes read so "
+                             f"far ({_mib(self.read_bytes)} from {_mib(consumed)}; the cap is {MAX_RATIO}x): a "
+                             "decompression bomb? refused")
         if box.inflated > MAX_BOOK_BYTES:
             raise UsageError(f"{box.name} inflates to more than {_mib(MAX_BOOK_BYTES)} (the cap for one "
                              f"{box.kind}); refused")
@@ -152,6 +170,36 @@ class _Member:
             raise UsageError(f"{box.name} inflates to more than {MAX_RATIO} times its size of {_mib(box.size)} "
                              "(a decompression bomb?); refused")
         return data
+
+
+#: the encoding an XML declaration names (first KiB only; a bounded name: linear)
+_DECLARED = re.compile(rb"<\?xml[^>]{0,200}?encoding\s*=\s*[\"']([A-Za-z0-9._:-]{1,40})")
+
+
+def declared_encoding(head: bytes) -> str | None:
+    """The ``encoding="..."`` of an XML declaration at the start of ``head``, if any."""
+    m = _DECLARED.match(head[:1024].lstrip())
+    return m.group(1).decode("ascii") if m else None
+
+
+def encoding_error(where: str, head: bytes, e: Exception) -> UsageError:
+    """One line for XML whose declared encoding Python does not know, or expat cannot decode with."""
+    name = declared_encoding(head)
+    what = f"encoding {name!r}" if name else f"an encoding kvtool cannot read ({str(e)[:60]})"
+    return UsageError(f"{where} is declared in {what}, which kvtool cannot decode (expat reads UTF-8, UTF-16 and "
+                      "single-byte encodings Python knows); save it as UTF-8")
+
+
+def parse_whole(data: bytes, member: str, box: Container) -> Any:
+    """A small XML member (EPUB metadata) parsed whole with ElementTree; every failure is one line."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        return ET.fromstring(data)
+    except ET.ParseError as e:
+        raise box.corrupt(f"{member}: {e}") from None
+    except (LookupError, UnicodeError, ValueError) as e:
+        raise encoding_error(f"{box.name}: {member!r:.80}", data, e) from None
 
 
 class XmlFeed:
@@ -194,8 +242,14 @@ class XmlFeed:
             self.data(html5.get(name + ";", html5.get(name, "")))
 
     def feed(self, chunk: bytes, where: str, final: bool = False) -> None:
-        """Parse one chunk (callbacks run now); an unfinished token past :data:`MAX_TAG_BYTES` is refused."""
-        self.parser.Parse(chunk, final)
+        """Parse one chunk (callbacks run now); an unfinished token past :data:`MAX_TAG_BYTES` is refused.
+
+        An encoding the XML declares that Python does not know or expat cannot use is one ``UsageError``."""
+        head = chunk if not self.fed else b""
+        try:
+            self.parser.Parse(chunk, final)
+        except (LookupError, UnicodeError, ValueError) as e:
+            raise encoding_error(where, head, e) from None
         self.fed += len(chunk)
         if self.fed - self.last > MAX_TAG_BYTES:
             raise UsageError(f"{where}: an XML tag longer than {_mib(MAX_TAG_BYTES)} (from byte {self.last:,}); "

@@ -19,6 +19,7 @@ finished question).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,10 @@ def document_tokens(path: Path, tokenizer: Any, max_positions: int | None) -> in
     return n if n <= max_positions else None
 
 
-def read_questions_file(path: Path) -> list[str]:
-    """One question per non-empty line; a clear error naming the file when it has none."""
-    qs = read_lines(path, "--questions-file")
+def read_questions_file(path: Path, notify: Callable[[str], None] | None = None) -> list[str]:
+    """One question per non-empty line; a clear error naming the file when it has none (``notify``: told
+    before a FIFO, which may wait for a writer, is opened)."""
+    qs = read_lines(path, "--questions-file", notify=notify)
     if not qs:
         raise UsageError(f"--questions-file {path} has no questions (one per line)")
     if len(qs) > MAX_QUESTIONS:
@@ -124,7 +126,8 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                 if dense_session is None:
                     # the reference is the model's own answer: K/V in its dtype whatever --kv-dtype the runs use
                     dense_session = make_session(task.grid, Run("full", None), loaded, reporter.say, kv_dtype="auto")
-                    dense_read = dense_session.read(open_document(str(task.doc_path)))
+                    with open_document(str(task.doc_path)) as doc:  # closed even if the read fails partway
+                        dense_read = dense_session.read(doc)
                 if f"full|{i}" not in log:
                     ans = dense_session.answer(dense_read, _suffix(dense_session, q), q,
                                                max_new_tokens=task.max_new_tokens)
@@ -145,7 +148,8 @@ def run_agreement(task: AgreementTask, reporter: Reporter) -> dict[str, Any]:
                 if key not in log:
                     if session is None:
                         session = make_session(task.grid, run, loaded, reporter.say)
-                        read = session.read(open_document(str(task.doc_path)))
+                        with open_document(str(task.doc_path)) as doc:
+                            read = session.read(doc)
                     ans = session.answer(read, _suffix(session, q), q, max_new_tokens=task.max_new_tokens, focus=q)
                     ref = dense[i]["answer"]
                     row: dict[str, Any] = {"answer": ans.answer, "budget": session.budget_tokens,

@@ -195,9 +195,10 @@ def _load(apath: str, want: str, page_size: int, cache: BoundedCache, progress: 
         total = sum(_row_bytes(header, prefix) for prefix in prefixes)
         count = _Counter(progress, total)
         for prefix in prefixes:
-            _load_group(fd, header, prefix, targets[prefix], page_size, digest, count)
+            _load_group(fd, header, prefix, targets[prefix], page_size, digest, count, cache.seen)
         if digest.hexdigest() != want:
             raise ArchiveUnusable("its data does not match its checksum")
+        _check_seen(cache, targets)
         if progress is not None:
             progress(total, total)
     except OSError:
@@ -259,9 +260,21 @@ class _Counter:
             self.progress(max(0, min(self.done, self.total - 1)), self.total)
 
 
+def _check_seen(cache: BoundedCache, targets: dict[str, GroupArchive]) -> None:
+    """Every token the cache says it has seen is kept or archived in each group that archives: recall sizes
+    its per-position relevance by ``seen``, so a ``seen`` no file backs (2^30 over a short archive) is refused."""
+    kept = {f"l{li}.g{gi}": g.length for li, layer in enumerate(cache.layers) for gi, g in enumerate(layer.groups)}
+    for prefix, a in targets.items():
+        if a.length and cache.seen > kept.get(prefix, 0) + a.length:
+            raise ArchiveUnusable(f"it and the cache hold {kept.get(prefix, 0) + a.length:,} tokens of a head, but the "
+                                  f"cache says {cache.seen:,} were read")
+
+
 def _load_group(fd: int, header: KvcHeader, prefix: str, a: GroupArchive, page_size: int,
-                digest: TensorDigest, count: _Counter | None = None) -> None:
-    """One group: its summaries and positions whole, then its rows in chunks, every byte hashed in order."""
+                digest: TensorDigest, count: _Counter | None = None, seen: int | None = None) -> None:
+    """One group: its summaries and positions whole, then its rows in chunks, every byte hashed in order.
+
+    Archived positions must lie before ``seen`` (recall indexes its relevance by position)."""
     import torch
 
     shape = header.tensors[f"{prefix}.positions"]["shape"]
@@ -270,6 +283,9 @@ def _load_group(fd: int, header: KvcHeader, prefix: str, a: GroupArchive, page_s
     if shape != [a.h, n] or info["dtype"] != "U8" or info["shape"] != [n, a.store.row_bytes]:
         raise ArchiveUnusable("its shapes are not this cache's: another archive dtype or head layout")
     small = {part: _read_tensor(fd, header, f"{prefix}.{part}", digest) for part in _PARTS[:3]}
+    pos = small["positions"]
+    if seen is not None and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= seen):
+        raise ArchiveUnusable("its positions lie outside the tokens the cache has read")
     real = a.store
     a.store = _Deferred()  # type: ignore[assignment]
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -30,7 +31,7 @@ from typing import Any
 
 from kvtool import __version__
 from kvtool.config import DTYPE_BYTES, KV_DTYPES
-from kvtool.errors import UsageError, first_line
+from kvtool.errors import UsageError, first_line, shown
 
 FORMAT = "kvtool-kvc"
 FORMAT_VERSION = 1  # what a file without required features is written as; bump on any change an older kvtool misreads
@@ -108,16 +109,39 @@ def jsonable(value: Any) -> Any:
 MAX_INT = 2**40  # no count, capacity or position in a real cache comes near this
 
 
-def loads(text: str | bytes) -> Any:
+#: JSON objects a header may hold (one per tensor, plus the metadata's): a real cache lists a few thousand
+#: tensors; 1.2 million empty ones would cost gigabytes of dicts before any check could look at them
+MAX_OBJECTS = 1 << 16
+
+
+def loads(text: str | bytes, max_objects: int | None = None) -> Any:
     """``json.loads`` whose deep nesting is a ``ValueError`` (damage), not a ``RecursionError``.
 
     json's C scanner guards its recursion, so 200,000 nested brackets end in a catchable ``RecursionError``
-    after a bounded amount of work; a real header nests five levels deep.
+    after a bounded amount of work; a real header nests five levels deep. ``max_objects``: parsing stops
+    (``ValueError``) at that many JSON objects, before the rest is built.
     """
+    hook = None
+    if max_objects is not None:
+        count = 0
+
+        def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            nonlocal count
+            count += 1
+            if count > max_objects:
+                raise ValueError(f"more than {max_objects:,} JSON objects")
+            return dict(pairs)
+
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text, object_pairs_hook=hook,
+                          parse_constant=_no_constant)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``/``Infinity`` are not JSON: a number a header holds is finite, so that ``--json`` stays valid JSON."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def corrupt(path: str, why: str = "") -> UsageError:
@@ -183,7 +207,7 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> KvcHeade
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        header = loads(raw)
+        header = loads(raw, MAX_OBJECTS)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
@@ -314,7 +338,7 @@ def _dtype(v: Any) -> bool:
 
 
 def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 #: section -> {key: check}; a section, when present, must be an object whose listed keys pass their check
@@ -385,6 +409,10 @@ def _validate_layout(path: str, meta: dict[str, Any], tensors: dict[str, dict[st
         raise corrupt(path, "bad layout metadata")
     if dims and len(layout) != dims["num_layers"]:
         raise corrupt(path, f"layout has {len(layout)} layers, the model {dims['num_layers']}")
+    groups = {f"l{li}.g{gi}" for li, row in enumerate(layout) for gi in range(len(row))}
+    stray = next((name for name in tensors if name.rsplit(".", 1)[0] not in groups), None)
+    if stray is not None:
+        raise corrupt(path, f"tensor {stray!r:.80} belongs to no layer group of its layout")
     for li, row in enumerate(layout):
         for gi, g in enumerate(row):
             where = f"layout of layer {li} group {gi}"
@@ -415,7 +443,7 @@ def _parse_meta(path: str, md: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, str):
         raise corrupt(path, f"no {META_KEY!r} metadata")
     try:
-        meta = loads(text)
+        meta = loads(text, MAX_OBJECTS)
     except ValueError:
         raise corrupt(path, f"{META_KEY!r} metadata is not valid JSON") from None
     if not isinstance(meta, dict):
@@ -427,9 +455,9 @@ def _check_version(path: str, md: dict[str, Any], meta: dict[str, Any]) -> None:
     raw = md.get("format_version", meta.get("format_version"))
     try:
         version = int(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise corrupt(path, f"format_version {raw!r} is not a number") from None
-    writer = meta.get("kvtool_version", "unknown")
+    except (TypeError, ValueError, OverflowError):
+        raise corrupt(path, f"format_version {shown(raw)} is not a number") from None
+    writer = shown(meta.get("kvtool_version", "unknown")).strip("'")
     if MIN_FORMAT_VERSION <= version <= READ_FORMAT_VERSION:
         features = meta.get("required_features", [])
         if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
@@ -443,7 +471,7 @@ def _check_version(path: str, md: dict[str, Any], meta: dict[str, Any]) -> None:
         READ_FORMAT_VERSION)
     hint = "upgrade kvtool" if version > READ_FORMAT_VERSION else "prefill it again with this kvtool"
     raise UsageError(
-        f"{path} was written by kvtool {writer} (kvc format {version}); this kvtool {__version__} reads kvc "
+        f"{path} was written by kvtool {writer} (kvc format {shown(version)}); this kvtool {__version__} reads kvc "
         f"format {supported}: {hint}"
     )
 

@@ -66,6 +66,10 @@ def load_into(header: KvcHeader, cache: BoundedCache) -> None:
         missing = sorted(expected - set(tensors))
         raise corrupt(p, f"missing tensor {missing[0]}" if missing else "unexpected tensors")
     scalars = meta["cache"]
+    seen = scalars.get("seen")
+    for name, t in tensors.items():  # kept positions index per-position tables (recall): within 0..seen-1
+        if name.endswith(".positions") and t.numel() and (int(t.min()) < 0 or not int(t.max()) < (seen or 0)):
+            raise corrupt(p, f"tensor {name} holds positions outside the {seen} tokens read")
     try:
         cache.load(tensors, scalars)
     except (KeyError, ValueError, RuntimeError, TypeError) as e:

@@ -10,6 +10,10 @@ from torch import Tensor
 from kvtool.core.contract import Policy, ScoreContext, register
 from kvtool.errors import UsageError
 
+#: the most buckets (per-token floats of history) a cache may keep: 1024 floats a token and head already cost
+#: several times its keys and values; the exact window of the paper's default (400 queries) fits
+MAX_BUCKETS = 1024
+
 
 @register
 @dataclass
@@ -47,8 +51,9 @@ class Scissorhands(Policy):
     def __post_init__(self) -> None:
         if self.window < 1:
             raise UsageError(f"scissorhands option window={self.window} must be at least 1")
-        if not 1 <= self.buckets <= self.window:
-            raise UsageError(f"scissorhands option buckets={self.buckets} must be between 1 and window")
+        if not 1 <= self.buckets <= min(self.window, MAX_BUCKETS):
+            raise UsageError(f"scissorhands option buckets={self.buckets} must be between 1 and window (at most "
+                             f"{MAX_BUCKETS}: each bucket is one float per cached token and head)")
         if self.local < 0:
             raise UsageError(f"scissorhands option local={self.local} must be non-negative")
 

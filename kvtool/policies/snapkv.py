@@ -11,6 +11,9 @@ from torch import Tensor
 from kvtool.core.contract import Policy, ScoreContext, register
 from kvtool.errors import UsageError
 
+#: the widest pooling kernel (tokens): SnapKV pools over 7; the work per token grows with the kernel
+MAX_KERNEL = 1023
+
 
 @register
 @dataclass
@@ -42,14 +45,17 @@ class SnapKV(Policy):
     description = "SnapKV: attention from the last `window` queries, avg-pooled (kernel), last `window` kept"
     paper = "Li et al. 2024, SnapKV: LLM Knows What You Are Looking For (KeyDiff App. A.1, B.2)"
 
+    rows_summed = True  # the score reads Aᵀ1 only
+
     window: int = 32
     kernel: int = 7
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise UsageError(f"snapkv option window={self.window} must be at least 1")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise UsageError(f"snapkv option kernel={self.kernel} must be a positive odd number")
+        if self.kernel < 1 or self.kernel % 2 == 0 or self.kernel > MAX_KERNEL:
+            raise UsageError(f"snapkv option kernel={self.kernel} must be a positive odd number, at most {MAX_KERNEL} "
+                             "(pooling costs kernel operations per cached token)")
 
     def query_rows(self, block_len: int) -> int:
         return min(self.window, block_len)

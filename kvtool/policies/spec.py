@@ -7,12 +7,16 @@ whose ``@register`` fills the registry before anything is parsed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
 from kvtool.core.contract import REGISTRY, Policy, PolicyEnv
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, shown
 from kvtool.policy_syntax import split_spec
+
+#: the largest integer a policy option may hold (a window, a count): a policy checks its own, tighter range
+MAX_OPTION = 2**40
 
 
 def _valid_list() -> str:
@@ -36,11 +40,17 @@ def _convert(value: Any, target: Any, key: str) -> Any:
                 return False
             raise ValueError(value)
         if target is int:
-            return int(value)
+            number = int(value)
+            if abs(number) > MAX_OPTION:
+                raise UsageError(f"policy option {key}={shown(value)} is out of range (at most {MAX_OPTION:,})")
+            return number
         if target is float:
-            return float(value)
+            real = float(value)
+            if not math.isfinite(real):
+                raise ValueError(value)
+            return real
     except ValueError:
-        raise UsageError(f"policy option {key}={value!r} is not a valid {target.__name__}") from None
+        raise UsageError(f"policy option {key}={shown(value)} is not a valid {target.__name__}") from None
     return value
 
 

@@ -29,6 +29,7 @@ from kvtool.config import (
     dtype_name,
     kv_token_head_bytes,
     kv_window_bytes,
+    probs_chunk_rows,
 )
 from kvtool.core.layout import layer_kinds, window_capacity
 
@@ -52,6 +53,10 @@ INTERMEDIATE_TENSORS = 3
 LOGITS_BYTES = 4
 #: Attention probabilities a policy asks for are float32: scores plus their softmax.
 PROBS_COPIES = 2
+#: GPU memory a CUDA process holds outside torch's allocator (the context, its kernels, cuBLAS's workspace):
+#: the allocator's peak, which the plan predicts, does not see it; what fits on a card leaves it free.
+#: Measured 685 MiB on an H200 (CUDA 13.0, torch 2.11, after one bf16 product), with headroom for other builds.
+CUDA_RUNTIME_BYTES = 768 * 2**20
 Dims = Mapping[str, int]
 
 
@@ -226,19 +231,23 @@ def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: 
     return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
 
 
-def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int) -> int:
+def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int, rows_summed: bool = False) -> int:
     """float32 attention probabilities a policy asked for, one layer at a time.
 
     ``rows`` query rows x (budget + block) keys x attention heads, scores plus softmax output.
-    ``rows = 0`` (policies that never look at attention) costs nothing. SDPA's own temporaries are
-    counted separately by ``sdpa_scratch_bytes`` (``predict_peak`` adds both).
+    ``rows = 0`` (policies that never look at attention) costs nothing. A policy that reads every row only
+    summed (``rows_summed``: H2O) gets them in chunks of ``probs_chunk_rows`` rows (``core/attention.py``).
+    SDPA's own temporaries are counted separately by ``sdpa_scratch_bytes`` (``predict_peak`` adds both).
     """
     if dims.get("softcap"):  # SDPA cannot softcap: every row's probabilities are computed
         rows = block
     if rows <= 0:
         return 0
     rows = min(rows, block)
-    return PROBS_COPIES * rows * (budget + block) * dims["num_attention_heads"] * 4
+    keys, heads = budget + block, dims["num_attention_heads"]
+    if rows_summed and rows == block:
+        rows = min(rows, probs_chunk_rows(heads, keys))
+    return PROBS_COPIES * rows * keys * heads * 4
 
 
 def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
@@ -353,6 +362,8 @@ def predict_peak(
     original_keys: bool = False,
     kv_dtype: str = "auto",
     compact: bool = False,
+    rows_summed: bool = False,
+    device_type: str = "cpu",
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -365,18 +376,21 @@ def predict_peak(
     ``original_keys``: the cache keeps each key's original copy too (``keeps_original_keys``).
     ``kv_dtype``: how K/V are stored (``--kv-dtype``); a coded cache adds its decode scratch.
     ``compact``: keys move to compact positions (``compact_positions``), which adds the rotation's buffers.
+    ``rows_summed``: the policy reads its probabilities summed over the rows (chunked: ``attention_scratch_bytes``).
+    ``device_type``: on ``cuda`` the snapshot lives in pinned host memory (``snapshot_host_bytes``), not on the GPU.
     """
     kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys, kv_dtype)
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
+    snapshot = snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype)
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
         "kv_promised_bytes": kv["promised"],
         "kv_allocated_bytes": kv["allocated"],
-        "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, budget_tokens, rows),
+        "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, budget_tokens, rows, rows_summed),
         "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, budget_tokens, elem),
         "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
-        "snapshot_bytes": snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype),
+        "snapshot_bytes": 0 if device_type == "cuda" else snapshot,
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
@@ -385,6 +399,8 @@ def predict_peak(
         parts["rotation_scratch_bytes"] = rotation_scratch_bytes(dims, elem, budget_tokens + block_size)
     # The promise is contained in the allocation, so it is not added twice.
     parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
+    if device_type == "cuda":  # host memory: reported beside the peak, not in it
+        parts["snapshot_host_bytes"] = snapshot
     return parts
 
 

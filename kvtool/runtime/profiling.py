@@ -25,17 +25,17 @@ tests check the measured peak stays within +-25 % of the prediction.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-import torch
 
 from kvtool.core.archive import SUMMARY_DTYPE
 from kvtool.runtime import memory as _mem
 from kvtool.runtime.archive_disk import archive_dir, fits
-from kvtool.runtime.settings import Settings, budget_tokens_for, parse_recall, sliding_note
+from kvtool.runtime.settings import Settings, budget_tokens_for, default_block_size, parse_recall, sliding_note
 
 
 @dataclass
@@ -67,6 +67,8 @@ class ModelInfo:
     budget_split: list[dict[str, Any]] | None = field(default=None, repr=False)
     max_positions: int | None = None  # the model's max_position_embeddings (when auto positions switch)
     kv_dtype: str = "auto"  # how the cache stores K/V (``--kv-dtype``; auto: ``dtype``)
+    rows_summed: bool = False  # the policy reads its probabilities summed over rows (chunked on a long block)
+    block_auto: bool = False  # the session chose the block for its device (``--block-size auto``)
 
     @property
     def elem(self) -> int:
@@ -110,6 +112,8 @@ def model_info(session: Any) -> ModelInfo:
         budget_split=budget_split,
         max_positions=getattr(engine, "max_positions", None),
         kv_dtype=session.settings.kv_dtype,
+        rows_summed=bool(policy.rows_summed),
+        block_auto=session.block_auto,
     )
 
 
@@ -121,6 +125,8 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
     keeps per-row scales in ``SCB`` (on the module's ``state`` once it has run). All are counted, each
     storage once (layers share their code tables), so the figure is what the allocator holds.
     """
+    import torch
+
     count = 0
     storages: dict[int, int] = {}
 
@@ -142,13 +148,61 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
     return count, sum(storages.values())
 
 
-def _add_state(state: Any, add: Any) -> None:
+def _add_state(state: Any, add: Callable[[Any], None]) -> None:
     """A bitsandbytes ``QuantState``'s tensors, its nested state's included."""
     for name in ("absmax", "code", "offset"):
         add(getattr(state, name, None))
     nested = getattr(state, "state2", None)
     if nested is not None:
         _add_state(nested, add)
+
+
+#: files whose presence says a checkpoint directory holds weights (``profile`` loads those; a directory of
+#: only a config is planned from the config)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds weight files (else ``kvtool profile`` plans from its ``config.json`` alone)."""
+    return any(p.name.endswith(WEIGHT_SUFFIXES) for p in directory.iterdir())
+
+
+def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
+    """A ``ModelInfo`` from a checkpoint directory's ``config.json`` alone: no weights are read, no device is
+    needed, so a user can see the plan a model and a card would give before downloading either (Llama-style
+    parameter count from the dimensions; the dtype ``auto`` means bfloat16 on CUDA, float32 elsewhere)."""
+    import transformers
+
+    from kvtool.core.contract import PolicyEnv
+    from kvtool.policies import build_policy
+
+    config = transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dims = _mem.dims_from_config(config)
+    device = settings.device if settings.device != "auto" else "cpu"
+    dtype = settings.dtype if settings.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    budget, note = resolve_budget(settings, dims, dtype)
+    block = settings.block_size or default_block_size(device.split(":")[0], budget)
+    env = PolicyEnv(num_layers=dims["num_layers"], num_kv_heads=dims["num_kv_heads"],
+                    num_attention_heads=dims["num_attention_heads"], head_dim=dims["head_dim"], budget=budget,
+                    block_size=block, sinks=settings.sinks, recent=settings.recent)
+    policy = build_policy(settings.policy, settings.policy_options, env)
+    return ModelInfo(name=directory.name, dims=dims, num_params=_mem.llama_param_count(dims, tied), dtype=dtype,
+                     device=device, quantize=settings.quantize,
+                     unquantized_params=_mem.embedding_params(dims, tied) if settings.quantize != "none" else 0,
+                     policy=policy.spec, rows=min(max(int(policy.query_rows(block)), 0), block),
+                     n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, budget_note=note, resolved=True,
+                     max_positions=getattr(text, "max_position_embeddings", None), kv_dtype=settings.kv_dtype,
+                     rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None)
+
+
+def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None) -> dict[str, Any]:
+    """``plan`` for a checkpoint directory holding only its ``config.json`` (``model_info_from_config``)."""
+    out = plan(model_info_from_config(directory, settings), settings, doc_tokens=doc_tokens, memory=memory,
+               runtime_baseline=0)
+    out["from_config"] = True
+    return out
 
 
 def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> tuple[int | None, str | None]:
@@ -194,10 +248,12 @@ def plan(
     """
     limit, kv = memory, settings.kv_dtype
     info = session_or_model_info if isinstance(session_or_model_info, ModelInfo) else model_info(session_or_model_info)
-    dims, elem, block = info.dims, info.elem, settings.block_size
+    dims, elem = info.dims, info.elem
     baseline = int(runtime_baseline or 0)
     budget, note = (info.budget_tokens, info.budget_note) if info.resolved else resolve_budget(settings, dims,
                                                                                                info.dtype)
+    auto, settings = settings.block_size is None or info.block_auto, _with_block(settings, info, budget)
+    block = settings.block_size
 
     formula_weights = _mem.weights_bytes(info.num_params, elem, info.quantize, info.unquantized_params)
     weights = info.weights_bytes if info.weights_bytes is not None else formula_weights
@@ -207,6 +263,7 @@ def plan(
     weights_offset = weights - formula_weights
     common = {"num_params": info.num_params, "elem": elem, "quantize": info.quantize,
               "unquantized_params": info.unquantized_params}
+    device_type = info.device.split(":")[0]
     original_keys = _mem.keeps_original_keys(elem, settings.positions, info.max_positions, doc_tokens, kv)
     compact = _mem.compact_positions(settings.positions, info.max_positions, doc_tokens)
 
@@ -218,17 +275,36 @@ def plan(
         "kv_dtype": info.dtype if kv == "auto" else kv,
         "policy": info.policy,
         "block_size": block,
+        "block_auto": auto,
         "budget_tokens": budget,
         "budget_conversion": note,
         "num_params": info.num_params,
         "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem, kv),
     }
     peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset,
-                 {**common, "original_keys": original_keys, "kv_dtype": kv, "compact": compact})
+                 {**common, "original_keys": original_keys, "kv_dtype": kv, "compact": compact,
+                  "rows_summed": info.rows_summed, "device_type": device_type})
     out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
                                               original_keys, kv)
     out["original_keys"] = original_keys
-    out.update({
+    out.update(_components(peak, info, weights, baseline))
+    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys, compact)
+    if doc_tokens is not None:
+        out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
+                                   baseline + weights_offset,
+                                   common)
+    if limit is not None:
+        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset,
+                                {**common, "rows_summed": info.rows_summed, "device_type": device_type},
+                                original_keys, kv, compact)
+    if info.budget_split is not None:
+        out["budget_split"] = info.budget_split
+    return out
+
+
+def _components(peak: Mapping[str, Any], info: ModelInfo, weights: int, baseline: int) -> dict[str, Any]:
+    """The plan's lines below the K/V: scratch, state, activations, snapshot, weights and the predicted peak."""
+    return {
         "attention_rows": info.rows,
         "attention_scratch_bytes": peak["attention_scratch_bytes"],
         "sdpa_scratch_bytes": peak["sdpa_scratch_bytes"],
@@ -238,21 +314,18 @@ def plan(
         "policy_state_bytes": peak["policy_state_bytes"],
         "activation_bytes": peak["activation_bytes"],
         "snapshot_bytes": peak["snapshot_bytes"],
+        "snapshot_host_bytes": peak.get("snapshot_host_bytes", 0),
         "weights_bytes": weights,
         "runtime_baseline_bytes": baseline,
         "predicted_peak_bytes": peak["predicted_peak_bytes"],
-    })
-    _add_recall(out, settings, info, dims, budget, doc_tokens, original_keys, compact)
-    if doc_tokens is not None:
-        out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
-                                   baseline + weights_offset,
-                                   common)
-    if limit is not None:
-        out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset, common,
-                                original_keys, kv, compact)
-    if info.budget_split is not None:
-        out["budget_split"] = info.budget_split
-    return out
+    }
+
+
+def _with_block(settings: Settings, info: ModelInfo, budget: int | None) -> Settings:
+    """``settings`` with ``--block-size auto`` resolved for the plan's device (a session resolved it already)."""
+    if settings.block_size is not None:
+        return settings
+    return dataclasses.replace(settings, block_size=default_block_size(info.device.split(":")[0], budget))
 
 
 def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, cache_tokens: int | None,
@@ -275,17 +348,22 @@ def _fit_in(limit: int, predicted: int | None, info: ModelInfo, block: int, shif
             common: dict[str, Any], original_keys: bool, kv_dtype: str = "auto",
             compact: bool = False) -> dict[str, Any]:
     """What fits in ``limit`` bytes: this plan, the largest budget (K/V as ``kv_dtype`` stores them), the longest
-    dense document (K/V in the compute dtype)."""
+    dense document (K/V in the compute dtype). On CUDA the allocator gets ``limit`` less the CUDA runtime's own
+    memory (``memory.CUDA_RUNTIME_BYTES``)."""
+    runtime = _mem.CUDA_RUNTIME_BYTES if common.get("device_type") == "cuda" else 0
+    usable = limit - runtime
+    dense = {k: v for k, v in common.items() if k not in ("rows_summed", "device_type")}
     return {
         "limit_bytes": limit,
-        "fits": predicted <= limit if predicted is not None else None,
+        "cuda_runtime_bytes": runtime,
+        "fits": predicted <= usable if predicted is not None else None,
         "largest_budget_tokens": _mem.largest_budget(
-            limit, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
+            usable, info.dims, block_size=block, rows=info.rows, n_fields=info.n_fields,
             runtime_baseline_bytes=shifted_baseline, original_keys=original_keys, kv_dtype=kv_dtype, compact=compact,
             **common,
         ),
-        "dense_max_tokens": _mem.dense_max_tokens(limit, info.dims, runtime_baseline_bytes=shifted_baseline,
-                                                  **common),
+        "dense_max_tokens": _mem.dense_max_tokens(usable, info.dims, runtime_baseline_bytes=shifted_baseline,
+                                                  **dense),
     }
 
 

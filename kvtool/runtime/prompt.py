@@ -11,7 +11,14 @@ serves many questions.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from kvtool.errors import UsageError, first_line
 
 MARK = "\u2063KVTOOL_DOCUMENT\u2063"
 
@@ -30,14 +37,127 @@ class PromptParts:
     suffix: str
 
 
+#: a chat template (the model's own code, in Jinja's sandbox) may run this long per rendering ...
+TEMPLATE_SECONDS = 10.0
+#: ... write at most this many characters besides the message it is given ...
+TEMPLATE_CHARS = 1 << 20
+#: ... and raise the process's peak memory by at most this much
+TEMPLATE_GROWTH_BYTES = 256 << 20
+
+
+class TemplateLimit(Exception):
+    """A chat template went past one of the caps above (the message says which)."""
+
+
 def split_template(tokenizer, tail: str) -> PromptParts:
-    """Render the chat template with the document marker and ``tail`` in the user turn; split it."""
+    """Render the chat template with the document marker and ``tail`` in the user turn; split it.
+
+    The template must keep the message, once: the document is streamed at the marker's place.
+    """
     messages = [{"role": "user", "content": MARK + tail}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if MARK not in text:
-        raise ValueError("the chat template dropped the document marker")
+    text = render_chat(tokenizer, messages)
+    if text.count(MARK) != 1:
+        what = "drops the user's message" if MARK not in text else "repeats the user's message"
+        raise UsageError(f"the model's chat template {what}: kvtool streams the document once, where the "
+                         "message goes (fix the template in tokenizer_config.json or chat_template.jinja)")
     prefix, suffix = text.split(MARK, 1)
     return PromptParts(prefix=prefix, suffix=suffix)
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
+    """``apply_chat_template`` (text, with the generation prompt) under a time, output and memory cap.
+
+    A chat template is code from the model directory, run in Jinja's sandbox: nested loops can run for
+    hours or fill memory, and a template may raise on purpose or trip the sandbox. Each of those is one
+    ``UsageError`` naming what the template did; nothing it does reaches the user as a traceback.
+    """
+    budget = TEMPLATE_CHARS + 2 * sum(len(m.get("content", "")) for m in messages)
+    try:
+        with _template_limits(_compiled_template(tokenizer), budget):
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateLimit as e:
+        raise UsageError(f"the model's chat template {e}; refused") from None
+    except UsageError:
+        raise
+    except RecursionError:
+        raise UsageError("the model's chat template recurses too deeply") from None
+    except Exception as e:  # TemplateError (raise_exception, a syntax error), SecurityError (the sandbox), any other
+        raise UsageError(f"the model's chat template fails: {type(e).__name__}: {first_line(e, 200)}") from None
+    if not isinstance(text, str):
+        raise UsageError(f"the model's chat template renders {type(text).__name__}, not text")
+    return text
+
+
+def _compiled_template(tokenizer) -> Any:
+    """The compiled Jinja template ``apply_chat_template`` will use (transformers caches it), or None."""
+    with contextlib.suppress(Exception):
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(tokenizer.get_chat_template())
+    return None
+
+
+@contextlib.contextmanager
+def _template_limits(compiled: Any, max_chars: int) -> Iterator[None]:
+    """Enforce the caps while a template renders.
+
+    Output: the template's own ``environment.concat`` (what joins its output) counts characters as they
+    come. Time and memory: a trace function on the template's compiled code (filename ``<template>``) checks
+    the clock and the peak RSS at every line it runs (a real template runs a few hundred), so a loop that
+    writes nothing, or a string that doubles at each step, is stopped within a step.
+    """
+    started = time.monotonic()
+    base = _peak_rss()
+
+    def check() -> None:
+        if time.monotonic() - started > TEMPLATE_SECONDS:
+            raise TemplateLimit(f"runs longer than {TEMPLATE_SECONDS:.0f} s")
+        if base is not None and (_peak_rss() or 0) - base > TEMPLATE_GROWTH_BYTES:
+            raise TemplateLimit(f"takes more than {TEMPLATE_GROWTH_BYTES >> 20} MiB of memory")
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            check()
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != "<template>":
+            return None
+        check()
+        return local
+
+    def concat(pieces: Iterable[str]) -> str:
+        out, size = [], 0
+        for piece in pieces:
+            size += len(piece)
+            if size > max_chars:
+                raise TemplateLimit(f"writes more than {max_chars:,} characters")
+            out.append(piece)
+        return "".join(out)
+
+    env = getattr(compiled, "environment", None)
+    if env is not None:
+        env.concat = concat
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+        if env is not None:
+            with contextlib.suppress(AttributeError):
+                del env.concat  # back to the class's own join
+
+
+def _peak_rss() -> int | None:
+    """The process's peak resident memory in bytes (None where the platform does not say)."""
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError, AttributeError):
+        return None
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def document_prefix(tokenizer) -> str:

@@ -8,6 +8,7 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +36,7 @@ from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.profiling import resolve_budget
-from kvtool.runtime.settings import Settings, parse_recall
+from kvtool.runtime.settings import CPU_BLOCK, Settings, default_block_size, parse_recall
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -163,7 +164,7 @@ class Session:
         if loaded is None:  # fail fast on bad options, before seconds of model loading
             check_policy(settings.policy, settings.policy_options)
             if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
-                EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size,
+                EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size or CPU_BLOCK,
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
         self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
@@ -182,6 +183,14 @@ class Session:
         self.tokenizer = self.loaded.tokenizer
         self.dims = dims_from_config(self.model.config)
         self.budget_tokens, self.budget_note = self._resolve_budget()
+        self.block_auto = settings.block_size is None
+        self.block_note: str | None = None
+        if settings.block_size is None:  # auto: chosen for the device (runtime/settings.py)
+            settings = self.settings = dataclasses.replace(
+                settings, block_size=default_block_size(self.loaded.device.type, self.budget_tokens))
+            if self.loaded.device.type == "cuda":
+                self.block_note = (f"block {settings.block_size} tokens (auto on a GPU: up to a quarter of the budget; "
+                                   "--block-size to choose)")
         # recall needs an archive, which only a bounded cache fills (``full`` evicts nothing); ``auto``
         # archives unless the disk is short, decided per read (``_auto_recall``)
         self.recall_tokens = parse_recall(settings.recall) if self.budget_tokens is not None else 0
@@ -260,8 +269,9 @@ class Session:
     # -- reading --------------------------------------------------------------------------------------
     def read(self, doc: Document) -> ReadResult:
         """Prefill the chat prefix and the document, block by block; snapshot the cache."""
-        if self.budget_note:
-            self.emit(Note(self.budget_note))
+        for note in (self.budget_note, self.block_note):
+            if note:
+                self.emit(Note(note))
         cache = self._new_cache()
         prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())

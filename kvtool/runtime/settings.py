@@ -31,7 +31,8 @@ from kvtool.config import (
     kv_window_bytes,
     profile_dirs,
 )
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, shown
+from kvtool.fileio import read_capped
 from kvtool.policy_syntax import check_spec
 
 POSITIONS = ("absolute", "compact", "auto")
@@ -53,7 +54,7 @@ class Settings:
     policy_options: dict[str, str] = field(default_factory=dict)
     budget: str = "1k"
     kv_dtype: str = "auto"  # how the cache stores K/V (auto: the model's dtype; int8 / int4 with scales)
-    block_size: int = 128
+    block_size: int | None = None  # None ("auto"): 128 on a CPU, GPU-sized on CUDA (``default_block_size``)
     sinks: int = 4
     recent: int = 8
     positions: str = "auto"
@@ -116,6 +117,18 @@ _BYTE_UNITS = {
 }
 _NUM_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
+#: the largest count a setting may hold (tokens, blocks, sinks, answer length): no document comes near it, and
+#: every count stays a 64-bit integer wherever torch meets it
+MAX_COUNT = 2**40
+#: the largest byte budget or size (1 EiB)
+MAX_BUDGET_BYTES = 2**60
+#: the most tokens per KV head a question may recall (as a ``.kvc`` may record)
+MAX_RECALL_TOKENS = 1 << 24
+#: the largest archive page (as a ``.kvc`` may record; the engine's pages are tens of tokens)
+MAX_RECALL_PAGE = 1 << 20
+#: the most CPU threads ``--threads`` may ask for
+MAX_THREADS = 4096
+
 _BUDGET_HELP = "budget must be a token count like 4096 or 4k, or a size like 512MiB"
 _SIZE_HELP = "size must be a number of bytes like 8GiB, 512MiB, 2GB or 123B"
 
@@ -137,23 +150,28 @@ def parse_budget(text: str | int) -> Budget:
     Fractional results are rounded down. The result must be at least one token / one byte.
     """
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise UsageError(f"{_BUDGET_HELP}: got {text!r}")
+        raise UsageError(f"{_BUDGET_HELP}: got {shown(text)}")
     raw = str(text).strip()
     parts = _split_number(raw)
     if parts is None:
-        raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
+        raise UsageError(f"{_BUDGET_HELP}: got {shown(raw)}")
     value, unit = parts
     if unit in _TOKEN_UNITS:
         tokens = int(value * _TOKEN_UNITS[unit])
         if tokens < 1:
-            raise UsageError(f"budget must be at least 1 token: got {raw!r}")
+            raise UsageError(f"budget must be at least 1 token: got {shown(raw)}")
+        if tokens > MAX_COUNT:
+            raise UsageError(f"budget must be at most {MAX_COUNT:,} tokens (any budget past the document's length "
+                             f"keeps all of it): got {shown(raw)}")
         return Budget(tokens=tokens, nbytes=None, text=raw)
     if unit in _BYTE_UNITS:
         nbytes = int(value * _BYTE_UNITS[unit])
         if nbytes < 1:
-            raise UsageError(f"budget must be at least 1 byte: got {raw!r}")
+            raise UsageError(f"budget must be at least 1 byte: got {shown(raw)}")
+        if nbytes > MAX_BUDGET_BYTES:
+            raise UsageError(f"budget must be at most {MAX_BUDGET_BYTES >> 60} EiB: got {shown(raw)}")
         return Budget(tokens=None, nbytes=nbytes, text=raw)
-    raise UsageError(f"{_BUDGET_HELP}: got {raw!r}")
+    raise UsageError(f"{_BUDGET_HELP}: got {shown(raw)}")
 
 
 #: what ``--recall auto`` (the default) recalls per KV head when ``ask`` archives (docs/results.md)
@@ -164,7 +182,7 @@ def parse_recall(text: str | int) -> int:
     """Recall budget in tokens per KV head: "off" or "0" (no archive), "512", "4k"; "auto" is
     ``DEFAULT_RECALL`` (whether ``auto`` recalls at all is the session's choice: ``recall_choice``)."""
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {text!r}")
+        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {shown(text)}")
     raw = str(text).strip().lower()
     if raw in ("off", "0", "none", "no"):
         return 0
@@ -172,25 +190,29 @@ def parse_recall(text: str | int) -> int:
         return DEFAULT_RECALL
     parts = _split_number(raw)
     if parts is None or parts[1] not in _TOKEN_UNITS:
-        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {raw!r}")
+        raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {shown(raw)}")
     tokens = int(parts[0] * _TOKEN_UNITS[parts[1]])
     if tokens < 0:
-        raise UsageError(f"recall must be off or a positive token count: got {raw!r}")
+        raise UsageError(f"recall must be off or a positive token count: got {shown(raw)}")
+    if tokens > MAX_RECALL_TOKENS:
+        raise UsageError(f"recall must be at most {MAX_RECALL_TOKENS:,} tokens per KV head: got {shown(raw)}")
     return tokens
 
 
 def parse_size(text: str | int) -> int:
     """Parse a memory size ("8GiB", "512MiB", "2GB", "123B"; a bare number is bytes) into bytes."""
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise UsageError(f"{_SIZE_HELP}: got {text!r}")
+        raise UsageError(f"{_SIZE_HELP}: got {shown(text)}")
     raw = str(text).strip()
     parts = _split_number(raw)
     if parts is None or (parts[1] and parts[1] not in _BYTE_UNITS):
-        raise UsageError(f"{_SIZE_HELP}: got {raw!r}")
+        raise UsageError(f"{_SIZE_HELP}: got {shown(raw)}")
     value, unit = parts
     nbytes = int(value * _BYTE_UNITS.get(unit, 1))
     if nbytes < 1:
-        raise UsageError(f"size must be at least 1 byte: got {raw!r}")
+        raise UsageError(f"size must be at least 1 byte: got {shown(raw)}")
+    if nbytes > MAX_BUDGET_BYTES:
+        raise UsageError(f"size must be at most {MAX_BUDGET_BYTES >> 60} EiB: got {shown(raw)}")
     return nbytes
 
 
@@ -254,12 +276,14 @@ def sliding_note(dims: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _int(minimum: int) -> Callable[[str, Any], int]:
+def _int(minimum: int, maximum: int = MAX_COUNT) -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{name} must be an integer >= {minimum}: got {value!r}")
+            raise UsageError(f"{name} must be an integer >= {minimum}: got {shown(value)}")
         if value < minimum:
             raise UsageError(f"{name} must be >= {minimum}: got {value}")
+        if value > maximum:
+            raise UsageError(f"{name} must be at most {maximum:,}: got {shown(value)}")
         return value
 
     return check
@@ -268,34 +292,66 @@ def _int(minimum: int) -> Callable[[str, Any], int]:
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def check(name: str, value: Any) -> str:
         if not isinstance(value, str) or value not in choices:
-            raise UsageError(f"{name} must be one of {', '.join(choices)}: got {value!r}")
+            raise UsageError(f"{name} must be one of {', '.join(choices)}: got {shown(value)}")
         return value
 
     return check
 
 
 def _threads(name: str, value: Any) -> int | None:
-    return None if value is None else _int(1)(name, value)
+    return None if value is None else _int(1, MAX_THREADS)(name, value)
+
+
+def _block(name: str, value: Any) -> int | None:
+    """A block size, or ``auto`` (None): chosen for the device (``default_block_size``)."""
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, str) and value.strip().isdigit():  # the flag's text
+        value = int(value)
+    return _int(1)(name, value)
+
+
+#: the block a CPU read feeds: where kvtool's fidelity tables were measured
+CPU_BLOCK = 128
+#: the largest block a CUDA read feeds by default
+GPU_BLOCK = 1024
+
+
+def default_block_size(device_type: str, budget_tokens: int | None) -> int:
+    """The block ``--block-size auto`` (the default) feeds on a device.
+
+    On a CPU: 128. On CUDA the model's own forward of a block is launch-bound until it is about a thousand
+    tokens long (an H200, Llama-3.1-8B's shape: 6.4–7.0 ms for every block from 32 to 1,024 tokens, 11.6 ms
+    at 2,048; docs/performance.md), so a GPU read feeds the largest power of two up to 1,024 that is at most
+    a quarter of the budget (the cache holds budget + block, and a block's probabilities grow with it), and
+    never less than the CPU's 128.
+    """
+    if device_type != "cuda":
+        return CPU_BLOCK
+    if budget_tokens is None:
+        return GPU_BLOCK
+    quarter = max(1, budget_tokens // 4)
+    return max(CPU_BLOCK, min(GPU_BLOCK, 1 << (quarter.bit_length() - 1)))
 
 
 def _model(name: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise UsageError(f"{name} must be a model path or name (or null for the embedded model): got {value!r}")
+        raise UsageError(f"{name} must be a model path or name (or null for the embedded model): got {shown(value)}")
     # "~/models/..." in a profile means the user's home; no Hub id starts with "~".
     return os.path.expanduser(value) if value.startswith("~") else value
 
 
 def _device(name: str, value: Any) -> str:
     if not isinstance(value, str) or not DEVICE_RE.match(value):
-        raise UsageError(f"{name} must be {DEVICE_HELP}: got {value!r}")
+        raise UsageError(f"{name} must be {DEVICE_HELP}: got {shown(value)}")
     return value
 
 
 def _policy(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise UsageError(f"{name} must be a policy name like keydiff or h2o+vatp: got {value!r}")
+        raise UsageError(f"{name} must be a policy name like keydiff or h2o+vatp: got {shown(value)}")
     check_spec(value)  # grammar and names, before torch is imported
     return value
 
@@ -310,27 +366,27 @@ def _policy_options(name: str, value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise UsageError(f"{name} must be a mapping of option names to values: got {value!r}")
+        raise UsageError(f"{name} must be a mapping of option names to values: got {shown(value)}")
     out: dict[str, str] = {}
     for k, v in value.items():
         if not isinstance(k, str) or not k:
-            raise UsageError(f"{name} keys must be option names: got {k!r}")
+            raise UsageError(f"{name} keys must be option names: got {shown(k)}")
         if isinstance(v, (Mapping, list, tuple)) or v is None:
-            raise UsageError(f"{name}.{k} must be a single value: got {v!r}")
+            raise UsageError(f"{name}.{k} must be a single value: got {shown(v)}")
         out[k] = _scalar_text(v)
     return out
 
 
 def _budget(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise UsageError(f"{name} must be a token count like 4096 or 4k, or a size like 512MiB: got {value!r}")
+        raise UsageError(f"{name} must be a token count like 4096 or 4k, or a size like 512MiB: got {shown(value)}")
     parse_budget(value)  # its messages already start with "budget"
     return str(value).strip()
 
 
 def _recall(name: str, value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise UsageError(f"{name} must be auto, off or a token count like 512 or 4k: got {value!r}")
+        raise UsageError(f"{name} must be auto, off or a token count like 512 or 4k: got {shown(value)}")
     if str(value).strip().lower() == "auto":
         return "auto"
     return "off" if parse_recall(value) == 0 else str(value).strip()
@@ -338,7 +394,7 @@ def _recall(name: str, value: Any) -> str:
 
 def _temperature(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError(f"{name} must be a number >= 0: got {value!r}")
+        raise UsageError(f"{name} must be a number >= 0: got {shown(value)}")
     if value < 0:
         raise UsageError(f"{name} must be >= 0: got {value}")
     return float(value)
@@ -346,7 +402,7 @@ def _temperature(name: str, value: Any) -> float:
 
 def _top_p(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError(f"{name} must be a number in (0, 1]: got {value!r}")
+        raise UsageError(f"{name} must be a number in (0, 1]: got {shown(value)}")
     if not 0 < value <= 1:
         raise UsageError(f"{name} must be in (0, 1]: got {value}")
     return float(value)
@@ -354,7 +410,7 @@ def _top_p(name: str, value: Any) -> float:
 
 def _repetition_penalty(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
-        raise UsageError(f"{name} must be a number >= 1 (1 = off): got {value!r}")
+        raise UsageError(f"{name} must be a number >= 1 (1 = off): got {shown(value)}")
     return float(value)
 
 
@@ -364,7 +420,7 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 def _seed(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"{name} must be an integer: got {value!r}")
+        raise UsageError(f"{name} must be an integer: got {shown(value)}")
     low, high = _SEED_RANGE
     if not low <= value <= high:
         raise UsageError(f"{name} must be between {low} and {high}: got {value:.3g}")
@@ -381,12 +437,12 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "policy_options": _policy_options,
     "budget": _budget,
     "kv_dtype": _choice(KV_DTYPES),
-    "block_size": _int(1),
+    "block_size": _block,
     "sinks": _int(0),
     "recent": _int(0),
     "positions": _choice(POSITIONS),
     "recall": _recall,
-    "recall_page": _int(1),
+    "recall_page": _int(1, MAX_RECALL_PAGE),
     "recall_placement": _choice(RECALL_PLACEMENTS),
     "archive_dtype": _choice(ARCHIVE_DTYPES),
     "max_new_tokens": _int(1),
@@ -411,6 +467,54 @@ PROFILE_KEYS: tuple[str, ...] = (
 # profiles
 # ---------------------------------------------------------------------------------------------
 
+#: a profile is a dozen lines; a larger file is refused unread (a 10 MB file of keys parses for minutes)
+MAX_PROFILE_BYTES = 256 * 1024
+#: YAML aliases a profile may use (``*name``): a few are handy, thousands are a "billion laughs"
+MAX_YAML_ALIASES = 100
+#: how deeply a profile's YAML may nest (a real one: three levels)
+MAX_YAML_DEPTH = 32
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with a cap on aliases and nesting; every failure is one ``UsageError`` line.
+
+    Aliases expand by reference, so a "billion laughs" document is small in memory, but anything that
+    walks it (a ``repr`` in an error message, a merge) does the billion steps: more than
+    :data:`MAX_YAML_ALIASES` is refused while composing. Deep nesting is refused at :data:`MAX_YAML_DEPTH`,
+    before the composer's recursion (a 100,000-deep ``[[[...]]]`` would be a ``RecursionError``).
+    """
+    import yaml
+
+    class Bounded(yaml.SafeLoader):
+        aliases = 0
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_YAML_ALIASES:
+                    raise UsageError(f"{where}: more than {MAX_YAML_ALIASES} YAML aliases (*name); refused")
+            self.depth += 1
+            if self.depth > MAX_YAML_DEPTH:
+                raise UsageError(f"{where}: YAML nested more than {MAX_YAML_DEPTH} levels deep; refused")
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loader = Bounded(text)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise UsageError(f"{where}: invalid YAML{at}: {str(problem)[:120]}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: YAML nested too deeply; refused") from None
+    finally:
+        loader.dispose()
+
 
 def find_profile(name_or_path: str | os.PathLike[str]) -> Path:
     """Return the profile file: an existing path as given, else ``NAME.yaml`` in ``profile_dirs()``."""
@@ -430,7 +534,7 @@ def find_profile(name_or_path: str | os.PathLike[str]) -> Path:
             searched.append(str(candidate))
     else:
         searched.append(str(direct))
-    raise UsageError(f"profile {text!r} not found; looked in: {', '.join(searched)}")
+    raise UsageError(f"profile {shown(text)} not found; looked in: {', '.join(searched)}")
 
 
 def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -441,19 +545,13 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     result can be merged straight into ``Settings``. Values are coerced to the field types
     (``budget: 4096`` becomes "4096", policy option values become strings).
     """
-    import yaml
-
     path = find_profile(name_or_path)
     where = f"profile {path}"
+    raw = read_capped(path, MAX_PROFILE_BYTES, "profile")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise UsageError(f"{where}: invalid YAML{at}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{where}: cannot read: {exc}") from None
+        data = load_yaml(raw.decode("utf-8"), where)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{where}: cannot read: not UTF-8 (invalid byte at offset {exc.start})") from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -462,7 +560,8 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     unknown = [k for k in data if k not in PROFILE_KEYS]  # all of them at once: one round trip to fix a file
     if unknown:
-        named = ", ".join(repr(k) + (" (put it under generation:)" if k in GENERATION_KEYS else "") for k in unknown)
+        named = ", ".join(shown(k) + (" (put it under generation:)" if k in GENERATION_KEYS else "")
+                          for k in unknown[:8]) + (f" and {len(unknown) - 8:,} more" if len(unknown) > 8 else "")
         plural = "s" if len(unknown) > 1 else ""
         raise UsageError(f"{where}: unknown key{plural} {named}; "
                          f"valid keys: {', '.join(PROFILE_KEYS)}")
@@ -473,23 +572,23 @@ def load_profile(name_or_path: str | os.PathLike[str]) -> dict[str, Any]:
                     continue
                 if not isinstance(value, Mapping):
                     raise UsageError(f"generation must be a mapping with keys {', '.join(GENERATION_KEYS)}")
-                bad = [f"generation.{k!s}" for k in value if k not in GENERATION_KEYS]
+                bad = [f"generation.{str(k)[:80]}" for k in value if k not in GENERATION_KEYS]
                 if bad:
-                    raise UsageError(f"unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+                    raise UsageError(f"unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad[:8])}; "
                                      f"valid keys: {', '.join(GENERATION_KEYS)}")
                 for gkey, gvalue in value.items():
                     out[gkey] = _FIELD_CHECKS[gkey](f"generation.{gkey}", gvalue)
             elif key == "description":
                 if value is not None and not isinstance(value, str):
-                    raise UsageError(f"description must be text: got {value!r}")
+                    raise UsageError(f"description must be text: got {shown(value)}")
                 out[key] = value
             elif key == "expected_memory":
                 if value is not None and not isinstance(value, Mapping):
-                    raise UsageError(f"expected_memory must be a mapping: got {value!r}")
+                    raise UsageError(f"expected_memory must be a mapping: got {shown(value)}")
                 out[key] = dict(value or {})
             elif key == "requires_own_weights":
                 if not isinstance(value, bool):
-                    raise UsageError(f"requires_own_weights must be true or false: got {value!r}")
+                    raise UsageError(f"requires_own_weights must be true or false: got {shown(value)}")
                 out[key] = value
             else:
                 out[key] = _FIELD_CHECKS[key](key, value)

@@ -251,6 +251,11 @@ class CAOTE(OutputErrorModifier):
     paper = "Goel et al. 2025, CAOTE: KV Caching through Attention Output Error based Token Eviction"
 
 
+    @property
+    def batchable(self) -> bool:  # type: ignore[override]
+        """Greedy selection records each layer's joint error: it runs layer by layer."""
+        return self.base.batchable and not self.greedy
+
     def __post_init__(self) -> None:
         # layer -> [h] eq. 31 error of that layer's last greedy selection (an attribute, not an option)
         self.last_joint_error: dict[int, Tensor] = {}

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from kvtool.errors import KvtoolError, UsageError
+from kvtool.fileio import read_capped
 
 #: K used by the paper (§3.3).
 PAPER_K = 2500
@@ -51,6 +52,8 @@ CPU_MAX_TOKENS = 2048
 _CHUNK_ELEMENTS = 1 << 24
 
 FORMAT = "kvtool-calibration"
+#: a calibration file holds two floats per head: a few hundred KiB for the largest models, never this much
+MAX_CALIBRATION_BYTES = 64 << 20
 FORMAT_VERSION = 1
 
 _ATTN_NAME = "kvtool_calibrate"
@@ -496,12 +499,14 @@ def _head_map(value: Any, what: str) -> dict[int, list[int]]:
 def load_calibration(path: Path) -> dict[str, Any] | None:
     """The saved calibration, ``None`` if the file does not exist; a corrupt file is a KvtoolError."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not path.exists():
         return None
-    except OSError as exc:
-        raise KvtoolError(f"cannot read calibration file {path}: {exc.strerror or exc}") from None
+    try:
+        text = read_capped(path, MAX_CALIBRATION_BYTES, "calibration file").decode("utf-8")
+    except UsageError as exc:
+        raise KvtoolError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise KvtoolError(f"calibration file {path} is not UTF-8; delete it and calibrate again") from None
     try:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -27,6 +27,7 @@ from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.fileio import fsync_dir
 from kvtool.runtime.events import PhaseProgress
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
+from kvtool.stdio import no_prompts
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -130,11 +131,12 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], step: Callab
 
     step(0)
     try:
-        with quiet_transformers(gguf=True):
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with quiet_transformers(gguf=True), no_prompts():
+            try:  # never code from beside the file, and no prompt on stdin (it may hold the document)
+                tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                       trust_remote_code=False)
                 model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+                    str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
                 )
             except Exception as exc:
                 raise KvtoolError(f"could not read the embedded model {gguf}: {first_line(exc)}") from None

@@ -9,7 +9,6 @@ memory is one system call.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -19,10 +18,13 @@ import torch
 
 from kvtool.config import QUANT_BYTES_PER_PARAM
 from kvtool.errors import UsageError
+from kvtool.kvc.format import loads
 from kvtool.runtime.memory import format_bytes
 
 #: safetensors refuses headers larger than this; a larger claim is not a safetensors file
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: JSON objects a safetensors header may hold (one per tensor): a 70B model's shards list a few hundred each
+MAX_HEADER_OBJECTS = 1 << 18
 #: the densest packing of weights on disk: two 4-bit parameters per byte
 PARAMS_PER_BYTE_ON_DISK = 2
 
@@ -76,7 +78,7 @@ def _header_tensor_bytes(path: Path) -> int | None:
             (length,) = struct.unpack("<Q", raw)
             if length > MAX_HEADER_BYTES:
                 return None
-            header = json.loads(fh.read(length))
+            header = loads(fh.read(length), MAX_HEADER_OBJECTS)  # stops early on a header of a million entries
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(header, dict):

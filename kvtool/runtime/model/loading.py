@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +30,14 @@ from kvtool.core.families import check_supported
 from kvtool.core.layout import check_config
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.runtime.events import PhaseProgress
+from kvtool.runtime.memory import format_bytes
 from kvtool.runtime.model.convert import EMBEDDED_ALIASES, EMBEDDED_NAME, embedded_checkpoint
 from kvtool.runtime.model.fit import check_fits
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
 from kvtool.runtime.model.identity import model_identity
 from kvtool.runtime.model.options import quantization_config, resolve_device, resolve_dtype
+from kvtool.runtime.prompt import document_prefix
+from kvtool.stdio import PromptRefused, no_prompts
 
 
 @dataclass
@@ -137,20 +141,39 @@ def _classify_spec(spec: str | None) -> tuple[str, Path]:
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: the files of a checkpoint directory transformers reads whole, and the most bytes each may have: a real
+#: config is a few KiB and a tokenizer tens of MiB; a larger (or sparse, or endless) file is refused unread
+READ_WHOLE_CAPS: dict[str, int] = {
+    "config.json": 4 << 20, "generation_config.json": 4 << 20, "special_tokens_map.json": 4 << 20,
+    "chat_template.jinja": 4 << 20, "chat_template.json": 4 << 20, "preprocessor_config.json": 4 << 20,
+    "tokenizer_config.json": 32 << 20, "added_tokens.json": 32 << 20,
+    "tokenizer.json": 512 << 20, "vocab.json": 512 << 20, "merges.txt": 512 << 20, "tokenizer.model": 512 << 20,
+}
+#: the model dimensions a config names: each must be a positive integer, at most this (a C ``int``)
+DIM_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+            "intermediate_size", "vocab_size", "max_position_embeddings")
+MAX_DIM = 2**31 - 1
 
 
 def _check_checkpoint_dir(path: Path) -> None:
-    """Refuse, before torch reads anything, a config that is not JSON and weights that are pickles.
+    """Refuse, before transformers reads anything, what kvtool will not load or cannot describe in one line.
 
-    A pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
+    Files transformers reads whole must be regular files within :data:`READ_WHOLE_CAPS`; ``config.json``
+    must be a JSON object whose dimensions are positive integers; the weights must not be pickles. A
+    pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
     two-line warning plus advice to disable the guard, so kvtool says it once, in its own words.
     """
+    for name, cap in READ_WHOLE_CAPS.items():
+        _check_read_whole(path / name, cap)
+    config_path = path / "config.json"
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        with open(config_path, "rb") as fh:
+            config = json.loads(fh.read(READ_WHOLE_CAPS["config.json"] + 1))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: {first_line(exc)[:120]}") from None
+        raise UsageError(f"{config_path} is not a valid JSON config: {first_line(exc)[:120]}") from None
     if not isinstance(config, dict):
-        raise UsageError(f"{path / 'config.json'} is not a valid JSON config: not a JSON object")
+        raise UsageError(f"{config_path} is not a valid JSON config: not a JSON object")
+    _check_dims(config_path, config)
     files = [f.name for f in path.iterdir() if f.is_file()]
     if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
         return
@@ -160,6 +183,57 @@ def _check_checkpoint_dir(path: Path) -> None:
             f"{path} holds only pickle weights ({pickles[0]}); kvtool loads safetensors or .gguf only, because "
             "a pickle can run code: convert it to safetensors first"
         )
+
+
+def _check_read_whole(file: Path, cap: int) -> None:
+    """A file transformers will read whole: absent, or a regular file of at most ``cap`` bytes."""
+    try:
+        st = file.stat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UsageError(f"cannot read {file}: {exc.strerror or first_line(exc)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"{file} is not a regular file; a checkpoint's files are read whole")
+    if st.st_size > cap:
+        raise UsageError(f"{file} is {format_bytes(st.st_size)}, more than the {format_bytes(cap)} such a file "
+                         "ever needs: not a real checkpoint file; refused unread")
+
+
+def _check_dims(config_path: Path, config: dict[str, Any]) -> None:
+    """Every dimension the config names (its own, and its ``text_config``'s) is an integer in 1..MAX_DIM."""
+    for where, section in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(section, dict):
+            continue
+        for key in DIM_KEYS:
+            value = section.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+                shown = repr(value) if isinstance(value, (int, float, str, bool)) else type(value).__name__
+                raise UsageError(f"{config_path}: {where}{key} must be a positive integer: got {shown[:40]}")
+
+
+def _custom_code(path: Path) -> str | None:
+    """The file of ``path`` that names its own Python code (``auto_map``), if any: kvtool never runs it."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            with open(path / name, "rb") as fh:
+                if b'"auto_map"' in fh.read(READ_WHOLE_CAPS[name] + 1):
+                    return name
+        except OSError:
+            continue
+    return None
+
+
+def _no_custom_code(path: Path, what: str, exc: Exception) -> UsageError | None:
+    """The one line for a load that failed because the checkpoint needs its own code (None otherwise)."""
+    named = _custom_code(path) if path.is_dir() else None
+    if named is None and "trust_remote_code" not in str(exc):
+        return None
+    where = f" (auto_map in {named})" if named else ""
+    return UsageError(f"{path} needs its own Python code to load its {what}{where}; kvtool never runs code from a "
+                      "model directory: use a checkpoint of a model family transformers supports itself")
 
 
 def _looks_like_path(text: str) -> bool:
@@ -188,30 +262,44 @@ def _load(
     if bnb_config is not None:
         kwargs["quantization_config"] = bnb_config
 
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs)
-    except Exception as exc:
-        raise KvtoolError(f"could not load the tokenizer from {path}: {first_line(exc)}") from None
-    if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
+    # No code from the model directory ever runs (``auto_map``): transformers is told so on every call, and
+    # no library may ask on stdin instead (stdin may hold the document, which would answer the prompt).
+    safe: dict[str, Any] = {"trust_remote_code": False}
+    with no_prompts():
+        if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
+            try:
+                config = transformers.AutoConfig.from_pretrained(str(location), **safe)
+            except PromptRefused:
+                raise
+            except Exception as exc:
+                raise _no_custom_code(path, "config", exc) or UsageError(
+                    f"could not read the model config from {path}: {first_line(exc)}") from None
+            check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights
+            check_fits(path, config, device, dtype, quantize)  # a config far larger than its weights, or than memory
         try:
-            config = transformers.AutoConfig.from_pretrained(str(location))
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs, **safe)
+        except PromptRefused:
+            raise
         except Exception as exc:
-            raise KvtoolError(f"could not read the model config from {path}: {first_line(exc)}") from None
-        check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights load
-        check_fits(path, config, device, dtype, quantize)  # a config far larger than its weights, or than memory
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs)
-        if device.type != "cuda":
-            model = model.to(device)
-    except torch.cuda.OutOfMemoryError:
-        raise KvtoolError(f"out of GPU memory loading {path}; try --quantize 8bit/4bit or --device cpu") from None
-    except Exception as exc:
-        raise KvtoolError(f"could not load the model from {path}: {first_line(exc)}") from None
+            raise _no_custom_code(path, "tokenizer", exc) or KvtoolError(
+                f"could not load the tokenizer from {path}: {first_line(exc)}") from None
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(location), **file_kwargs, **kwargs, **safe)
+            if device.type != "cuda":
+                model = model.to(device)
+        except PromptRefused:
+            raise
+        except torch.cuda.OutOfMemoryError:
+            raise KvtoolError(f"out of GPU memory loading {path}; try --quantize 8bit/4bit or --device cpu") from None
+        except Exception as exc:
+            raise _no_custom_code(path, "model", exc) or KvtoolError(
+                f"could not load the model from {path}: {first_line(exc)}") from None
 
     model.eval()
     model.requires_grad_(False)
     check_supported(model)  # what only the loaded modules show (e.g. per-head sink parameters)
     ensure_chat_template(tokenizer)
+    document_prefix(tokenizer)  # the chat template (the checkpoint's code) renders, under caps, before any reading
     return model, tokenizer
 
 

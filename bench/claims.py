@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grid_units import units
+
 HOLDS, FAILS, NOISE = "holds", "does not hold", "inside the noise"
 TABLES = ("needle", "agreement", "ppl")
 #: δ per table, in the table's unit: found-rate (0–1), token F1 (0–1), perplexity gap (percentage points)
@@ -78,8 +80,6 @@ def claim_verdict(cells: list[str], quantifier: str = "every", expected: int | N
 
 def paired_cells(data: dict, a: str, b: str, budgets: list[int], seed: int = 0) -> list[dict]:
     """Per (table, budget) where both rows were run on the same units: the paired difference a − b."""
-    from evidence import units
-
     from kvtool.eval.stats import paired_difference
 
     out = []

@@ -2,14 +2,17 @@
 
 Used by ``bench/results.py``: which ``kvtool eval`` commands make the grid tables, how the agreement runs
 over several documents are pooled into one table (intervals over all their questions), how a run over a
-subset of policies is merged into the table it belongs to, and the per-unit measurements (needle trials,
-questions, perplexity windows) that the claims table (``bench/claims.py``) compares in pairs.
+subset of policies is merged into the table it belongs to, and the sections it renders (the claims table's
+included). The per-unit measurements the claims compare in pairs are bench/grid_units.py's.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Iterable
+
+import claims
+from grid_units import suffix
 
 CORPUS = "../shared/corpus"
 ESSAYS = f"{CORPUS}/paul_graham_essays"
@@ -41,11 +44,6 @@ def length_for(budget: int) -> str:
     """The haystack / context length for a budget: ``SCALE × budget`` tokens (``1k`` for 256)."""
     n = SCALE * budget
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-def suffix(budget: int) -> str:
-    """Task-name suffix of a budget: none for 256 (the tables and logs that existed before), ``-1024`` else."""
-    return "" if budget == 256 else f"-{budget}"
 
 
 def grid_tasks(policies: list[str], budgets: Iterable[int], trials: int, samples: int) -> dict[str, list[str]]:
@@ -167,37 +165,6 @@ def pool_agreement(per_doc: list[dict], seed: int = 0) -> dict:
             "result": {"task": "agreement", "settings": {"docs": docs}, "results": rows}}
 
 
-# --------------------------------------------------------------------------------------------- per-unit measures
-def units(data: dict, table: str, policy: str, budget: int | None) -> list[float] | None:
-    """The per-unit measure of one row, oriented so that higher is better, in the order the units were run.
-
-    ``needle``: 1/0 per trial (every length, depth, trial; eviction only); ``agreement``: token F1 per
-    question (pooled documents); ``ppl``: minus the perplexity gap % per window. None when not run.
-    """
-    b = None if policy == "full" else budget
-    if table == "needle":
-        task = data.get(f"needle{suffix(budget)}")
-        if task is None:
-            return None
-        cells = [c for c in task["result"]["results"] if c["policy"] == policy and c["budget"] == b
-                 and not c.get("recall", 0)]
-        out = [float(a["correct"]) for c in cells for a in c["answers"]]
-        return out or None
-    if table == "ppl":
-        task = data.get(f"ppl{suffix(budget)}")
-        rows = [] if task is None else [r for r in task["result"]["results"] if r["policy"] == policy and
-                                        r["budget"] == b]
-        return [-100.0 * (s["ppl"] / s["dense_ppl"] - 1.0) for s in rows[0]["samples"]] if rows else None
-    task = data.get("agreement")
-    if task is None:
-        return None
-    if policy == "full":
-        n = len(task["result"]["results"][0]["answers"]) if task["result"]["results"] else 0
-        return [1.0] * n or None  # the dense answer against itself
-    rows = [r for r in task["result"]["results"] if r["policy"] == policy and r["budget"] == budget]
-    return [a["f1"] for a in rows[0]["answers"]] if rows else None
-
-
 # --------------------------------------------------------------------------------------------- rendering
 WHAT_A_SMALL_MODEL_SHOWS = (
     "**What a 135M model can and cannot show.** SmolLM2-135M has 30 layers of 3 KV heads, reads 8,192 positions "
@@ -287,8 +254,6 @@ def table_razor(task: dict) -> str:
 
 def evidence_sections(data: dict, default: str) -> list[str]:
     """The needle kinds, KeyDiff's correlation, razor's bytes and the claims table (markdown lines)."""
-    import claims
-
     out: list[str] = []
     kinds = table_kinds(data, default)
     if kinds:

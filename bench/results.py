@@ -27,12 +27,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import cite_table
 import defaults
 import evidence
 import kv_tables
+from default_rule import DEFAULT_RULE, beside_the_rule, choose_default
+from result_tables import (
+    BLOCKS,
+    DEFAULT,
+    PAGES,
+    peer_differences,
+    table_agreement,
+    table_archive,
+    table_blocks,
+    table_needle,
+    table_peer,
+    table_ppl,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,17 +59,6 @@ ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024
          "block-256", "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
          *kv_tables.TASKS, "citations")
-PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
-BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
-
-
-def _default_policy() -> str:
-    from kvtool.runtime.settings import Settings
-
-    return Settings().policy
-
-
-DEFAULT = _default_policy()  # the block-size rows and the recall rows follow the default, whatever it is
 #: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
 RAN = {"needle-recall": "the recall trials ran beside other runs at low priority",
        "needle-recall-2k": "the recall trials ran in 424 s beside other runs",
@@ -171,277 +172,6 @@ def run_peer(quick: bool) -> dict | None:
     data = json.loads((RESUME / "peer.json").read_text())
     data["wall_seconds"] = round(time.perf_counter() - t0, 1)
     return data
-
-
-# --------------------------------------------------------------------------------------------- tables
-def _iv(x: dict | None, digits: int = 2, pct: bool = False) -> str:
-    if x is None:
-        return "–"
-    if pct:
-        return f"{100 * x['value']:.0f}% [{100 * x['low']:.0f}, {100 * x['high']:.0f}]"
-    return f"{x['value']:.{digits}f} [{x['low']:.{digits}f}, {x['high']:.{digits}f}]"
-
-
-def _label(policy: str, budget) -> str:
-    return f"`{policy}`" if budget is None else f"`{policy}` @ {budget}"
-
-
-def table_needle(task: dict) -> str:
-    """One column per (length, depth): where a policy finds the needle matters as much as how often."""
-    from kvtool.eval.stats import wilson
-
-    res = task["result"]
-    lengths, depths = res["settings"]["lengths"], res["settings"]["depths"]
-    cols = [(L, d) for L in lengths for d in depths]
-    head = [f"depth {d:g}" if len(lengths) == 1 else f"{L} tokens, depth {d:g}" for L, d in cols]
-    lines = ["| policy | " + " | ".join(head) + " | all |", "|---|" + "---|" * (len(cols) + 1)]
-    for row in res["summary"]:
-        key = (row["policy"], row["budget"], row.get("recall", 0))
-        cells = []
-        for L, d in cols:
-            cs = [c for c in res["results"] if (c["policy"], c["budget"], c.get("recall", 0)) == key
-                  and c["length"] == L and c["depth"] == d]
-            k, n = sum(c["correct"] for c in cs), sum(c["trials"] for c in cs)
-            cells.append(f"{k}/{n}")
-        mark = " ✱" if row.get("significant") else (" (best)" if row.get("best") else "")
-        mark += " ↓" if row.get("below_full") else ""
-        iv = wilson(row["correct"], row["total"])
-        label = _label(row["policy"], row["budget"]) + (f" + recall {key[2]}" if key[2] else "")
-        lines.append(f"| {label} | " + " | ".join(cells) +
-                     f" | {_iv(iv.as_dict(), pct=True)} ({row['correct']}/{row['total']}){mark} |")
-    return "\n".join(lines)
-
-
-def table_agreement(task: dict) -> str:
-    res = task["result"]
-    lines = ["| policy | exact match | token F1 | ROUGE-L | KL(dense‖policy), first 8 tokens | top-1 agreement |",
-             "|---|---|---|---|---|---|"]
-    for r in res["results"]:
-        mark = " ✱" if r["significant"] else (" (best)" if r["best"] else "")
-        lines.append(f"| {_label(r['policy'], r['budget'])} | {_iv(r['exact_match'], pct=True)} | "
-                     f"{_iv(r['f1'])}{mark} | {_iv(r['rouge_l'])} | {_iv(r['kl'], 3)} | {_iv(r['top1'])} |")
-    return "\n".join(lines)
-
-
-def table_ppl(task: dict) -> str:
-    res = task["result"]
-    lines = [f"Dense perplexity (pooled): **{res['reference']['ppl']:.3f}**.", "",
-             "| policy | ppl | gap % (pooled) | mean window gap % [95%] | KL(dense‖policy) [95%] | top-1 [95%] |",
-             "|---|---|---|---|---|---|"]
-    for r in res["results"]:
-        g = r["window_gap_pct"]
-        mark = " ✱" if r["significant"] else (" (best)" if r["best"] else "")
-        lines.append(f"| {_label(r['policy'], r['budget'])} | {r['ppl']:.3f} | {r['ppl_gap_pct']:+.2f} | "
-                     f"{g['value']:+.2f} [{g['low']:+.2f}, {g['high']:+.2f}]{mark} | {_iv(r['kl_interval'], 4)} | "
-                     f"{_iv(r['top1_interval'])} |")
-    return "\n".join(lines)
-
-
-def table_peer(peer: dict) -> str:
-    from kvtool.runtime.memory import format_bytes
-
-    lines = ["| policy | tool | needle found [95%] | token F1 vs own dense [95%] | peak RSS | wall time |",
-             "|---|---|---|---|---|---|"]
-    for r in sorted(peer["rows"], key=lambda x: (x["policy"] != "full", x["policy"], x["impl"])):
-        lines.append(f"| `{r['policy']}` | {r['impl']} | {_iv(r['needle'], pct=True)} ({r['needle_found']}/"
-                     f"{r['needle_total']}) | {_iv(r['f1_vs_own_full'])} | {format_bytes(r['peak_rss_bytes'])} | "
-                     f"{r['seconds']:.0f} s |")
-    return "\n".join(lines)
-
-
-def peer_differences(peer: dict) -> list[str]:
-    """Per policy, kvtool against kvpress: the found-rate difference (Newcombe) and whether the F1 intervals overlap."""
-    from kvtool.eval.stats import newcombe_difference
-
-    by = {(r["impl"], r["policy"]): r for r in peer["rows"]}
-    out, gaps, overlaps = [], [], []
-    for policy in sorted({r["policy"] for r in peer["rows"]} - {"full"}):
-        a, b = by.get(("kvtool", policy)), by.get(("kvpress", policy))
-        if a is None or b is None:
-            continue
-        d = newcombe_difference(a["needle_found"], a["needle_total"], b["needle_found"], b["needle_total"])
-        fa, fb = a["f1_vs_own_full"], b["f1_vs_own_full"]
-        overlap = fa["low"] <= fb["high"] and fb["low"] <= fa["high"]
-        gaps.append(fb["value"] - fa["value"])
-        overlaps.append(overlap)
-        rss = a["peak_rss_bytes"] / b["peak_rss_bytes"]
-        out.append(f"`{policy}`: needle {a['needle_found']}/{a['needle_total']} (kvtool) vs {b['needle_found']}/"
-                   f"{b['needle_total']} (kvpress), difference {100 * d.value:+.0f} points [{100 * d.low:+.0f}, "
-                   f"{100 * d.high:+.0f}] — {'significant' if d.excludes(0.0) else 'inside the noise'}; token F1 "
-                   f"{fa['value']:.2f} vs {fb['value']:.2f} — intervals "
-                   f"{'overlap' if overlap else 'do not overlap'}; peak RSS {rss:.2f}× kvpress's.")
-    if gaps:
-        ahead = sum(g > 0 for g in gaps)
-        noise = "each difference is inside its intervals" if all(overlaps) else "not every interval overlaps"
-        out.append(f"kvpress's token F1 is higher in {ahead} of {len(gaps)} policies (by {min(gaps):+.2f} to "
-                   f"{max(gaps):+.2f}): {noise}; a consistent sign is what prefill-then-compress (which scores "
-                   "with the whole document in view) would be expected to show against a bounded prefill.")
-    return out
-
-
-def table_blocks(data: dict) -> str:
-    """Token F1 of the default policy at block 64/128/256; each against block 128 by a paired bootstrap."""
-    from kvtool.eval.stats import paired_difference
-
-    def per_question(task: dict) -> dict:
-        return {r["budget"]: [a["f1"] for a in r["answers"]] for r in task["result"]["results"]
-                if r["policy"] == DEFAULT}
-
-    aord = data.get("agreement-aord", data["agreement"])  # the block rows read aord.txt only
-    base = per_question(aord)
-    lines = ["| block | " + " | ".join(f"token F1 @ {b} (vs 128)" for b in sorted(base)) + " |",
-             "|---|" + "---|" * len(base)]
-    for block, task in [(128, aord)] + [(b, data.get(f"block-{b}")) for b in BLOCKS]:
-        if task is None:
-            continue
-        f1 = per_question(task)
-        cells = []
-        for budget in sorted(base):
-            mean = sum(f1[budget]) / len(f1[budget])
-            if block == 128:
-                cells.append(f"{mean:.2f}")
-                continue
-            d = paired_difference(f1[budget], base[budget])
-            cells.append(f"{mean:.2f} ({d.value:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
-                         f"{', significant' if d.excludes(0.0) else ''})")
-        lines.append(f"| {block} | " + " | ".join(cells) + " |")
-    cmds = [f"`{data[f'block-{b}']['command']}` — {data[f'block-{b}']['seconds']:.0f} s" for b in BLOCKS
-            if f"block-{b}" in data]
-    return "\n".join(lines + [""] + cmds)
-
-
-def table_archive(data: dict) -> str:
-    """The default + recall 256 on the same 1K needle trials, by archive page size and storage dtype,
-    each against the shipped setting (32-token pages, the model's dtype; Newcombe interval)."""
-    from kvtool.eval.stats import newcombe_difference, wilson
-
-    def found(task: dict | None) -> tuple[int, int] | None:
-        if task is None:
-            return None
-        rows = [r for r in task["result"]["summary"] if r["policy"] == DEFAULT and r.get("recall", 0)]
-        return (rows[0]["correct"], rows[0]["total"]) if rows else None
-
-    base = found(data.get("needle-recall"))
-    variants = [("32 (default)", "model's (float32)", base)]
-    variants += [(str(p), "model's (float32)", found(data.get(f"recall-page-{p}"))) for p in PAGES]
-    variants[1:1] = [("32", dt, found(data.get(f"archive-{dt}"))) for dt in ("float16", "int8")]
-    lines = ["| page size | archive dtype | found | vs the default |", "|---|---|---|---|"]
-    for page, dtype, kn in variants:
-        if kn is None:
-            continue
-        k, n = kn
-        diff = "–"
-        if base is not None and not page.endswith("(default)"):
-            d = newcombe_difference(k, n, *base)
-            diff = f"{100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]" + (
-                " ✱" if d.excludes(0.0) else " (inside the noise)")
-        lines.append(f"| {page} | {dtype} | {_iv(wilson(k, n).as_dict(), pct=True)} ({k}/{n}) | {diff} |")
-    return "\n".join(lines)
-
-
-#: the default-policy rule, as the page states it (``choose_default`` applies it)
-DEFAULT_RULE = ("The rule: a candidate is never significantly below the best policy at its budget in the agreement "
-                "table (token F1) nor in the needle table (found-rate), and only policies run in both compete. A "
-                "candidate replaces the default (`{default}`) only when it beats it in some table and budget with a "
-                "p-value under 0.05 after Holm's adjustment over every comparison made (McNemar's mid-p test on the "
-                "paired needle trials, a sign-flip permutation test on F1 per question), and is significantly worse "
-                "in none: with many policies compared, some beat the default at 95% by chance.")
-
-
-class Cell(NamedTuple):
-    """One comparison of a candidate with the default: mean difference and p-value over the same units."""
-
-    policy: str
-    table: str
-    budget: int
-    diff: float
-    p: float
-
-
-def choose_default(data: dict, incumbent: str = DEFAULT) -> list[str]:
-    """Which policy the data supports as the default, and whether it should replace ``incumbent``: the rule
-    ``DEFAULT_RULE`` states (printed above its outcome on the page). A policy the agreement table has not run
-    yet can neither win nor set the bar; a default that is itself no candidate leaves the candidates' highest
-    mean F1 named, the others being inside each other's noise."""
-    from kvtool.eval.needle import summarize
-    from kvtool.eval.stats import holm, paired_p_value
-
-    agreement, needle = data.get("agreement"), data.get("needle")
-    if agreement is None:
-        return ["(agreement table not run)"]
-    rows = agreement["result"]["results"]
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        by.setdefault(r["policy"], []).append(r)
-    budgets = sorted({r["budget"] for r in rows})
-    score = {p: sum(r["f1"]["value"] for r in rs) / len(rs) for p, rs in by.items()}
-    worse = {p for p, rs in by.items() if any(r["significant"] for r in rs)}
-    agreement_worse = set(worse)
-    below = ", ".join(f"`{p}`" for p in sorted(worse)) or "none"
-    out = [f"Mean token F1 against the dense answer over budgets {budgets}: " +
-           ", ".join(f"`{p}` {score[p]:.2f}" for p in sorted(score, key=score.get, reverse=True)) +
-           f"; significantly below the best policy at some budget: {below}."]
-    if needle is not None:
-        both = [r for r in needle["result"]["results"] if r["policy"] in score or r["budget"] is None]
-        acc = [r for r in summarize(both) if r["budget"] is not None and not r.get("recall")]
-        out.append("Needle found-rate (eviction only, all lengths; the policies of the agreement table): " + ", ".join(
-            f"`{r['policy']}` @ {r['budget']} {100 * r['accuracy']:.0f}%{' ✱' if r['significant'] else ''}"
-            for r in acc) + ".")
-        worse |= {r["policy"] for r in acc if r["significant"]}
-    candidates = sorted((p for p in score if p not in worse), key=score.get, reverse=True)
-    if not candidates:
-        return out + ["No policy is within the interval of the best in every table."]
-    out.append(f"Never significantly below the best at its budget in either table: "
-               f"{', '.join(f'`{p}`' for p in candidates)}.")
-    if incumbent not in candidates:
-        where = "the needle table" if incumbent not in agreement_worse else "the agreement table"
-        return out + [f"The default `{incumbent}` is significantly below the best in {where}. The candidates are "
-                      f"inside each other's noise; of them the highest mean F1 is **`{candidates[0]}`**. kvtool "
-                      f"still defaults to `{incumbent}`: the default-settings section below was measured with it, "
-                      "and moves with the default."]
-    cells: list[Cell] = []  # every candidate against the incumbent, on the same units
-    for cand in (c for c in candidates if c != incumbent):
-        for table in ("needle", "agreement"):
-            for budget in budgets:
-                xa, xb = evidence.units(data, table, cand, budget), evidence.units(data, table, incumbent, budget)
-                if xa is None or xb is None or len(xa) != len(xb) or len(xa) < 2:
-                    continue
-                diff = sum(xa) / len(xa) - sum(xb) / len(xb)
-                cells.append(Cell(cand, table, budget, diff, paired_p_value(xa, xb)))
-    if not cells:
-        return out + [f"No candidate shares units with `{incumbent}`: the default stays **`{incumbent}`**."]
-    adjusted = holm([c.p for c in cells])
-    worse_somewhere = {c.policy for c in cells if c.diff < 0 and c.p <= 0.05}
-    better = sorted((a, c) for c, a in zip(cells, adjusted, strict=True) if c.diff > 0)  # most significant first
-
-    def cell(c: Cell, adj: float) -> str:
-        unit = f"{100 * c.diff:+.0f} pp" if c.table == "needle" else f"{c.diff:+.2f} F1"
-        return (f"`{c.policy}` {c.table} @ {c.budget} {unit} (p = {c.p:.3f}; {adj:.3f} after Holm over "
-                f"{len(cells)} cells)")
-
-    wins = [(a, c) for a, c in better if a <= 0.05 and c.policy not in worse_somewhere]
-    if wins:
-        return out + [f"Beats the default `{incumbent}` beyond the noise: {cell(wins[0][1], wins[0][0])}: the "
-                      f"data supports **`{wins[0][1].policy}`**."]
-    closest = f" The closest: {cell(better[0][1], better[0][0])}." if better else ""
-    return out + [f"No candidate beats `{incumbent}` in any cell once the {len(cells)} comparisons are adjusted "
-                  f"(Holm): the default stays **`{incumbent}`**.{closest}"]
-
-
-def beside_the_rule(data: dict) -> list[str]:
-    """The tables the rule does not use (fixed before they were run), reported beside it: they may disagree."""
-    out = []
-    multi = data.get("needle-multi")
-    if multi is not None:
-        rows = [r for r in multi["result"]["summary"] if r["budget"] is not None]
-        out.append("Multi-needle found-rate (not in the rule): " + ", ".join(
-            f"`{r['policy']}` {r['correct']}/{r['total']}{' ✱' if r['significant'] else ''}" for r in rows) + ".")
-    ppl = data.get("ppl")
-    if ppl is not None:
-        rows = [r for r in ppl["result"]["results"] if r["budget"] is not None]
-        gaps = [f"`{r['policy']}` {r['window_gap_pct']['value']:+.1f}%{' ✱' if r['significant'] else ''}" for r in rows]
-        out.append("Mean perplexity gap per window (not in the rule): " + ", ".join(gaps) + ".")
-    return out
 
 
 def sections(data: dict) -> list[tuple]:

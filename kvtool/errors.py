@@ -8,6 +8,7 @@ import reprlib
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_PARTIAL = 3  # many documents: some failed (each has its error record), the others were answered
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # SIGTERM or SIGHUP (128 + 15, the shell's convention for SIGTERM)
 EXIT_PIPE = 141  # the reader of stdout closed the pipe (128 + 13, SIGPIPE: what `cat | head -c1` reports for cat)

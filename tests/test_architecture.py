@@ -58,3 +58,35 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 too_long.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
     assert not too_long, too_long
+
+
+def test_bench_keeps_the_same_rules():
+    """bench/ grows by the same rules: no script over 600 lines, no import circle between its modules
+    (each imports its siblings as ``import x`` or ``from bench.x import``)."""
+    import ast
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    names = {p.stem for p in bench.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    too_long = []
+    for path in sorted(bench.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 600:
+            too_long.append(f"bench/{path.name}: {text.count(chr(10))} lines")
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                mods = [node.module]
+            else:
+                continue
+            deps |= {m.removeprefix("bench.") for m in mods if m.removeprefix("bench.") in names}
+    assert not too_long, too_long
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph.get(start, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not circles, f"bench modules in an import circle: {circles}"

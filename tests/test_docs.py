@@ -112,6 +112,31 @@ def test_profile_keys_documented_and_emitted(runs: dict[str, Any]) -> None:
     assert missing == set(), "profile keys docs/cli.md documents but the code does not emit"
 
 
+def test_many_document_record_keys_documented_and_emitted(tmp_path: Path) -> None:
+    """Every key of the records of ``ask``/``summarize``/``prefill`` over many documents (answers, citations,
+    notes, error records) is in docs/cli.md's "Many documents" table, and every key there is emitted."""
+    model = str(tiny_checkpoint(tmp_path / "tiny"))
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "docs" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "docs" / name).write_text("The cache is small. " * 40, encoding="utf-8")
+    (tmp_path / "docs" / "bad.txt").write_bytes(b"text\x00binary")
+    base = ["--model", model, "--budget", "160", "--block-size", "32", "--quiet"]
+    answer = ["--max-new-tokens", "3"]
+    folder = str(tmp_path / "docs")
+    runner = CliRunner()
+    emitted: set[str] = set()
+    for args in (["ask", folder, "--question", "q", "--cite", *answer], ["summarize", folder, *answer],
+                 ["prefill", folder, "-o", str(tmp_path / "caches") + "/"]):
+        r = runner.invoke(app, [*args, *base])
+        assert r.exit_code == 3, r.output
+        for line in r.stdout.splitlines():
+            emitted |= set(json.loads(line))
+    emitted.add("notes")  # only from readers with notes (a PDF with pages without text): spelled in the runner
+    documented = _documented_keys(CLI_PAGE.read_text(encoding="utf-8"), "Many documents")
+    assert emitted == documented
+    assert '"notes"' in (ROOT / "kvtool" / "runtime" / "many.py").read_text(encoding="utf-8")
+
+
 def test_archive_path_is_a_path_or_null(runs: dict[str, Any]) -> None:
     path = runs["ask"]["archive_path"]
     assert isinstance(path, str) and Path(path).is_dir(), path

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvtool.cli import error_lines
 from kvtool.cli.app import main
 from kvtool.errors import UsageError, printable
 from tests import test_hostile_kvc as hk
@@ -126,5 +127,5 @@ def test_any_long_message_is_capped_at_the_cli(capsys, monkeypatch):
     monkeypatch.setattr("kvtool.kvc.format.describe", lambda header: {})
     monkeypatch.setattr("kvtool.kvc.format.is_kvc", lambda path: True)
     rc, out, err = run(capsys, "inspect", __file__)
-    assert rc == 2 and err.count("\n") == 1 and len(err) <= len("kvtool: error: ") + app_mod.MAX_ERROR_CHARS + 1
+    assert rc == 2 and err.count("\n") == 1 and len(err) <= len("kvtool: error: ") + error_lines.MAX_ERROR_CHARS + 1
     assert err.rstrip().endswith("…")

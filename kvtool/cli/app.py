@@ -1,15 +1,14 @@
 """The ``kvtool`` command line (Typer): the app, its error handling, and where each command is mounted.
 
 Answers go to stdout; progress, notes and errors go to stderr. Every error a user can cause is one
-line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 130 interrupted,
-143 terminated by SIGTERM/SIGHUP).
+line on stderr with a documented exit code (0 ok, 1 runtime failure, 2 bad input, 3 some of many documents
+failed, 130 interrupted, 143 terminated by SIGTERM/SIGHUP).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import threading
@@ -22,6 +21,7 @@ from typer.exceptions import TyperException
 
 from kvtool import __version__
 from kvtool.cli import ask, cache, calibrate, eval, profile
+from kvtool.cli.error_lines import error_line
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
 from kvtool.errors import (
@@ -30,41 +30,11 @@ from kvtool.errors import (
     EXIT_USAGE,
     KvtoolError,
     Terminated,
-    UsageError,
     first_line,
     interrupt_exit,
     printable,
 )
 from kvtool.stdio import guard_closed_streams, no_prompts
-
-#: how an error raised below the CLI (``UsageError.field``) names its setting, and the flag's spelling
-FIELD_FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
-    "budget": ((r"^budget (?=\d)", "--budget "), ("raise the budget", "raise --budget"),
-               ("lower the budget or the block size", "lower --budget or --block-size"),
-               ("a KV budget", "a KV budget (--budget)")),
-    "block_size": ((r"^block size", "--block-size"),),
-    "sinks": ((r"^sinks and recent", "--sinks and --recent"),),
-    "positions": ((r"^positions must", "--positions must"), (r"^compact positions", "--positions compact"),
-                  ("use absolute positions", "use --positions absolute")),
-    "recall": ((r"^recall must", "--recall must"), ("turn recall off", "use --recall off")),
-    "page_size": ((r"^archive page size", "--recall-page"),),
-    "policy_opt": (("policy option ", "--policy-opt "),),
-}
-
-
-#: the longest error line printed: whatever a message quotes from a file, the line stays readable
-MAX_ERROR_CHARS = 600
-
-
-def error_line(e: BaseException) -> str:
-    """The one line printed for ``e``: a ``UsageError``'s setting named by its command-line flag, controls
-    escaped, at most :data:`MAX_ERROR_CHARS` characters."""
-    text = str(e)[: 4 * MAX_ERROR_CHARS]
-    field = e.field if isinstance(e, UsageError) else None
-    for pattern, flag in FIELD_FLAGS.get(field or "", ()):
-        text = re.sub(pattern if pattern.startswith("^") else re.escape(pattern), flag, text, count=1)
-    line = printable(text, one_line=True)
-    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 1] + "…"
 
 
 class _Group(typer.core.TyperGroup):

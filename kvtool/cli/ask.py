@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import typer
 
+from kvtool.cli import many
+from kvtool.cli.many import FilesFromOpt, LogOpt, QuestionOpt, RayOpt, WorkersOpt
 from kvtool.cli.options import (
     ANSWER_SETTINGS,
     FormatOpt,
@@ -25,7 +27,7 @@ from kvtool.cli.options import (
     with_settings,
 )
 from kvtool.cli.output import dashboard, emit_json, sayer, write_text
-from kvtool.errors import printable
+from kvtool.errors import UsageError, printable
 
 CiteOpt = Annotated[bool, typer.Option("--cite", help="Under each answer, the document spans (page, chapter or "
                                        "section) it drew on, found from its attention.")]
@@ -33,10 +35,16 @@ CiteOpt = Annotated[bool, typer.Option("--cite", help="Under each answer, the do
 
 @with_settings(*ANSWER_SETTINGS)
 def ask(
-    file: Annotated[str, typer.Argument(help="Document (text, Markdown, HTML, PDF, EPUB, DOCX), '-' for stdin, "
-                                    "or a .kvc cache from `kvtool prefill`.")],
-    questions: Annotated[list[str] | None, typer.Argument(help="One or more questions.")] = None,
+    file: Annotated[str | None, typer.Argument(help="Document (text, Markdown, HTML, PDF, EPUB, DOCX), '-' for "
+                                           "stdin, or a .kvc cache from `kvtool prefill`.")] = None,
+    questions: Annotated[list[str] | None, typer.Argument(help="One or more questions (with --question or "
+                                                           "--questions-file: more documents).")] = None,
+    question: QuestionOpt = None,
     questions_file: Annotated[Path | None, typer.Option("--questions-file", help="One question per line.")] = None,
+    files_from: FilesFromOpt = None,
+    output: LogOpt = None,
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
     cite: CiteOpt = False,
     doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
@@ -46,16 +54,35 @@ def ask(
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
-    """Answer questions about a document read under a KV budget."""
-    run_ask(file, read_questions(questions, questions_file, sayer(quiet)), flags or {}, profile=profile,
-            json_out=json_out, jsonl=jsonl, quiet=quiet, cite=cite, doc_format=doc_format, full_stats=stats)
+    """Answer questions about a document (or many: DOC... --question Q) read under a KV budget."""
+    if question or questions_file is not None:  # every argument is a document
+        documents = [d for d in (file, *(questions or [])) if d is not None]
+        asked = read_questions(question, questions_file, sayer(quiet))
+        if many.is_many(documents, files_from, output, ray):
+            many.run_many("ask", documents, flags or {}, profile=profile, quiet=quiet, files_from=files_from,
+                          output=output, ray=ray, workers=workers, questions=asked, cite=cite, doc_format=doc_format)
+            return
+        many.refuse_many_options("ask", workers=workers)
+        file, questions_list = (documents[0] if documents else None), asked
+    else:
+        many.refuse_many_options("ask", files_from=files_from, output=output, ray=ray, workers=workers)
+        questions_list = read_questions(questions, questions_file, sayer(quiet))
+    if file is None:
+        raise UsageError("give a document: kvtool ask FILE QUESTION..., or kvtool ask DOC... --question QUESTION")
+    run_ask(file, questions_list, flags or {}, profile=profile, json_out=json_out, jsonl=jsonl, quiet=quiet,
+            cite=cite, doc_format=doc_format, full_stats=stats)
 
 
 @with_settings(*ANSWER_SETTINGS)
 def summarize(
-    file: Annotated[str, typer.Argument(help="Document (text, Markdown, HTML, PDF, EPUB, DOCX), '-' for stdin, "
-                                    "or a .kvc cache.")],
+    file: Annotated[list[str] | None, typer.Argument(help="Documents (text, Markdown, HTML, PDF, EPUB, DOCX, "
+                                                     "directories read recursively), '-' for stdin, or .kvc "
+                                                     "caches.")] = None,
     length: Annotated[str, typer.Option("--length", help="short, medium or long.")] = "medium",
+    files_from: FilesFromOpt = None,
+    output: LogOpt = None,
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
     doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
@@ -63,14 +90,22 @@ def summarize(
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
-    """Summarize a document read under a KV budget."""
-    from kvtool.errors import UsageError
+    """Summarize a document (or many) read under a KV budget."""
     from kvtool.runtime.prompt import SUMMARY_LENGTHS
 
     if length not in SUMMARY_LENGTHS:  # before the document is read, not after
         raise UsageError(f"--length must be one of {', '.join(SUMMARY_LENGTHS)} (got {length!r})")
-    run_summarize(file, length, flags or {}, profile=profile, json_out=json_out, quiet=quiet, doc_format=doc_format,
-                  full_stats=stats)
+    documents = list(file or [])
+    if many.is_many(documents, files_from, output, ray):
+        many.run_many("summarize", documents, flags or {}, profile=profile, quiet=quiet, files_from=files_from,
+                      output=output, ray=ray, workers=workers, length=length, doc_format=doc_format,
+                      recall_auto=False)
+        return
+    many.refuse_many_options("summarize", workers=workers)
+    if not documents:
+        raise UsageError("give a document: kvtool summarize FILE (or DOC... for many)")
+    run_summarize(documents[0], length, flags or {}, profile=profile, json_out=json_out, quiet=quiet,
+                  doc_format=doc_format, full_stats=stats)
 
 
 def _open_input(path: str, doc_format: str | None = None, quiet: bool = False) -> tuple[str, Any]:

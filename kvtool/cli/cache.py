@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from kvtool.cli import many
+from kvtool.cli.many import FilesFromOpt, RayOpt, WorkersOpt
 from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError, printable
@@ -19,17 +21,37 @@ from kvtool.runtime.memory import format_bytes
 
 @with_settings(*READ_SETTINGS)
 def prefill(
-    file: Annotated[str, typer.Argument(help="Document to read (text, Markdown, HTML, PDF, EPUB, DOCX), or '-' "
-                                    "for stdin.")],
-    output: Annotated[str | None, typer.Option("--output", "-o", help="The .kvc file to write (required).")] = None,
+    file: Annotated[list[str] | None, typer.Argument(help="Documents to read (text, Markdown, HTML, PDF, EPUB, "
+                                                     "DOCX, directories read recursively), or '-' for stdin.")]
+    = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="The .kvc file to write (required); for "
+                                               "many documents a directory (DIR/), one .kvc each.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the output file if it exists.")] = False,
+    files_from: FilesFromOpt = None,
+    ray: RayOpt = None,
+    workers: WorkersOpt = None,
     doc_format: FormatOpt = None,
     profile: ProfileOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
-    """Read a document once under a KV budget and save the compressed cache (.kvc) for later questions."""
+    """Read a document (or many) once under a KV budget and save the compressed cache (.kvc) for later questions."""
+    documents = list(file or [])
+    to_dir = bool(output) and output.endswith(os.sep)  # `-o DIR/`: one .kvc per document, even for one
+    if many.is_many(documents, files_from, None, ray) or to_dir:
+        many.run_many("prefill", documents, flags or {}, profile=profile, quiet=quiet, files_from=files_from,
+                      output=output, ray=ray, workers=workers, doc_format=doc_format, force=force)
+        return
+    many.refuse_many_options("prefill", workers=workers)
+    if not documents:
+        raise UsageError("give a document: kvtool prefill FILE -o OUT.kvc (or DOC... -o DIR/ for many)")
+    _prefill_one(documents[0], output, force, doc_format, profile, json_out, quiet, flags or {})
+
+
+def _prefill_one(file: str, output: str | None, force: bool, doc_format: str | None, profile: str | None,
+                 json_out: bool, quiet: bool, flags: dict[str, Any]) -> None:
+    """One document, one .kvc file: ``kvtool prefill FILE -o OUT.kvc``."""
     from kvtool.documents import open_document
     from kvtool.kvc.format import is_kvc
     from kvtool.kvc.write import check_output

@@ -247,6 +247,11 @@ class BoundedCache(Cache):
         self.step = StepInfo()
         self.query_log: QuerySink | None = None  # recall: gets (layer, queries, scaling) from the attention function
         self._scratch = torch.empty(0, dtype=torch.float32, device=device)
+        # recall (kvtool/core/recall.py): the archives' shared append buffers and the finalizer that closes
+        # their files, both kept here so that a cache reused for another document (``clear``) replaces them
+        self.archive_work: Any = None
+        self.archive_closer: weakref.finalize | None = None
+        self._blank = self.snapshot()  # the state ``clear`` goes back to (no tokens: a few empty tensors)
 
     def scratch(self, *shape: int) -> Tensor:
         """A float32 buffer of ``shape`` for one layer's attention probabilities, reused by every layer.
@@ -493,19 +498,40 @@ class BoundedCache(Cache):
         self.pin_start = scalars.get("pin_start")
         self.pin_end = scalars.get("pin_end")
 
-    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    def snapshot(self, store: dict[str, Tensor] | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """A copy of the stored tokens and counters (e.g. after the document, before a question), the original
         keys' copy of compact positions included: a restore gives back the very keys the document left.
 
         On a GPU the copy lives in pinned host memory: it is as large as the cache, and a GPU's memory is what
-        bounds the budget; a restore copies it back, once per question."""
-        if self.device.type != "cuda":
-            return {k: v.clone() for k, v in self.state_dict(origin=True).items()}, self.scalars()
-        host = {}
-        for k, v in self.state_dict(origin=True).items():
-            host[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
-        return host, self.scalars()
+        bounds the budget; a restore copies it back, once per question. ``store``: flat buffers kept from an
+        earlier snapshot, written over and grown in place (the copy is then valid until the next one): a run
+        over many documents makes this, a read's largest allocation, once instead of once per document."""
+        pinned = self.device.type == "cuda"
+        store = {} if store is None else store
+        out = {}
+        for key, t in self.state_dict(origin=True).items():
+            buf = store.get(key)
+            if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+                buf = store[key] = torch.empty(t.numel(), dtype=t.dtype, device="cpu" if pinned else t.device,
+                                               pin_memory=pinned)
+            out[key] = buf[: t.numel()].view(t.shape).copy_(t)
+        return out, self.scalars()
 
     def restore(self, snap: tuple[dict[str, Tensor], dict[str, Any]]) -> None:
         self.load(*snap)
 
+    def clear(self) -> None:
+        """Empty the cache for another document, keeping every buffer it has allocated.
+
+        One run over many documents then allocates its K/V buffers once (the process does not grow from
+        document to document). The empty state is restored the way a question restores the post-document
+        one, and the counters start again. The archive is the engine's to close and renew (``Engine.reuse_cache``).
+        """
+        self.restore(self._blank)
+        self.counters = CacheCounters()
+        self.step = StepInfo()
+        self.lazy = False
+        self.query_log = None
+        for g in self.groups():
+            if g.mass is not None:
+                g.stop_mass()

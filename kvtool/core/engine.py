@@ -164,13 +164,24 @@ class Engine:
             sync_timing=self.config.sync_timing,
             codec=self.codec,
         )
+        self._attach_archive(cache)
+        return cache
+
+    def reuse_cache(self, cache: BoundedCache) -> BoundedCache:
+        """``cache`` (from ``new_cache``) emptied for another document, its buffers kept, with a new archive
+        when recall is on: what ``new_cache`` returns, without allocating the K/V buffers again."""
+        recall.close(cache)  # the previous document's archive files go now
+        cache.clear()
+        self._attach_archive(cache)
+        return cache
+
+    def _attach_archive(self, cache: BoundedCache) -> None:
         if self.config.recall > 0:
             where = self.config.archive_dir
             if where is not None:
                 reserve_descriptors(FILES_PER_GROUP * sum(recall.recallable(g) for g in cache.groups()))
             recall.attach(cache, self.config.recall, self.config.page_size, self.config.archive_dtype,
                           MemoryStore if where is None else lambda rb: FileStore(rb, where))
-        return cache
 
     def emit(self, event: Any) -> None:
         if self.listener is not None:

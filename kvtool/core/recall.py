@@ -54,13 +54,17 @@ def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype 
     ``dtype``: how archived K/V are stored (None: as the cache holds them); recalled tokens are cast
     back to the cache's dtype, so a narrower archive costs only its rounding (``--archive-dtype``).
     """
-    work = AppendWork()  # layers append in turn: one set of append buffers for the whole cache
+    # layers append in turn: one set of append buffers for the whole cache, kept when it is reused
+    work = cache.archive_work = cache.archive_work or AppendWork()
     for g in cache.groups():
         if not recallable(g):
             continue
         dt = dtype or g.dtype
         g.archive = GroupArchive(g.num_heads, g.head_dim, dt, page_size, store, work)
-    weakref.finalize(cache, _close_all, archives(cache))  # released cache → its archive files closed
+    if cache.archive_closer is not None:  # a cache reused for another document: the old archives are closed
+        cache.archive_closer.detach()
+    # released cache → its archive files closed
+    cache.archive_closer = weakref.finalize(cache, _close_all, archives(cache))
 
 
 def _close_all(items: list[GroupArchive]) -> None:

@@ -212,6 +212,11 @@ class Session:
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
+        # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache, and
+        # writes its snapshot over the last one's
+        self.reuse_cache = False
+        self._spare: BoundedCache | None = None
+        self._snapshot_store: dict[str, Tensor] = {}
 
     # -- set-up -----------------------------------------------------------------------------------
     def _share_cores(self) -> None:
@@ -324,25 +329,33 @@ class Session:
             fmt=doc.fmt,
             notes=doc.notes,
         )
-        result.snapshot = cache.snapshot()
+        # with reuse_cache written over the last read's (a read is then valid until the next one)
+        result.snapshot = cache.snapshot(self._snapshot_store if self.reuse_cache else None)
         self.last_read = result
         return result
 
     def _new_cache(self) -> BoundedCache:
         """A new cache; with ``--recall auto``, one without an archive (and a line saying why) when the
         archive cannot be created (an unwritable directory, too few descriptors) instead of an error."""
+        spare = self._spare
+
+        def make() -> BoundedCache:
+            return self.engine.reuse_cache(spare) if spare is not None else self.engine.new_cache()
+
         try:
-            return self.engine.new_cache()
+            cache = make()
         except UsageError as e:
             if self.recall_mode != "auto" or e.field != "recall":
                 raise
             recall_tokens, self.engine_config.recall = self.engine_config.recall, 0
             try:
-                cache = self.engine.new_cache()
+                cache = make()
             finally:
                 self.engine_config.recall = recall_tokens
             self._recall_off(cache, f"recall off: {first_line(e)}")
-            return cache
+        if self.reuse_cache:
+            self._spare = cache
+        return cache
 
     def _auto_recall(self, cache: BoundedCache, expected: int | None, prefix: int) -> DiskWatch | None:
         """``--recall auto``: keep the new cache's archive if it fits the archive directory (predicted
@@ -470,6 +483,14 @@ class Session:
             rows.append(step[-1].float().cpu())
         cache.pin_start = None
         return torch.stack(rows)
+
+    def reset_counters(self) -> None:
+        """Start the answer and recall figures of :meth:`stats` again: a run over many documents reports
+        each answer's own, not the sum over every document before it."""
+        self.answers = []
+        self.recall_seconds = 0.0
+        self.recalled_pages = 0
+        self.recalled_tokens_max = 0
 
     def ask(self, read: ReadResult, question: str, on_text: Callable[[str], None] | None = None,
             cite_spans: bool = False) -> Answer:

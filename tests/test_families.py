@@ -249,10 +249,11 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     doc.write_text("the cache is small and the pass key is 12345 hello world " * 30, encoding="utf-8")
     # 3 layers (2 sliding, window 24) x 2 KV heads x 16 dims x K+V x 4 bytes = 256 bytes per token and layer
     code = main(["profile", "--model", str(model_dir), "--budget", "24KiB", "--block-size", "16", "--device", "cpu",
-                 "--policy", "h2o", "--doc", str(doc), "--json", "--quiet"])
+                 "--policy", "h2o", "--recall", "off", "--doc", str(doc), "--json", "--quiet"])
     out, err = capsys.readouterr()
     assert code == 0, err
     p = json.loads(out)
+    # recall off: the whole byte budget is kept tokens (with recall on it holds the recalled ones too)
     tokens = 24 * 1024 // 256 - 2 * (FAMILY_WINDOW - 1)  # 2 sliding layers need only W - 1 tokens; 1 global layer
     assert p["budget_tokens"] == tokens == budget_tokens_from_bytes(24 * 1024, 3, 2, 16, 4, 2, FAMILY_WINDOW)
     kinds = p["kv_bytes_at_budget"]["by_layer_kind"]

@@ -37,6 +37,8 @@ TASKS = {
     "default-name-8k": needle("8k", 3, "h2o", kind="name"),
     "default-number-32k": needle("32k", 3, "h2o"),
     "default-name-32k": needle("32k", 10, "h2o", kind="name"),
+    "default-number-128k": needle("128k", 4, "h2o"),
+    "default-name-128k": needle("128k", 4, "h2o", kind="name"),
     # the same trials with recall merged in document order; at 8K their `full` rows are the table's
     "default-number-8k-document": needle("8k", 3, "full,h2o", extra=DOCUMENT),
     "default-name-8k-document": needle("8k", 3, "full,h2o", kind="name", extra=DOCUMENT),
@@ -53,6 +55,8 @@ RAN = {"default-number-1k": "4,177 s beside other runs, under `ulimit -n 256`", 
        "default-name-32k-document": "2,119 s for the first 3 trials per depth, 5,727 s for the other 7",
        "default-number-8k": "300 s", "default-name-8k": "317 s", "default-number-32k": "1,244 s beside the name run",
        "default-name-32k": "4,123 s beside other runs",
+       "default-number-128k": "about 2.5 h on one thread beside other runs",
+       "default-name-128k": "about 2.5 h on one thread beside other runs, over two sessions",
        "default-agreement": "707 s"}
 #: (needle, haystack label, task, where ``full`` comes from: a task, or None with the text to show)
 ROWS = (
@@ -63,6 +67,8 @@ ROWS = (
     ("an invented name", "8K (3 trials per depth)", "default-name-8k", "default-name-8k-document"),
     ("a 5-digit number", "32K (3 trials per depth)", "default-number-32k", "needle-32k-full"),
     ("an invented name", "32K (10 trials per depth)", "default-name-32k", None),
+    ("a 5-digit number", "128K (4 trials per depth)", "default-number-128k", None),
+    ("an invented name", "128K (4 trials per depth)", "default-name-128k", None),
 )
 #: where ``full`` fails (past the model's range) the default should still find this share
 FLOOR = 0.80
@@ -111,7 +117,7 @@ def table_needles(data: dict) -> str:
         if full_task == "needle-32k-full":
             where = " (the dense reference above; past its range)"
         elif full_task is None:
-            where = " (0/30 on numbers at 32K)"
+            where = " (0/30 on numbers at 32K)"  # past the model's 8K range dense attention fails
         default = _count(data, task, "h2o", 256)
         shown = _rate(full) + where if full_task else "not run" + where
         lines.append(f"| {needle} | {haystack} | {shown} | {_rate(_count(data, task, 'h2o', 0))} | "
@@ -229,7 +235,7 @@ def section(data: dict) -> list[str]:
     gen = [t for t in ("gen-number-penalty", "gen-agreement-penalty") if t in data]
     return [
         "## Answering with the default settings", "", INTRO, "", table_needles(data), "",
-        *[_command(data, t) for t in needles], "", *STATIC_32K, "",
+        *[_command(data, t) for t in needles], "", *STATIC_32K, "", *STATIC_128K, "",
         "### Where recalled passages go past the model's range", "", PLACEMENT, "", table_placement(data), "",
         *[_command(data, t) for t in placed if t in data], "", *PLACEMENT_AFTER, "",
         f"**Agreement with the dense answer, default settings** (the 12 `aord.txt` questions; each row against "
@@ -252,6 +258,19 @@ GENERATION = ("The blanket CTRL penalty (1.1 on the answer's own tokens) against
 GENERATION_AFTER = ("The guard is never worse beyond the noise and finds the number where eviction left a partial "
                     "memory of it (the penalty drops a digit the answer already wrote: `60494` → `6049`); no answer "
                     "looped under either.")
+STATIC_128K = (
+    "At 128K (16 times the model's range, 4 trials per depth) the number holds: 12/12 [76, 100] with the default, "
+    "0/12 evicting alone (every eviction-only answer is `The secret number is 1.`). The invented name does not: "
+    "3/12 [9, 53], all three at depth 0.9 (3/4; 0/4 at 0.1 and at 0.5), below the 80% the default should reach. "
+    "The misses answer with another name-like passage the recall brought back (`The secret name of the 2010 "
+    "edition of the 4th`, `... of the Web 2.0 conference in 200...`, `... of the new social media platform`); "
+    "evicting alone answers `The secret name of the text is \"The Secret Name.\"` or `\"Cobra.\"`. The archive "
+    "is four times 32K's, so the question's queries rank four times as many pages for the same 256 tokens per "
+    "head, and at 32K the needle's sentence already won by 0.83 against 0.50. Not measured here, and what would "
+    "show what moves it: the needle's rank among the archive's pages in a missed trial (the diagnostic run at "
+    "32K), recall 512 (7/9 at 32K in the variants below, 1 of 3 at 8K), and a second scan of the best pages' "
+    "neighbours. The log holds every answer (`bench/results-runs/default-name-128k.jsonl`).",
+)
 STATIC_32K = (
     "At 32K the invented name is the hardest row: 25/30 over ten trials per depth (6, 10 and 9 at depths 0.1, 0.5 "
     "and 0.9), at least the 80% the default should reach where `full` fails. Of the five misses two answer with "

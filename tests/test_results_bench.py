@@ -274,13 +274,16 @@ def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails()
             "default-number-8k-document": _needle([("full", 0, 5, 9)]),  # the same trials' `full` rows
             "needle-32k-full": _needle([("full", 0, 0, 30)]),
             "default-number-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
-            "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)])}
-    number_1k, name_1k, number_8k, name_8k, number_32k, name_32k = defaults.table_needles(data).splitlines()[2:]
+            "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)]),
+            "default-number-128k": _needle([("h2o", 0, 0, 12), ("h2o", 256, 12, 12)])}
+    number_1k, name_1k, number_8k, name_8k, number_32k, name_32k, number_128k, _ = \
+        defaults.table_needles(data).splitlines()[2:]
     assert "| 30/30 [89, 100] | 23/60 [27, 51] | **60/60** [94, 100] | 100% of `full`'s rate (+0 pp" in number_1k
     assert "| not run | not run | not run | – |" in name_1k  # its log is missing: nothing is made up
     assert "180% of `full`'s rate (+44 pp [+5, +73])" in number_8k and "noise" not in number_8k
     assert "`full` fails; the default finds 100% (at least the 80% it should)" in number_32k
     assert "**5/9** [27, 81] | `full` fails; the default finds 56% (below the 80% it should reach)" in name_32k
+    assert "| 0/12 [0, 24] | **12/12** [76, 100] | `full` fails; the default finds 100%" in number_128k
 
 
 def _needle_trials(found: dict[tuple[float, int], bool]) -> dict:

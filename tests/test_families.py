@@ -265,7 +265,9 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
                  "--recall", "24", "--json", "--quiet"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert json.loads(out)["recall_slots_bytes"] == 24 * 256  # the global layer's slots only, as the ask below
+    # the global layer's slots only, as the ask below: K+V (256 bytes a token) and h2o's one float32 of state per
+    # KV head (2 heads), none in the sliding layers
+    assert json.loads(out)["recall_slots_bytes"] == 24 * (256 + 2 * 4)
 
     code = main(["ask", str(doc), "what is the pass key?", "--model", str(model_dir), "--budget", "120",
                  "--block-size", "16", "--max-new-tokens", "3", "--json", "--quiet"])

@@ -94,7 +94,7 @@ def test_caote_greedy_select_makes_no_host_sync(monkeypatch):
                                   "héllo wörld — 日本語 🙂 the cache 🙂🙂 key",
                                   " leading space, then\nnew lines\n\n and tabs\t."])
 def test_incremental_detokenizer_streams_the_full_text_with_short_windows(monkeypatch, text):
-    from kvtool.runtime.session import Detokenizer
+    from kvtool.runtime.detokenize import Detokenizer
     from tests.helpers import tiny_tokenizer
 
     tok = tiny_tokenizer()

@@ -31,6 +31,7 @@ from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
+from kvtool.runtime.detokenize import Detokenizer
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
@@ -100,35 +101,6 @@ class ReadResult:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class Detokenizer:
-    """Turns a growing list of token ids into newly printable text (multi-byte safe), incrementally.
-
-    Each token decodes only a short window: the ids from ``prefix`` (the last printed piece, kept as
-    context so a tokenizer that drops a leading space at the start of a decode sees the same start)
-    to the end, minus the text of ``prefix:read``. Re-decoding the whole answer on every token
-    would be quadratic in its length. A window that ends in an incomplete UTF-8 sequence (U+FFFD)
-    waits for the next token.
-    """
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # start of the context window
-        self.read = 0  # ids before this are printed
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        text = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before) :]
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
 
 def rechunk(pieces: Iterable[Tensor], size: int) -> Iterator[Tensor]:

@@ -481,3 +481,32 @@ def test_a_kvc_budget_in_bytes_matches_with_the_recall_it_was_split_for():
     assert store._same_budget("102400B", stored, meta)
     assert not store._same_budget("99KiB", stored, meta)
     assert store._same_budget(str(kept), stored, meta)
+
+
+# -- stacks of layers stage their appends apart ------------------------------------------------------------------
+def test_two_stacks_appending_in_turn_keep_their_own_staged_bytes():
+    """Two stacks of archives of different widths share one ``AppendWork`` (as a cache's do: RazorAttention's
+    groups, a hybrid model's layers) and append in turn, each before the other's bytes are flushed. Oracle:
+    every archive reads back exactly the positions and keys it was given (a staging buffer shared by the
+    stacks let the second append write over the first's bytes: garbage positions at recall)."""
+    from kvtool.core.archive import AppendWork, append_layers
+
+    work = AppendWork()
+    stacks = {h: [GroupArchive(h, 8, torch.float32, 4, MemoryStore, work) for _ in range(3)] for h in (2, 3)}
+    given: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {2: [], 3: []}
+    gen = torch.Generator().manual_seed(0)
+    for block in range(4):
+        for h, archives in stacks.items():
+            n = 5 + block
+            keys, values = torch.randn(3, h, n, 8, generator=gen), torch.randn(3, h, n, 8, generator=gen)
+            positions = (torch.arange(n) + 100 * block + 1000 * h).expand(3, h, n).contiguous()
+            append_layers(archives, keys, values, positions)
+            given[h].append((keys, positions))
+    for h, archives in stacks.items():
+        for layer, a in enumerate(archives):
+            want_pos = torch.cat([p[layer] for _, p in given[h]], dim=1)
+            want_keys = torch.cat([k[layer] for k, _ in given[h]], dim=1)
+            assert torch.equal(a.all_positions(), want_pos)
+            index = torch.arange(a.length).expand(h, -1)
+            keys, _, pos = a.read(index, values=False)
+            assert torch.equal(pos, want_pos) and torch.equal(keys, want_keys)

@@ -63,18 +63,6 @@ class AppendWork:
     def __init__(self) -> None:
         self.buffers: dict[tuple[str, torch.device], Tensor] = {}
         self.limits: dict[torch.device, Constants] = {}
-        self.host = torch.empty(0, dtype=torch.uint8)  # the staging of appends of several layers at once
-        self.event: torch.cuda.Event | None = None
-
-    def staging(self, nbytes: int, device: torch.device) -> tuple[Tensor, torch.cuda.Event | None]:
-        """Host bytes (pinned when ``device`` is CUDA) for a stack's append, and the CUDA event marking the copy's
-        end (None on CPU). Grown geometrically; the archives that staged in the old buffer keep it alive."""
-        cuda = device.type == "cuda"
-        if nbytes > self.host.numel() or (cuda and not self.host.is_pinned()):
-            self.host = torch.empty(max(nbytes, 2 * self.host.numel(), 1 << 16), dtype=torch.uint8, pin_memory=cuda)
-        if cuda and self.event is None:
-            self.event = torch.cuda.Event()
-        return self.host[:nbytes], self.event if cuda else None
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         """Buffer ``name`` viewed as ``shape`` in ``dtype`` (contents undefined); replaced only when too small."""
@@ -150,6 +138,10 @@ class GroupArchive:
         self.pinned = False  # whether ``staging`` is pinned memory
         self.staged: tuple[int, ...] | None = None  # rows staged per part (``parts``; None: none)
         self.copied: torch.cuda.Event | None = None  # recorded after the staging copy (CUDA only)
+        # as the first archive of a stack of layers (``append_layers``): the host bytes every layer's row of an
+        # append is staged in, and the event marking their copy's end
+        self.stack_host = torch.empty(0, dtype=torch.uint8)
+        self.stack_event: torch.cuda.Event | None = None
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -191,6 +183,19 @@ class GroupArchive:
         """
         append_layers([self], keys.unsqueeze(0), values.unsqueeze(0), positions.unsqueeze(0))
 
+
+    def stack_staging(self, nbytes: int, device: torch.device) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Host bytes (pinned when ``device`` is CUDA) for an append of the stack this archive leads, and the CUDA
+        event marking the copy's end (None on CPU). Its own per stack: another stack's append, before this one's
+        archives flush, must not write over their staged bytes. Grown geometrically; the archives that staged in
+        the old buffer keep it alive."""
+        cuda = device.type == "cuda"
+        if nbytes > self.stack_host.numel() or (cuda and not self.stack_host.is_pinned()):
+            self.stack_host = torch.empty(max(nbytes, 2 * self.stack_host.numel(), 1 << 16), dtype=torch.uint8,
+                                          pin_memory=cuda)
+        if cuda and self.stack_event is None:
+            self.stack_event = torch.cuda.Event()
+        return self.stack_host[:nbytes], self.stack_event if cuda else None
 
     def _stage(self, packed: Tensor, counts: tuple[int, ...], total: int) -> None:
         """Copy the first ``total`` packed bytes of an append into ``staging`` with one copy; :meth:`flush`
@@ -383,8 +388,8 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     The archives of a stack of layers hold the same number of tokens (every layer evicts as many per block),
     so one append computes every layer's K/V rows, positions and page summaries with one launch each, packs
     them into ``[L, stride]`` bytes and stages them with one copy: each archive's ``staging`` is its row of
-    the shared staging buffer (``AppendWork.staging``). One archive (``GroupArchive.append``) is the case L = 1,
-    staged in its own buffer. No host sync, and nothing allocated once the largest block has been through.
+    the stack's staging buffer (``GroupArchive.stack_staging``). One archive (``GroupArchive.append``) is the
+    case L = 1, staged in its own buffer. No host sync, and nothing allocated once the largest block has been through.
     """
     a0, L, n = archives[0], len(archives), keys.shape[2]
     if n == 0:
@@ -416,7 +421,7 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     if L == 1:
         a0._stage(packed[0], counts, at[-1])
         return
-    staging, event = work.staging(L * stride, device)
+    staging, event = a0.stack_staging(L * stride, device)
     staging.view(L, stride)[:, : at[-1]].copy_(packed[:, : at[-1]], non_blocking=device.type == "cuda")
     if event is not None:
         event.record(torch.cuda.current_stream(device))

@@ -12,8 +12,6 @@ read should use, bounded by the budget. On CPU the host clock times the same loo
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill import parse_tokens  # noqa: E402
 
 
@@ -84,10 +83,8 @@ def main() -> int:
     print(f"knee: block {knee} (the smallest within 10% of the best rate; {args.config}, {args.layers} layers, "
           f"{ctx} cached tokens, {device})", flush=True)
     if args.json_path:
-        part = Path(args.json_path + ".tmp")
-        part.write_text(json.dumps({"config": args.config, "layers": args.layers, "context": ctx,
-                                    "device": str(device), "rows": rows, "knee_block": knee}, indent=1))
-        os.replace(part, args.json_path)
+        write_json(args.json_path, {"config": args.config, "layers": args.layers, "context": ctx,
+                                    "device": str(device), "rows": rows, "knee_block": knee})
     return 0
 
 

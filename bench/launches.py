@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.jsonfile import write_json  # noqa: E402
 
 #: ops whose result a CUDA host must wait for (data-dependent sizes or a value read back)
 SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
@@ -227,9 +228,7 @@ def main() -> int:
                                                               key=lambda kv: -kv[1]))
             print(f"\n{name} per layer per block: {ops}")
     if args.json_path:
-        part = Path(args.json_path + ".tmp")
-        part.write_text(json.dumps(result, indent=1))
-        os.replace(part, args.json_path)
+        write_json(args.json_path, result)
     return 0
 
 

@@ -52,6 +52,7 @@ CORPUS = ROOT.parent / "shared" / "corpus"
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import CONFIGS, SdpaProbe, config_model, model_bytes, planned_peak, random_ids  # noqa: E402
+from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill_report import check_targets, print_markdown, print_row  # noqa: E402
 
 #: the ``ask`` rows' question length (random ids, as the documents of ``--config`` rows are)
@@ -450,9 +451,7 @@ def main() -> None:
         if args.json_path:
             doc = {"device": device_label(device_name), "torch": torch.__version__, "roofline_gflops": roof,
                    "rows": rows, "sweep": sweep_rows}
-            tmp = Path(args.json_path + ".tmp")
-            tmp.write_text(json.dumps(doc, indent=1))
-            tmp.replace(args.json_path)  # never a half-written file
+            write_json(args.json_path, doc)
 
     mem_lengths = [parse_tokens(x) for x in args.memory_lengths.split(",") if x]
     floor_policies = {"sink", "keydiff", "tova", "snapkv+caote"} & set(policies)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.jsonfile import write_json  # noqa: E402
 
 #: kvtool's own dependencies (pyproject.toml) and the test runner the check uses
 REQUIRED = ("torch", "transformers", "accelerate", "safetensors", "typer", "rich", "yaml", "psutil", "numpy",
@@ -85,10 +88,7 @@ def main() -> int:
     doc["tmp_free_bytes"] = shutil.disk_usage(tmp).free
     print(f"ok      {tmp}: {doc['tmp_free_bytes'] / 2**30:.1f} GiB free (the recall archive of the ask rows)")
     if args.json_path:
-        out = Path(args.json_path)
-        part = out.with_name(out.name + ".tmp")
-        part.write_text(json.dumps(doc, indent=1))
-        os.replace(part, out)
+        write_json(args.json_path, doc)
     if doc["missing"]:
         print(f"MISSING required: {', '.join(doc['missing'])}")
     return 1 if doc["missing"] else 0

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
-import os
 import shutil
 import sys
 import tempfile
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill import parse_tokens  # noqa: E402
 
 
@@ -143,10 +142,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json_path:
-        part = Path(args.json_path + ".tmp")
-        part.write_text(json.dumps({"config": args.config, "layers": args.layers, "tokens": n, "rows": rows},
-                                   indent=1))
-        os.replace(part, args.json_path)
+        write_json(args.json_path, {"config": args.config, "layers": args.layers, "tokens": n, "rows": rows})
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -12,8 +12,6 @@ CUDA tests (``tests/test_cuda.py``). Exit code 0 when it holds, 1 when not.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill import parse_tokens  # noqa: E402
 
 RATIO, SLACK = 2.0, 0.004
@@ -77,9 +76,7 @@ def main() -> int:
           f"(rel {ours['rel_fro']:.2e}), transformers {theirs['max_abs']:.4f} (rel {theirs['rel_fro']:.2e}) "
           f"against float32", flush=True)
     if args.json_path:
-        part = Path(args.json_path + ".tmp")
-        part.write_text(json.dumps(doc, indent=1))
-        os.replace(part, args.json_path)
+        write_json(args.json_path, doc)
     return 0 if ok else 1
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.jsonfile import write_json  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -108,9 +108,7 @@ def main() -> int:
               f"{unit[phase]})" + "".join(f"\n       {n:4d}  {site}" for site, n in where.most_common(8)),
               flush=True)
     if args.json_path:
-        part = Path(args.json_path + ".tmp")
-        part.write_text(json.dumps(doc_out, indent=1))
-        os.replace(part, args.json_path)
+        write_json(args.json_path, doc_out)
     return 0
 
 

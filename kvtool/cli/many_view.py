@@ -114,8 +114,9 @@ class ManyView:
         n = self.complete_before + self.done
         if event.error is not None:
             self.failed += 1
-            self._line(f"[{n}/{self.total}] {event.path}: error: {event.error}", style="red", always=True,
-                       prefix="kvtool: error: " if self.mode == "quiet" else "")
+            quiet = self.mode == "quiet"  # the prefix says it is an error already
+            self._line(f"[{n}/{self.total}] {event.path}: {'' if quiet else 'error: '}{event.error}", style="red",
+                       always=True, prefix="kvtool: error: " if quiet else "")
             return
         what = f"{event.records} {self.unit}{'s' if event.records != 1 else ''}"
         rate = format_rate(event.tokens / event.seconds if event.seconds > 0 else None)

@@ -13,7 +13,7 @@ import transformers
 
 from kvtool.cli.app import main
 from kvtool.runtime.memory import llama_param_count, predict_peak
-from kvtool.runtime.profiling import ModelInfo, plan, resolve_budget
+from kvtool.runtime.profiling import ModelInfo, plan, resolve_budget_and_recall
 from kvtool.runtime.settings import Settings, resolve_settings
 
 # Hand-computable dims: 2 layers, 4 query heads sharing 2 KV heads of 16 dims.
@@ -147,7 +147,8 @@ def test_budget_bytes_are_converted_with_model_dims_and_dtype() -> None:
     assert p["budget_conversion"] == "budget 40KiB = 80 tokens per KV head (512 bytes of K+V per token in float32)"
     half = plan(_info(dtype="bfloat16"), _settings(budget="40KiB"))
     assert half["budget_tokens"] == 160 and "256 bytes of K+V per token in bfloat16" in half["budget_conversion"]
-    assert resolve_budget(_settings(budget="2k"), DIMS, torch.float32) == (2048, None)
+    tokens, _, note = resolve_budget_and_recall(_settings(budget="2k"), DIMS, torch.float32)
+    assert (tokens, note) == (2048, None)
 
 
 def test_full_policy_needs_a_length() -> None:

@@ -209,13 +209,6 @@ def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None
     return out
 
 
-def resolve_budget(settings: Settings, dims: Mapping[str, int], dtype: Any) -> tuple[int | None, str | None]:
-    """Tokens per KV head the cache keeps for the settings' budget and, for a byte budget, the conversion line
-    (``resolve_budget_and_recall`` without the recall)."""
-    tokens, _, note = resolve_budget_and_recall(settings, dims, dtype)
-    return tokens, note
-
-
 def resolve_budget_and_recall(settings: Settings, dims: Mapping[str, int],
                               dtype: Any) -> tuple[int | None, int, str | None]:
     """(kept tokens per KV head, tokens per KV head recall may add, a byte budget's conversion line).

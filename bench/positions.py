@@ -87,7 +87,7 @@ def run(mode: str, ids, lengths: list[int], cont: int, args, loaded) -> dict[int
             nll -= float(torch.log_softmax(logits[-1].float(), -1)[passage[i]])
             logits = engine.step(cache, passage[i : i + 1], 1)
         out[L] = math.exp(nll / cont)
-        EVICT_SECONDS.setdefault(mode, {})[L] = (cache.counters.evict_seconds, L / args.block_size + cont)
+        EVICT_SECONDS.setdefault(mode, {})[L] = (cache.timer.totals(wait=True)["evict"], L / args.block_size + cont)
         extra = f", compact since token {cache.compact_since}" if cache.compact else ""
         took = time.perf_counter() - t0
         print(f"  {mode:>8} after {L // 1024:>4}K tokens: ppl {out[L]:8.3f}  ({took:5.0f} s{extra})", flush=True)

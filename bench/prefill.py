@@ -196,13 +196,12 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         from kvtool.policies import build_policy
         from kvtool.runtime.budget import DEFAULT_RECALL
 
-        # On CUDA the per-block time split needs a synchronize around every timer, which would make kvtool's
-        # rows slower than the dense rows they are compared with: the split is measured only when asked for.
-        synced = device.type != "cuda" or bool(spec.get("sync_timing"))
+        # the time split comes from device events on CUDA (read after the prefill's one sync); --sync-timing
+        # synchronises around every section instead (a debugging mode: it slows kvtool's rows)
         ask = kind == "ask"  # the default `ask` path: recall on, an int8 archive on disk, a question after
         archive = tempfile.mkdtemp(prefix="kvtool-bench-archive-") if ask else None
         cfg = EngineConfig(budget=spec["budget"], block_size=block, positions=spec.get("positions", "auto"),
-                           sync_timing=synced and device.type == "cuda", recall=DEFAULT_RECALL if ask else 0,
+                           sync_timing=bool(spec.get("sync_timing")), recall=DEFAULT_RECALL if ask else 0,
                            archive_dtype=torch.int8 if ask else None, archive_dir=archive)
         retrieval = None
         if spec["policy"].startswith("razor"):
@@ -226,8 +225,8 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
         c = cache.counters
-        if synced:
-            out["split_seconds"] = {"probs": c.probs_seconds, "score": c.score_seconds, "evict": c.evict_seconds}
+        split = cache.timer.totals(wait=True)
+        out["split_seconds"] = {k: split[k] for k in ("probs", "score", "evict")}
         out["evicted_tokens"] = c.evicted_tokens
         out["cached_tokens_max"] = c.max_cached
         out["compact_since"] = cache.compact_since if cache.compact else None
@@ -242,15 +241,14 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
             out["question_seconds"] = time.perf_counter() - t_q
             out["recalled_pages"] = recalled.pages if recalled is not None else 0
             out["archive_bytes"] = recall_archive_bytes(cache)
-        before = (c.score_seconds, c.evict_seconds)
+        before = cache.timer.totals(wait=True)
         t1 = time.perf_counter()
         if decode_n:  # Engine.generate: greedy, lazy eviction (one gather per block of generated tokens)
             engine.generate(cache, logits, decode_n + 1, eos_ids=set())
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
-        if synced:
-            out["decode_split_seconds"] = {"score": c.score_seconds - before[0],
-                                           "evict": c.evict_seconds - before[1]}
+        after = cache.timer.totals(wait=True)
+        out["decode_split_seconds"] = {k: after[k] - before[k] for k in ("score", "evict")}
         if archive is not None:  # the archive's files are unlinked already: the folder goes
             shutil.rmtree(archive, ignore_errors=True)
 

@@ -12,7 +12,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
-BLOCKS = (64, 256)  # block sizes compared with the default 128 (the agreement table) for the default policy
+BLOCKS = (64, 256, 1024)  # block sizes compared with the default 128 (the agreement table) for the default policy
+#: the GPU's pairing (budget 4K: block 1,024 on CUDA, 128 on CPU): needles at 16K tokens, default settings
+GPU_BLOCKS = (128, 1024)
+GPU_KINDS = ("number", "name")
 
 
 def _default_policy() -> str:

@@ -36,6 +36,8 @@ from default_rule import DEFAULT_RULE, beside_the_rule, choose_default
 from result_tables import (
     BLOCKS,
     DEFAULT,
+    GPU_BLOCKS,
+    GPU_KINDS,
     PAGES,
     peer_differences,
     table_agreement,
@@ -56,7 +58,8 @@ CORPUS = "../shared/corpus"
 POLICIES = "sink,h2o,tova,snapkv,keydiff,snapkv+caote"
 ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024", "distinctiveness", "razor-bytes",
          "peer", "needle-multi", "needle-name-1k", "needle-multi-1k", "needle-name-8k", "needle-multi-8k", "block-64",
-         "block-256", "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
+         "block-256", "block-1024", *(f"block-needle-{k}-{b}" for k in GPU_KINDS for b in GPU_BLOCKS),
+         "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
          *kv_tables.TASKS, "citations")
 #: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
@@ -128,6 +131,14 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
                           "bench/data/aord_questions.txt", "--policies", DEFAULT, "--budgets",
                           "256" if opts.quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8",
                           "--block-size", str(b)] for b in BLOCKS},
+        # the block a GPU picks at budget 4K (1,024) against the CPU's (128), where a 16K haystack makes the
+        # budget evict three quarters of it: kvtool's own answering defaults (recall on), one thread
+        **{f"block-needle-{k}-{b}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays",
+                                     *(["--needle-kind", k] if k != "number" else []), "--lengths", "16k",
+                                     "--depths", "0.1,0.5,0.9", "--trials", str(opts.trials or 4), "--policies",
+                                     DEFAULT, "--no-full", "--budgets", "4k", "--recall", "auto",
+                                     "--max-new-tokens", "16", "--threads", "1", "--block-size", str(b)]
+           for k in GPU_KINDS for b in GPU_BLOCKS},
     }
 
 
@@ -145,7 +156,8 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 
 def run_eval(name: str, argv: list[str]) -> dict:
-    own = name in defaults.TASKS or name in kv_tables.TASKS  # measured with kvtool's own answering defaults
+    # measured with kvtool's own answering defaults (the block pairing: what `ask` does at each block)
+    own = name in defaults.TASKS or name in kv_tables.TASKS or name.startswith("block-needle-")
     argv = argv if own else evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"

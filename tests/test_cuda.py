@@ -293,3 +293,48 @@ def test_cuda_blocks_of_the_default_ask_path_make_no_host_sync(tmp_path):
     assert _count_syncs(blocks) == 0
     assert cache.counters.evicted_tokens > 0
     assert _count_syncs(lambda: engine.generate(cache, logits, 8, eos_ids=set())) <= 8
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_time_split_reads_the_gpus_time_not_the_launches():
+    """A section of GPU work timed by events reads what a synchronised clock reads, while the host clock
+    without a sync reads only its launch; reading the finished part waits for nothing."""
+    import time
+
+    from kvtool.core.timing import SectionTimer
+
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+    timer = SectionTimer(dev)
+    assert timer.mode == "events"
+    torch.cuda.synchronize()
+    h0 = time.perf_counter()
+    t = timer.start()
+    for _ in range(20):
+        a @ a
+    timer.stop("probs", t)
+    launched = time.perf_counter() - h0
+    assert _count_syncs(timer.totals) == 0
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - h0
+    got = timer.totals(wait=True)["probs"]
+    assert launched < 0.5 * wall and 0.7 * wall <= got <= 1.05 * wall, (launched, got, wall)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_progress_events_split_blocks_without_a_sync():
+    """The default ask path's blocks fed with a progress listener (the dashboard): no sync per block, and the
+    split read at the end has every part."""
+    model = tiny_family("llama3").to("cuda", torch.bfloat16)
+    engine = make_engine(model, "h2o", 48, block_size=16)
+    events = []
+    engine.listener = events.append
+    cache = engine.new_cache()
+    ids = _ids(16 * 12, 7)
+    engine.feed(cache, [ids[: 16 * 6]])  # past the first evictions
+    assert _count_syncs(lambda: engine.feed(cache, [ids[16 * 6 :]])) == 0
+    totals = cache.timer.totals(wait=True)
+    assert all(totals[k] > 0 for k in ("step", "probs", "score", "evict"))
+    assert totals["probs"] + totals["score"] + totals["evict"] < totals["step"]

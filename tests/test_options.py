@@ -218,4 +218,4 @@ def test_bad_input_fails_before_torch_and_reading(big_doc: Path, tmp_path: Path,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message.lower() in lines[0].lower(), err
     assert not torch_loaded, f"torch was imported before {message!r} was reported"
-    assert seconds < 1.0, f"{seconds:.2f} s before {message!r} was reported on a 100 MB document"
+    assert seconds < 3.0, f"{seconds:.2f} s before {message!r} was reported on a 100 MB document"  # reading: minutes

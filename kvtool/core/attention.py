@@ -251,7 +251,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     if (rows or softcap is not None) and mask is not None and mask.dtype == torch.bool:
         mask = _additive(cache, mask, mask_key)  # float32 0 / −inf, once per block: one add per layer
     if rows == m or softcap is not None:
-        t0 = cache.clock()
+        t0 = cache.timer.start()
         attn = None
         if cache.fused_output and softcap is None and rows == m and policy.rows_summed:
             # a GPU: the output from SDPA's fused kernel (what transformers computes, bit for bit), the column
@@ -269,17 +269,17 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
                 probs = _reduce_gqa(attn[:, :, m - rows :], g.off)
         if rows > 0:
             cache.counters.prob_rows += rows
-            cache.counters.probs_seconds += cache.clock() - t0
+            cache.timer.stop("probs", t0)
     else:
         out = _sdpa(cache, q, k, v, mask, mask_key, scaling)
         if rows > 0:
-            t0 = cache.clock()
+            t0 = cache.timer.start()
             sub_mask = None if mask is None else mask[-rows:]
             scratch = cache.scratch(len(g.heads), g.q_per_kv * rows, k.shape[2])
             attn = _probs(q[:, :, -rows:], k, sub_mask, scaling, None, scratch)
             probs = _reduce_gqa(attn, g.off)
             cache.counters.prob_rows += rows
-            cache.counters.probs_seconds += cache.clock() - t0
+            cache.timer.stop("probs", t0)
     if g.mass is not None and m == 1:  # citing: this decode step's attention over the stored tokens
         g.mass[:, :n] += attn[..., g.off :].sum((1, 2)) if rows == 1 and attn is not None else _decode_mass(
             q, k, mask, scaling, g.off)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +32,7 @@ from kvtool.core.positions import CompactPositions, Rotator
 from kvtool.core.quant import KVCodec, Scratch
 from kvtool.core.stacks import Stack, evict_stack, stack_layout
 from kvtool.core.storage import LAZY_GROUP_BYTES, LAZY_START_SLOTS, HeadGroup, free_device_bytes
+from kvtool.core.timing import SectionTimer
 
 __all__ = ["LAZY_GROUP_BYTES", "LAZY_START_SLOTS", "BoundedCache", "BoundedLayer", "CacheCounters", "HeadGroup",
            "StepInfo", "free_device_bytes"]
@@ -40,13 +40,10 @@ __all__ = ["LAZY_GROUP_BYTES", "LAZY_START_SLOTS", "BoundedCache", "BoundedLayer
 
 @dataclass
 class CacheCounters:
-    """Running totals for stats and the dashboard (seconds are wall-clock, synchronised on CUDA)."""
+    """Running totals for stats and the dashboard (seconds: ``BoundedCache.timer``)."""
 
     evicted_tokens: int = 0  # summed over layers and KV heads
     prob_rows: int = 0  # attention-probability rows computed (per layer)
-    probs_seconds: float = 0.0
-    score_seconds: float = 0.0
-    evict_seconds: float = 0.0
     max_cached: int = 0  # largest per-head length right after an eviction step (≤ capacity)
     max_stored: int = 0  # largest per-head length ever held: the block or lazy decode tokens included
 
@@ -111,9 +108,9 @@ class BoundedLayer(CacheLayerMixin):
         owner = self.owner
         evicting = g.evicts_now(owner.lazy, owner.lazy_limit)
         if g.policy.observe_every_step:  # running state sees every block, as the layer's attention ends
-            t0 = owner.clock()
+            t0 = owner.timer.start()
             g.policy.observe(owner.observation(self.layer_idx, g, probs))
-            owner.counters.score_seconds += owner.clock() - t0
+            owner.timer.stop("score", t0)
         if not evicting:
             owner.rope.after_evict(g, False, owner.step.length)
             return
@@ -126,13 +123,12 @@ class BoundedLayer(CacheLayerMixin):
         owner = self.owner
         c = owner.counters
         archive = owner.archive_dropped if g.archive is not None and owner.pin_start is None else None
-        dropped, score_s, evict_s = evict_step(g, self.context(g, probs), archive, owner.clock)
-        c.score_seconds += score_s
+        dropped = evict_step(g, self.context(g, probs), archive, owner.timer)
         c.evicted_tokens += dropped * g.num_heads
         c.max_cached = max(c.max_cached, g.length)
-        t0 = owner.clock()
+        t0 = owner.timer.start()
         owner.rope.after_evict(g, True, owner.step.length)
-        c.evict_seconds += evict_s + owner.clock() - t0
+        owner.timer.stop("evict", t0)
 
     def context(self, g: HeadGroup, probs: Tensor | None, evicting: bool = True) -> ScoreContext:
         """What the group's policy sees this step; the protection only when it evicts (a step that only
@@ -234,7 +230,7 @@ class BoundedCache(Cache):
         self.device = device
         self.max_positions = max_positions
         self.rotator = rotator
-        self.sync_timing = sync_timing and device.type == "cuda"
+        self.timer = SectionTimer(device, sync_timing)  # seconds per section: host clock, or device events
         self.rope = CompactPositions(positions_mode, max_positions, block_size, device)
         self.rope.start(self.groups())
         self.seen = 0
@@ -267,12 +263,7 @@ class BoundedCache(Cache):
             self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._scratch[:numel].view(shape)
 
-    # -- clocks and counters -------------------------------------------------------------------
-    def clock(self) -> float:
-        if self.sync_timing:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
+    # -- counters -------------------------------------------------------------------------------
     @property
     def step_original_positions(self) -> Tensor:
         assert self.step.original_positions is not None
@@ -529,6 +520,7 @@ class BoundedCache(Cache):
         """
         self.restore(self._blank)
         self.counters = CacheCounters()
+        self.timer.reset()
         self.step = StepInfo()
         self.lazy = False
         self.query_log = None

@@ -35,6 +35,7 @@ from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.core.quant import codec_for
 from kvtool.core.sampling import Sampler, greedy
+from kvtool.core.timing import time_split
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")
@@ -275,7 +276,7 @@ class Engine:
             logits = self.feed(cache, [ids], progress=False)
             assert logits is not None
             return logits, None
-        t0 = cache.clock()
+        t0 = cache.timer.now()
         log = cache.query_log = recall.QueryLog(cache, focus)  # the layers that recall, the focus rows only
         try:
             self.feed(cache, [ids], progress=False)
@@ -285,7 +286,7 @@ class Engine:
         self._question_frame(cache, ids.numel())
         result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement)
         self.pin(cache, ids.numel(), answer_tokens)
-        result.seconds = cache.clock() - t0
+        result.seconds = cache.timer.now() - t0
         logits = self.feed(cache, [ids], progress=False)
         assert logits is not None
         return logits, result
@@ -315,17 +316,17 @@ class Engine:
         logits = None
         t_start = time.perf_counter()
         done = 0
-        forward_s = 0.0
+        timer = cache.timer
         for block in blocks:
-            t0 = cache.clock()
+            t0 = timer.start()
             for step_logits in self.steps(cache, block, logits_rows=logits_rows):
                 logits = step_logits
-                forward_s += cache.clock() - t0
+                timer.stop("step", t0)
                 done = cache.seen - start_seen
                 if progress and self.listener is not None:
                     expected = total() if callable(total) else total
-                    self.emit(self.progress_event(cache, done, expected, time.perf_counter() - t_start, forward_s))
-                t0 = cache.clock()
+                    self.emit(self.progress_event(cache, done, expected, time.perf_counter() - t_start))
+                t0 = timer.start()
         return logits
 
     def steps(self, cache: BoundedCache, ids: Tensor, block_size: int | None = None,
@@ -340,10 +341,10 @@ class Engine:
             block = ids[start : start + bs]
             yield self.step(cache, block, block.shape[-1] if logits_rows is None else logits_rows)
 
-    def progress_event(self, cache: BoundedCache, done: int, total: int | None, seconds: float,
-                       forward_s: float) -> PrefillProgress:
+    def progress_event(self, cache: BoundedCache, done: int, total: int | None, seconds: float) -> PrefillProgress:
         lengths = cache.lengths()
         c = cache.counters
+        split = cache.timer.totals()  # what the device has finished: on a GPU a block or so behind, no wait
         return PrefillProgress(
             tokens_done=done,
             tokens_total=total,
@@ -353,12 +354,7 @@ class Engine:
             cache_max=max(lengths),
             evicted_total=c.evicted_tokens,
             memory=self.meter.sample(),
-            time_split={
-                "forward": forward_s,
-                "probs": c.probs_seconds,
-                "score": c.score_seconds,
-                "evict": c.evict_seconds,
-            },
+            time_split=time_split(split),
         )
 
     # -- decoding ----------------------------------------------------------------------------------

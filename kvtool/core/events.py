@@ -33,7 +33,7 @@ class PrefillProgress:
     cache_max: int
     evicted_total: int  # tokens evicted so far, summed over layers and KV heads
     memory: MemorySample
-    time_split: dict[str, float] = field(default_factory=dict)  # forward / probs / score / evict seconds
+    time_split: dict[str, float] = field(default_factory=dict)  # forward / probs / score / evict s (sum: the steps')
     parts_done: int | None = None  # pages / chapters / sections of the document read so far (set by the runtime)
     parts_total: int | None = None
     parts_unit: str = ""  # "page", "chapter" or "section"

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvtool.core.archive import dropped_indices
 from kvtool.core.contract import Policy, ScoreContext
+from kvtool.core.timing import SectionTimer
 
 #: protection grades (higher kept first); a token's rank is grade · SPAN + its order within the grade
 GRADE_SINK, GRADE_PINNED, GRADE_RECENT, GRADE_POLICY = 4, 3, 2, 1
@@ -43,14 +44,13 @@ class Target(Protocol):
     def gather(self, keep: Tensor) -> None: ...
 
 
-def evict_step(g: Target, ctx: ScoreContext, archive: Archiver | None,
-               clock: Callable[[], float]) -> tuple[int, float, float]:
+def evict_step(g: Target, ctx: ScoreContext, archive: Archiver | None, timer: SectionTimer) -> int:
     """Bring ``g`` down to its capacity: the policy observes (unless it observed the block already, at its
     attention: ``observe_every_step``), selects the tokens to keep, the others go to the archive, ``gather``.
 
-    Returns (tokens evicted per head, seconds scoring, seconds evicting).
+    Returns the tokens evicted per head; ``timer`` gets the scoring ("score") and the rest ("evict").
     """
-    t0 = clock()
+    t0 = timer.start()
     extra = g.policy.extra_protected(ctx)
     if extra is not None:
         if ctx.priority is not None:  # the policy's own protection ranks below the engine's
@@ -59,9 +59,11 @@ def evict_step(g: Target, ctx: ScoreContext, archive: Archiver | None,
     if not g.policy.observe_every_step:
         g.policy.observe(ctx)
     keep = g.policy.select(ctx)
-    t1 = clock()
+    timer.stop("score", t0)
+    t1 = timer.start()
     n, c = g.length, keep.shape[1]
     if archive is not None and n > c:
         archive(g, dropped_indices(keep, n))
     g.gather(keep)
-    return n - c, t1 - t0, clock() - t1
+    timer.stop("evict", t1)
+    return n - c

@@ -253,7 +253,7 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     copying it out takes the needle's tokens in the other layers too; with each head choosing by its
     own scores most heads miss part of the passage.
     """
-    t0 = cache.clock()
+    t0 = cache.timer.now()
     by_layer: dict[int, list[Tensor]] = {}
     scaling: dict[int, float] = {}
     for layer_idx, q, scale in log:
@@ -290,7 +290,7 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
         cache.rope.settle(g)
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
-    out.seconds = cache.clock() - t0
+    out.seconds = cache.timer.now() - t0
     return out
 
 

@@ -123,16 +123,15 @@ def evict_stack(cache: Any, st: Stack) -> None:
                        protected=protected, priority=priority, capacity=g0.capacity or n,
                        block_len=cache.step.length, seen=cache.seen)
     archive = functools.partial(archive_stack, cache) if g0.archive is not None and cache.pin_start is None else None
-    dropped, score_s, evict_s = evict_step(StackedGroups(st, L, h), ctx, archive, cache.clock)
+    dropped = evict_step(StackedGroups(st, L, h), ctx, archive, cache.timer)
     c = cache.counters
-    c.score_seconds += score_s
     c.evicted_tokens += dropped * h * L
     c.max_cached = max(c.max_cached, g0.length)
-    t0 = cache.clock()
+    t0 = cache.timer.start()
     for g in gs:
         g.deferred_probs = None
         cache.rope.after_evict(g, True, cache.step.length)
-    c.evict_seconds += evict_s + cache.clock() - t0
+    cache.timer.stop("evict", t0)
 
 def archive_stack(cache: Any, target: StackedGroups, dropped: Tensor) -> None:
     """Archive tokens ``dropped`` [L · h, k] of a stack: gathered from every layer at once and appended to

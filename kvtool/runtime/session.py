@@ -518,12 +518,10 @@ class Session:
             # fewest threads this process ran with while sharing the cores with other kvtool processes
             "threads_min": self.share.min_threads if self.share is not None else self.threads,
             "compact_since_token": cache.compact_since if cache and cache.compact else None,
-            "time_split_seconds": {
-                "probs": round(c.probs_seconds, 4),
-                "score": round(c.score_seconds, 4),
-                "evict": round(c.evict_seconds, 4),
-            }
-            if c
+            # device time on a GPU (events), read once here, at the end
+            "time_split_seconds": {k: round(v, 4) for k, v in cache.timer.totals(wait=True).items()
+                                   if k in ("probs", "score", "evict")}
+            if cache
             else {},
             "model_load_seconds": round(self.loaded.load_seconds, 3),
         }

@@ -133,7 +133,7 @@ def peer_differences(peer: dict) -> list[str]:
 
 
 def table_blocks(data: dict) -> str:
-    """Token F1 of the default policy at block 64/128/256; each against block 128 by a paired bootstrap."""
+    """Token F1 of the default policy at block 64/128/256/1,024; each against block 128 by a paired bootstrap."""
     from kvtool.eval.stats import paired_difference
 
     def per_question(task: dict) -> dict:
@@ -160,6 +160,41 @@ def table_blocks(data: dict) -> str:
         lines.append(f"| {block} | " + " | ".join(cells) + " |")
     cmds = [f"`{data[f'block-{b}']['command']}` — {data[f'block-{b}']['seconds']:.0f} s" for b in BLOCKS
             if f"block-{b}" in data]
+    return "\n".join(lines + [""] + cmds)
+
+
+def table_gpu_block(data: dict, ran: dict[str, str]) -> str:
+    """The GPU's block against the CPU's at budget 4K (16K-token needles, the default settings): found per
+    block, and block 1,024 against 128 on the same trials (Newcombe's paired interval); ``ran``: how long the
+    trials of a log took when they ran."""
+    from kvtool.eval.stats import newcombe_paired, wilson
+
+    def trials(kind: str, block: int) -> dict | None:
+        task = data.get(f"block-needle-{kind}-{block}")
+        if task is None:
+            return None
+        return {(r["depth"], a["trial"]): bool(a["correct"]) for r in task["result"]["results"] for a in r["answers"]}
+
+    lines = ["| needle | " + " | ".join(f"block {b}" for b in GPU_BLOCKS) + " | 1,024 vs 128 (same trials) |",
+             "|---|" + "---|" * (len(GPU_BLOCKS) + 1)]
+    cmds = []
+    for kind in GPU_KINDS:
+        runs = {b: trials(kind, b) for b in GPU_BLOCKS}
+        if any(r is None for r in runs.values()):
+            continue
+        cells = [f"{_iv(wilson(sum(r.values()), len(r)).as_dict(), pct=True)} ({sum(r.values())}/{len(r)})"
+                 for r in runs.values()]
+        a, b = runs[GPU_BLOCKS[-1]], runs[GPU_BLOCKS[0]]
+        keys = sorted(a.keys() & b.keys())
+        d = newcombe_paired(sum(a[k] and b[k] for k in keys), sum(a[k] and not b[k] for k in keys),
+                            sum(b[k] and not a[k] for k in keys), sum(not a[k] and not b[k] for k in keys))
+        diff = f"{100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]" + (
+            " ✱" if d.excludes(0.0) else " (inside the noise)")
+        lines.append(f"| {'a 5-digit number' if kind == 'number' else 'an invented name'} | " + " | ".join(cells)
+                     + f" | {diff} |")
+        tasks = [data[f"block-needle-{kind}-{b}"] for b in GPU_BLOCKS]
+        cmds += [f"`{t['command']}` — {t['seconds']:.0f} s" + (f" (resumed from its log; {ran[name]})" if name in ran
+                 else "") for name, t in zip((f"block-needle-{kind}-{b}" for b in GPU_BLOCKS), tasks, strict=True)]
     return "\n".join(lines + [""] + cmds)
 
 

@@ -315,3 +315,19 @@ def test_rope_scaling_variants_reproduce_transformers_logits(rope, positions):
     dense = dense_logits(model, ids)
     got, _ = stream_logits(make_engine(model, "tova", 128, block_size=16, positions=positions), ids)
     torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_document_read_without_logits_leaves_the_same_cache(family):
+    """A document's blocks fed with no logits row (what a read does: a question follows) skip only the
+    vocabulary projection: the question's logits equal those after blocks that computed theirs."""
+    model = tiny_family(family)
+    ids, question = _ids(96, 3), _ids(8, 4)
+    engine = make_engine(model, "h2o", 32, block_size=16)
+    runs = []
+    for rows in (1, 0):
+        cache = engine.new_cache()
+        last = engine.feed(cache, [ids], progress=False, logits_rows=rows)
+        assert last is not None and last.shape[0] == rows
+        runs.append(engine.step(cache, question, 1))
+    torch.testing.assert_close(runs[1], runs[0], atol=0, rtol=0)

@@ -124,6 +124,8 @@ class Engine:
         # the model keeps working (see core/attention.py).
         model.set_attn_implementation(attention.NAME)
         self.device = next(model.parameters()).device
+        # ``logits_to_keep`` for no row: transformers reads the int 0 as every row, an index tensor as rows
+        self._no_rows = torch.empty(0, dtype=torch.long, device=self.device)
         self.dtype = _kv_dtype(model)
         self.codec = codec_for(config.kv_dtype, self.dtype, self.env.head_dim)  # None: K/V in ``dtype``
         c = text_config(model.config)
@@ -191,7 +193,9 @@ class Engine:
     # -- feeding ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, cache: BoundedCache, ids: Tensor, logits_rows: int = 1) -> Tensor:
-        """Feed one block (≤ block size) and return logits of its last ``logits_rows`` tokens."""
+        """Feed one block (≤ block size) and return logits of its last ``logits_rows`` tokens (0: none, an empty
+        tensor: a document read whose last logits nobody reads skips the vocabulary projection, the size of a
+        few layers' weights, once per block)."""
         m = ids.shape[-1]
         room = cache.room()
         if m > room:
@@ -215,7 +219,7 @@ class Engine:
             position_ids=rotary.view(1, m),
             **{self.cache_keyword: cache},  # the name this transformers' forward takes
             use_cache=True,
-            logits_to_keep=logits_rows,
+            logits_to_keep=logits_rows if logits_rows > 0 else self._no_rows,
             kvtool_cache=cache,
         )
         cache.end_step()

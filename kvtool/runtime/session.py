@@ -283,7 +283,7 @@ class Session:
         t0 = time.perf_counter()
         self._reading = doc
         try:
-            self.engine.feed(cache, pruned(blocks), total=expected)
+            self.engine.feed(cache, pruned(blocks), total=expected, logits_rows=0)  # a question follows
         finally:
             self._reading = None
         seconds = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """Prefill benchmark: kvtool's bounded engine against dense transformers, in one run.
 
     python bench/prefill.py                       # the default table (see --help), ~1 hour on 2 CPU cores
-    python bench/prefill.py --quick               # 2K/8K/32K, sink only: the issue-2 comparison (~5 min)
+    python bench/prefill.py --quick               # 2K/8K/32K, sink only: the first dense comparison (~5 min)
     python bench/prefill.py --config llama-3.1-8b --lengths 4k,32k,128k --policies sink,tova   # real shapes
 
 ``--config NAME`` builds a randomly initialised model of a real model's shape (``bench/gpu.py``:
@@ -24,7 +24,7 @@ Every row runs in a fresh child process so its peak memory is its own (peak RSS 
 Each row reports prefill tokens/s, peak memory, the per-block time split (model forward,
 attention-probability computation, policy scoring, eviction/gather), and decode tokens/s after
 the document (``Engine.generate``: lazy eviction, one gather per block of generated tokens).
-Ratios to dense and chunked come from the same run. Issue 15 adds the decode floor (transformers
+Ratios to dense and chunked come from the same run. It also measures the decode floor (transformers
 decoding after a budget-sized document), the decode split (scoring + eviction share of decode
 time) and two concurrent processes against one (``--concurrency-length``, at kvtool's default —
 each process shares the cores with the other kvtool processes, ``kvtool/runtime/cores.py`` — and at
@@ -386,7 +386,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="--config only: keep this many layers (smoke tests)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the issue-2 table)")
+    ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the first dense comparison)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--concurrency-length", default="2k", help="document of the two-processes test ('' = skip)")
     ap.add_argument("--concurrency-policy", default="keydiff")

@@ -386,7 +386,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="--config only: keep this many layers (smoke tests)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quick", action="store_true", help="2k,8k,32k with sink only, no sweep (the first dense comparison)")
+    ap.add_argument("--quick", action="store_true", help="2k,8k,32k, sink only, no sweep (the first dense comparison)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--concurrency-length", default="2k", help="document of the two-processes test ('' = skip)")
     ap.add_argument("--concurrency-policy", default="keydiff")

@@ -117,3 +117,29 @@ def test_progress_events_split_each_block_and_add_up_to_the_steps():
     assert all(a.time_split["forward"] <= b.time_split["forward"] for a, b in zip(events, events[1:], strict=False))
     cache.clear()
     assert cache.timer.totals()["step"] == 0.0
+
+
+def test_every_section_the_engine_opens_it_closes():
+    """On a GPU an opened section holds two pooled events until read: a mark the engine started and never
+    stopped would leak one per block, and the pool would make new events in the loop. With the stand-in
+    events on a real engine (evicting h2o + recall, then a decode), a second read makes no new event."""
+    dev = _Device()
+    dev.now = float("inf")  # every recorded event counts as finished
+    engine = make_engine(tiny_llama(), "h2o", 32, block_size=16, recall=16)
+    engine.listener = lambda e: None
+    cache = engine.new_cache()
+    cache.timer = SectionTimer(torch.device("cpu"), event=dev.event)
+    ids = torch.arange(16 * 6) % VOCAB
+
+    def read() -> None:
+        cache.clear()
+        logits = engine.feed(cache, [ids], total=ids.numel())
+        engine.generate(cache, logits, 6, eos_ids=set())
+        cache.timer.totals()
+
+    read()
+    made = dev.made
+    read()
+    assert dev.made == made and cache.counters.evicted_tokens > 0
+    totals = cache.timer.totals()
+    assert all(totals[k] == 0.0 for k in totals)  # the stand-in's device time: nothing queued

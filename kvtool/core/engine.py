@@ -195,7 +195,8 @@ class Engine:
     def step(self, cache: BoundedCache, ids: Tensor, logits_rows: int = 1) -> Tensor:
         """Feed one block (≤ block size) and return logits of its last ``logits_rows`` tokens (0: none, an empty
         tensor: a document read whose last logits nobody reads skips the vocabulary projection, the size of a
-        few layers' weights, once per block)."""
+        few layers' weights, once per block). Its time is the timer's "step" section (``cache.timer``)."""
+        t0 = cache.timer.start()
         m = ids.shape[-1]
         room = cache.room()
         if m > room:
@@ -203,8 +204,11 @@ class Engine:
             # evicts), the rest then fits. Only after ``generate`` without a restore.
             head = self._forward(cache, ids.reshape(-1)[:room], min(logits_rows, room))
             tail = self._forward(cache, ids.reshape(-1)[room:], min(logits_rows, m - room))
-            return tail if logits_rows <= m - room else torch.cat([head, tail])
-        return self._forward(cache, ids, logits_rows)
+            logits = tail if logits_rows <= m - room else torch.cat([head, tail])
+        else:
+            logits = self._forward(cache, ids, logits_rows)
+        cache.timer.stop("step", t0)
+        return logits
 
     def _forward(self, cache: BoundedCache, ids: Tensor, logits_rows: int) -> Tensor:
         if self.pacer is not None:
@@ -320,17 +324,13 @@ class Engine:
         logits = None
         t_start = time.perf_counter()
         done = 0
-        timer = cache.timer
         for block in blocks:
-            t0 = timer.start()
             for step_logits in self.steps(cache, block, logits_rows=logits_rows):
                 logits = step_logits
-                timer.stop("step", t0)
                 done = cache.seen - start_seen
                 if progress and self.listener is not None:
                     expected = total() if callable(total) else total
                     self.emit(self.progress_event(cache, done, expected, time.perf_counter() - t_start))
-                t0 = timer.start()
         return logits
 
     def steps(self, cache: BoundedCache, ids: Tensor, block_size: int | None = None,

@@ -10,11 +10,12 @@ events against a synchronised clock.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtool.core.events import PrefillProgress
 from kvtool.core.timing import MAX_PENDING, SectionTimer, time_split
-from tests.helpers import VOCAB, make_engine, tiny_llama
+from tests.helpers import VOCAB, make_engine, tiny_family, tiny_llama
 
 
 class _Device:
@@ -119,13 +120,15 @@ def test_progress_events_split_each_block_and_add_up_to_the_steps():
     assert cache.timer.totals()["step"] == 0.0
 
 
-def test_every_section_the_engine_opens_it_closes():
+@pytest.mark.parametrize(("family", "policy"), [("llama3", "h2o"), ("gemma2", "sink")])
+def test_every_section_the_engine_opens_it_closes(family, policy):
     """On a GPU an opened section holds two pooled events until read: a mark the engine started and never
     stopped would leak one per block, and the pool would make new events in the loop. With the stand-in
-    events on a real engine (evicting h2o + recall, then a decode), a second read makes no new event."""
+    events on a real engine (evicting h2o + recall; Gemma 2's softcapped attention with a policy that reads
+    no probabilities), then a decode, a second read makes no new event."""
     dev = _Device()
     dev.now = float("inf")  # every recorded event counts as finished
-    engine = make_engine(tiny_llama(), "h2o", 32, block_size=16, recall=16)
+    engine = make_engine(tiny_family(family), policy, 32, block_size=16, recall=16)
     engine.listener = lambda e: None
     cache = engine.new_cache()
     cache.timer = SectionTimer(torch.device("cpu"), event=dev.event)

@@ -183,7 +183,6 @@ class GroupArchive:
         """
         append_layers([self], keys.unsqueeze(0), values.unsqueeze(0), positions.unsqueeze(0))
 
-
     def stack_staging(self, nbytes: int, device: torch.device) -> tuple[Tensor, torch.cuda.Event | None]:
         """Host bytes (pinned when ``device`` is CUDA) for an append of the stack this archive leads, and the CUDA
         event marking the copy's end (None on CPU). Its own per stack: another stack's append, before this one's

@@ -251,7 +251,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     if (rows or softcap is not None) and mask is not None and mask.dtype == torch.bool:
         mask = _additive(cache, mask, mask_key)  # float32 0 / −inf, once per block: one add per layer
     if rows == m or softcap is not None:
-        t0 = cache.timer.start()
+        t0 = cache.timer.start() if rows > 0 else None  # a softcapped block that reads no probabilities: untimed
         attn = None
         if cache.fused_output and softcap is None and rows == m and policy.rows_summed:
             # a GPU: the output from SDPA's fused kernel (what transformers computes, bit for bit), the column
@@ -267,7 +267,7 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
             out = torch.bmm(attn.view(h, qk * m, nk).to(v.dtype), v[0]).view(1, h * qk, m, v.shape[-1])
             if rows > 0:
                 probs = _reduce_gqa(attn[:, :, m - rows :], g.off)
-        if rows > 0:
+        if t0 is not None:
             cache.counters.prob_rows += rows
             cache.timer.stop("probs", t0)
     else:

@@ -194,6 +194,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         out["decode_seconds"] = time.perf_counter() - t1
     else:
         from kvtool.core.engine import Engine, EngineConfig, model_env
+        from kvtool.core.timing import PARTS
         from kvtool.policies import build_policy
         from kvtool.runtime.budget import DEFAULT_RECALL
 
@@ -227,7 +228,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         out["prefill_seconds"] = time.perf_counter() - t0
         c = cache.counters
         split = cache.timer.totals(wait=True)
-        out["split_seconds"] = {k: split[k] for k in ("probs", "score", "evict")}
+        out["split_seconds"] = {k: split[k] for k in PARTS}
         out["evicted_tokens"] = c.evicted_tokens
         out["cached_tokens_max"] = c.max_cached
         out["compact_since"] = cache.compact_since if cache.compact else None

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_PENDING", "SECTIONS", "Mark", "SectionTimer", "time_split"]
+__all__ = ["MAX_PENDING", "PARTS", "SECTIONS", "Mark", "SectionTimer", "time_split"]
 
-#: the sections the engine times: ``step`` holds the others (what is left of it is the model's own forward)
-SECTIONS = ("step", "probs", "score", "evict")
+#: the policy's parts of a step: attention probabilities, scoring, eviction (with gather and archiving)
+PARTS = ("probs", "score", "evict")
+#: the sections the engine times: ``step`` holds the parts (what is left of it is the model's own forward)
+SECTIONS = ("step", *PARTS)
 #: unread event pairs held at most (a few layers' worth of sections per block, for a few hundred blocks)
 MAX_PENDING = 1024
 
@@ -43,7 +45,8 @@ class SectionTimer:
     def __init__(self, device: torch.device, sync: bool = False,
                  event: Callable[[], Any] | None = None) -> None:
         accelerator = device.type != "cpu"
-        self.mode = "sync" if sync and accelerator else "events" if accelerator or event is not None else "host"
+        sync = sync and device.type == "cuda"  # the benchmarks' CUDA debugging mode
+        self.mode = "sync" if sync else "events" if accelerator or event is not None else "host"
         self.device = device
         self._event = event or (lambda: torch.Event(device=device, enable_timing=True))
         self._totals = dict.fromkeys(SECTIONS, 0.0)
@@ -104,5 +107,5 @@ class SectionTimer:
 def time_split(totals: dict[str, float]) -> dict[str, float]:
     """Seconds of the model's own forward, the probabilities, scoring and eviction (they add up to the
     steps' time): ``totals`` from ``SectionTimer.totals``."""
-    parts = {k: totals.get(k, 0.0) for k in ("probs", "score", "evict")}
+    parts = {k: totals.get(k, 0.0) for k in PARTS}
     return {"forward": max(0.0, totals.get("step", 0.0) - sum(parts.values())), **parts}

@@ -24,6 +24,7 @@ from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
 from kvtool.core.sampling import make_sampler
+from kvtool.core.timing import PARTS
 from kvtool.documents import Document
 from kvtool.errors import UsageError, first_line
 from kvtool.policies import Policy, build_policy, check_policy
@@ -520,7 +521,7 @@ class Session:
             "compact_since_token": cache.compact_since if cache and cache.compact else None,
             # device time on a GPU (events), read once here, at the end
             "time_split_seconds": {k: round(v, 4) for k, v in cache.timer.totals(wait=True).items()
-                                   if k in ("probs", "score", "evict")}
+                                   if k in PARTS}
             if cache
             else {},
             "model_load_seconds": round(self.loaded.load_seconds, 3),

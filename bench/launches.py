@@ -161,6 +161,33 @@ def count_kvtool(layers: int, policy: str, recall: bool, fused: bool = False) ->
     return per_block, per_token
 
 
+def count_decode_loop(tokens: int = 64, every: int = 8) -> dict:
+    """The whole decode loop as ``ask --json`` runs it on a GPU: ``Engine.generate`` with the default chooser
+    (greedy, the no-repeat 4-gram guard) reading the answer back every ``every`` tokens. Returns the sync ops in
+    its dispatch trace (a read of the answer is a device-to-host copy there, not an aten op on a CPU) and the
+    reads themselves (one progress event each)."""
+    import torch
+
+    from kvtool.core.engine import Engine, EngineConfig, model_env
+    from kvtool.core.events import DecodeProgress
+    from kvtool.core.sampling import Chooser
+    from kvtool.policies import build_policy
+
+    model = tiny_llama(2)
+    cfg = EngineConfig(budget=BUDGET, block_size=BLOCK, sinks=4, recent=8, positions="absolute")
+    env = model_env(model, cfg)
+    reads: list = []
+    engine = Engine(model, build_policy("h2o", {}, env), cfg, env=env, listener=reads.append)
+    cache = engine.new_cache()
+    with torch.inference_mode():
+        logits = engine.feed(cache, [_ids(BUDGET + 2 * BLOCK, 1)], progress=False)
+        with OpCounter() as ops:
+            out, _ = engine.generate(cache, logits, tokens, set(), Chooser(tokens, "cpu", no_repeat_ngram=4),
+                                     read_every=every)
+    return {"tokens": len(out), "every": every, "sync_ops": ops.syncs, "launches": ops.launches,
+            "reads": sum(isinstance(e, DecodeProgress) for e in reads), "evictions_possible": tokens // BLOCK + 1}
+
+
 ROWS = {"transformers": None, "ask (default)": ("h2o", True), "ask (GPU path)": ("h2o", True, True),
         "sink": ("sink", False), "tova": ("tova", False),
         "snapkv": ("snapkv", False), "keydiff": ("keydiff", False), "h2o": ("h2o", False)}
@@ -222,6 +249,11 @@ def main() -> int:
     for name, row in result.items():
         syncs = 4 * row["block"]["syncs_per_layer"] + row["block"]["syncs_rest"]
         print(f"  {'ok  ' if syncs == 0 else 'MISS'} {name}: {syncs:.0f} sync ops per block (target 0)")
+    loop = count_decode_loop()
+    print(f"  {'ok  ' if loop['sync_ops'] == 0 else 'MISS'} decode loop ({loop['tokens']} tokens, read every "
+          f"{loop['every']} as `ask --json` on a GPU): {loop['sync_ops']} sync ops (target 0), {loop['reads']} reads "
+          f"of the answer (one per {loop['every']} tokens and one before each lazy eviction)")
+    result["decode_loop"] = loop
     if args.ops:
         for name, row in result.items():
             ops = ", ".join(f"{op} {n:g}" for op, n in sorted(row["block"]["ops_per_layer"].items(),

@@ -52,6 +52,7 @@ def main() -> int:
     import torch
 
     from kvtool.core.engine import Engine, EngineConfig, model_env
+    from kvtool.core.sampling import Chooser
     from kvtool.policies import build_policy
     from kvtool.runtime.budget import DEFAULT_RECALL
 
@@ -62,7 +63,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=12, help="document blocks (the last few are counted)")
-    ap.add_argument("--decode", type=int, default=8)
+    ap.add_argument("--decode", type=int, default=32, help="tokens decoded as `ask --json` does (read every 8)")
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--cpu", action="store_true", help="run the steps on the CPU, counting nothing (a dry run)")
     args = ap.parse_args()
@@ -94,7 +95,7 @@ def main() -> int:
     with counting("question", found, cuda):
         logits, _ = engine.feed_question(cache, question, lambda: cache.restore(snap), args.decode + 1)
     with counting("decode", found, cuda):
-        engine.generate(cache, logits, args.decode, eos_ids=set())
+        engine.generate(cache, logits, args.decode, set(), Chooser(args.decode, device, no_repeat_ngram=4))
     shutil.rmtree(archive, ignore_errors=True)
     per = {"prefill": max(1, counted_blocks), "question": 1, "decode": args.decode}
     unit = {"prefill": "block", "question": "question", "decode": "token"}

@@ -6,6 +6,7 @@ loader, the ``.kvc`` format, the memory plan and the settings all read the same 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -138,3 +139,14 @@ PROBS_CHUNK_BYTES = 64 << 20
 def probs_chunk_rows(attention_heads: int, keys: int) -> int:
     """Query rows per chunk of explicit probabilities: ``PROBS_CHUNK_BYTES`` of float32 over ``keys`` keys."""
     return max(1, PROBS_CHUNK_BYTES // (attention_heads * keys * 4))
+
+
+def batch_split(batch: int, threads: int) -> int:
+    """Parts to split each entry of a CPU batched matmul of ``batch`` entries into (1: none).
+
+    torch's CPU ``bmm`` hands whole batch entries to its threads: 3 KV heads on 2 threads leave one thread
+    idle a third of the time. Split so the batch is a multiple of the thread count, at most 4 parts (each part
+    multiplies against its own copy of the shared operand, ``core/attention.py``'s ``_head_bmm``).
+    """
+    parts = threads // math.gcd(batch, threads)
+    return parts if parts <= 4 else 1

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from kvtool.core.attention import _block_mask, _decode_mass, _sdpa, _window_mask
 from kvtool.core.cache import StepInfo
+from kvtool.core.engine import READ_EVERY
+from kvtool.core.sampling import Chooser
 from kvtool.errors import UsageError
 from tests.helpers import (
     FAMILIES,
@@ -275,8 +277,8 @@ def _count_syncs(run) -> int:
 @cuda
 @pytest.mark.cuda
 def test_cuda_blocks_of_the_default_ask_path_make_no_host_sync(tmp_path):
-    """h2o with recall (an int8 archive on disk): evicting blocks make no sync; a decoded token at most one
-    (the sampler's read of its logits)."""
+    """h2o with recall (an int8 archive on disk): evicting blocks make no sync; decoding with nothing streamed
+    reads the answer back once per ``READ_EVERY`` tokens and before each lazy eviction, not once per token."""
     model = tiny_family("llama3").to("cuda", torch.bfloat16)
     engine = make_engine(model, "h2o", 48, block_size=16, recall=32, archive_dtype=torch.int8,
                          archive_dir=str(tmp_path))
@@ -292,7 +294,9 @@ def test_cuda_blocks_of_the_default_ask_path_make_no_host_sync(tmp_path):
 
     assert _count_syncs(blocks) == 0
     assert cache.counters.evicted_tokens > 0
-    assert _count_syncs(lambda: engine.generate(cache, logits, 8, eos_ids=set())) <= 8
+    new = 32  # two lazy evictions (a 16-token spare region)
+    chooser = Chooser(new, "cuda", no_repeat_ngram=4)
+    assert _count_syncs(lambda: engine.generate(cache, logits, new, set(), chooser)) <= new // READ_EVERY + 2 + 1
 
 
 @cuda

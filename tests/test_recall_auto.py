@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 from kvtool.cli.app import app
 from kvtool.core import recall
 from kvtool.core.events import Note
-from kvtool.core.sampling import RepeatGuard, make_sampler
+from kvtool.core.sampling import Chooser
 from kvtool.documents import open_document
 from kvtool.runtime import archive_disk
 from kvtool.runtime.budget import DEFAULT_RECALL, parse_recall
+from kvtool.runtime.detokenize import letter_tokens
 from kvtool.runtime.settings import Settings, resolve_settings
 from tests.helpers import tiny_checkpoint
 
@@ -54,16 +55,23 @@ def repeats(seq: list[int], n: int) -> bool:
     return len(grams) != len(set(grams))
 
 
+def banned(chooser: Chooser, seq: list[int], vocab: int) -> set[int]:
+    """The tokens the chooser's guard rules out after the answer ``seq`` (−inf in its guarded logits)."""
+    chooser.ids[: len(seq)] = torch.tensor(seq, dtype=torch.long)
+    logits = chooser.guarded(torch.zeros(vocab), len(seq))
+    return set(torch.nonzero(torch.isinf(logits)).flatten().tolist())
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_guard_bans_exactly_the_tokens_that_repeat_an_ngram(n):
     rng = random.Random(n)
     seq: list[int] = []
-    guard = RepeatGuard(n)
+    chooser = Chooser(61, "cpu", no_repeat_ngram=n)
     for _ in range(60):
-        banned = set(guard.banned(seq))
+        ruled_out = banned(chooser, seq, 6)
         for tok in range(6):  # brute force over a small vocabulary
-            assert (tok in banned) == (repeats(seq + [tok], n) and not repeats(seq, n)), (seq, tok)
-        allowed = [t for t in range(6) if t not in banned]
+            assert (tok in ruled_out) == (repeats(seq + [tok], n) and not repeats(seq, n)), (seq, tok)
+        allowed = [t for t in range(6) if t not in ruled_out]
         if not allowed:
             break
         seq.append(rng.choice(allowed))
@@ -71,23 +79,22 @@ def test_guard_bans_exactly_the_tokens_that_repeat_an_ngram(n):
 
 
 def test_guard_lets_numbers_repeat_but_stops_word_loops():
-    """``wordy`` says which n-grams have a letter: digit n-grams (``,000``) may repeat, words may not."""
-    digits = {1, 2, 3}
-    def wordy(ids):
-        return any(t not in digits for t in ids)
-
-    assert RepeatGuard(2, wordy).banned([1, 2, 1]) == []  # "1 2" again: a number, allowed
-    assert RepeatGuard(2, wordy).banned([7, 8, 7]) == [8]  # "7 8" again: words, banned
+    """``letters`` says which tokens spell a letter: digit n-grams (``,000``) may repeat, words may not."""
+    letters = torch.ones(10, dtype=torch.bool)
+    letters[[1, 2, 3]] = False  # digits
+    assert banned(Chooser(4, "cpu", no_repeat_ngram=2, letters=letters), [1, 2, 1], 10) == set()  # a number again
+    assert banned(Chooser(4, "cpu", no_repeat_ngram=2, letters=letters), [7, 8, 7], 10) == {8}  # words: banned
+    assert banned(Chooser(4, "cpu", no_repeat_ngram=2, letters=letters), [7, 2, 7], 10) == {2}  # "x2" has a letter
 
 
 def test_greedy_with_the_guard_equals_argmax_until_a_repeat_then_takes_the_next_best():
-    sampler = make_sampler(0.0, 1.0, 0, no_repeat_ngram=2)
-    out: list[int] = []
+    chooser = Chooser(6, "cpu", no_repeat_ngram=2)
     for step in range(6):
         logits = torch.full((10,), -5.0)
         logits[[4, 5][step % 2]] = 3.0  # the model wants to loop "4 5 4 5 ..."
         logits[9] = 1.0  # the runner-up
-        out.append(sampler(logits, out))
+        chooser(logits, step)
+    out = chooser.ids.tolist()
     assert out[:3] == [4, 5, 4]
     assert not repeats(out, 2)
     assert 9 in out
@@ -98,12 +105,27 @@ def test_the_default_generation_no_longer_penalises_digits():
     second 4 of 60494 into a loss; the default (guard, no penalty) keeps it."""
     s = Settings()
     assert s.repetition_penalty == 1.0 and s.no_repeat_ngram == 4
-    old = make_sampler(0.0, 1.0, 0, repetition_penalty=1.1)
-    new = make_sampler(0.0, 1.0, 0, s.repetition_penalty, s.no_repeat_ngram)
     logits = torch.zeros(10)
     logits[4], logits[7] = 2.0, 1.9  # "4" (again) is right by a small margin
-    assert old(logits, [6, 0, 4, 9]) == 7
-    assert new(logits, [6, 0, 4, 9]) == 4
+    chosen = []
+    for penalty, n in ((1.1, 0), (s.repetition_penalty, s.no_repeat_ngram)):
+        chooser = Chooser(5, "cpu", repetition_penalty=penalty, no_repeat_ngram=n)
+        chooser.ids[:4] = torch.tensor([6, 0, 4, 9])
+        chosen.append(int(chooser(logits, 4)))
+    assert chosen == [7, 4]
+
+
+def test_letter_tokens_reads_each_token_once(model_dir):
+    """The guard's table: a token spells a letter when its own text has one (or is a piece of a character)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    table = letter_tokens(tok, len(tok) + 3)
+    assert table.shape == (len(tok) + 3,) and not table[len(tok) :].any()
+    for i in range(len(tok)):
+        text = tok.decode([i], skip_special_tokens=True)
+        assert bool(table[i]) == any(c.isalpha() or c == "\ufffd" for c in text)
+    assert table.any() and not table.all()
 
 
 # -- settings --------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Po
 BudgetOpt = Annotated[str | None, typer.Option("--budget", "-b", help="KV budget per head and layer: tokens "
                                                "(4096, 4k) or bytes of K+V (512MiB, 2GB).")]
 BlockOpt = Annotated[str | None, typer.Option(
-    "--block-size", help="Prefill block size in tokens, or auto (the default: 128 on a CPU, up to 1024 on CUDA).")]
+    "--block-size", help="Prefill block size in tokens, or auto (the default: a quarter of the budget, 128 to 256 "
+                         "on a CPU, up to 1024 on CUDA).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")]
 QuantOpt = Annotated[str | None, typer.Option(

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvtool.config import batch_split
 from kvtool.core.contract import GroupSpec, ScoreContext
 from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
@@ -239,10 +240,11 @@ class BoundedCache(Cache):
         # Decoding evicts lazily (``Engine.generate`` sets this): tokens fill the spare block region
         # and one eviction per block of tokens brings the group back to capacity.
         self.lazy = False
+        self.mass_gate: Tensor | None = None  # citing: [1], 1 until the decoder closes it on an end token
         self.counters = CacheCounters()
         self.step = StepInfo()
         self.query_log: QuerySink | None = None  # recall: gets (layer, queries, scaling) from the attention function
-        self._scratch = torch.empty(0, dtype=torch.float32, device=device)
+        self._scratch: dict[str, Tensor] = {}  # reused per-layer work buffers, by name (``buffer``)
         # recall (kvtool/core/recall.py): the archives' shared append buffers and the finalizer that closes
         # their files, both kept here so that a cache reused for another document (``clear``) replaces them
         self.archive_work: Any = None
@@ -258,10 +260,19 @@ class BoundedCache(Cache):
         or the dense reference's growing ``n``), so its size is one layer's probabilities, as before.
         Valid until the next call: the attention function consumes it within the layer.
         """
+        return self.buffer("probs", torch.float32, *shape)
+
+    def buffer(self, name: str, dtype: torch.dtype, *shape: int) -> Tensor:
+        """A reused buffer of ``shape`` for work within one layer (``scratch``'s rule), one storage per name."""
         numel = math.prod(shape)
-        if numel > self._scratch.numel():
-            self._scratch = torch.empty(numel, dtype=torch.float32, device=self.device)
-        return self._scratch[:numel].view(shape)
+        store = self._scratch.get(name)
+        if store is None or store.numel() < numel or store.dtype != dtype:
+            store = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        return store[:numel].view(shape)
+
+    def batch_split(self, batch: int) -> int:
+        """``batch_split`` for this device's threads: 1 on accelerators, whose batched matmuls balance themselves."""
+        return batch_split(batch, torch.get_num_threads()) if self.device.type == "cpu" else 1
 
     # -- counters -------------------------------------------------------------------------------
     @property
@@ -340,6 +351,11 @@ class BoundedCache(Cache):
     def room(self) -> int:
         """Tokens every group can still take before one must evict (lazy decoding leaves less)."""
         return min(g.room() for g in self.groups())
+
+    def quiet_steps(self) -> int:
+        """Single-token lazy steps from now on that evict in no group (``Engine.generate`` reads the answer back
+        before a step that evicts: no eviction ever runs on account of a token past the answer's end)."""
+        return min(g.quiet_steps(self.lazy_limit) for g in self.groups())
 
     # -- positions (kvtool/core/positions.py) ------------------------------------------------------
     @property
@@ -440,6 +456,17 @@ class BoundedCache(Cache):
         for layer in self.layers[first_layer:]:
             for g in layer.groups:  # type: ignore[attr-defined]
                 g.start_mass()
+        self.mass_gate = torch.ones(1, dtype=torch.float32, device=self.device)
+
+    @property
+    def citing(self) -> bool:
+        return self.mass_gate is not None
+
+    def close_mass_on(self, token: Tensor, end_ids: Tensor) -> None:
+        """Add no more mass once ``token`` [1] (on the device, not read back) is one of ``end_ids``: the steps a
+        decoder feeds past the answer's end before it reads it back leave the citations as they were."""
+        assert self.mass_gate is not None
+        self.mass_gate.mul_(~torch.isin(token, end_ids))
 
     def stop_mass(self) -> tuple[Tensor, Tensor]:
         """Stop accumulating; returns (positions, mass) of every stored token, flat over layers, groups, heads."""
@@ -449,6 +476,7 @@ class BoundedCache(Cache):
                 pos.append(g.positions[:, : g.length].reshape(-1))
                 mass.append(g.mass[:, : g.length].reshape(-1))
             g.stop_mass()
+        self.mass_gate = None
         if not pos:
             return torch.zeros(0, dtype=torch.long), torch.zeros(0)
         return torch.cat(pos), torch.cat(mass)
@@ -527,3 +555,4 @@ class BoundedCache(Cache):
         for g in self.groups():
             if g.mass is not None:
                 g.stop_mass()
+        self.mass_gate = None

@@ -34,11 +34,14 @@ from kvtool.core.layout import layer_windows, text_config
 from kvtool.core.meter import MemoryMeter
 from kvtool.core.positions import Rotator
 from kvtool.core.quant import codec_for
-from kvtool.core.sampling import Sampler, greedy
+from kvtool.core.sampling import Chooser
 from kvtool.core.timing import time_split
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")
+#: tokens decoded between two reads of the answer on an accelerator when nothing streams it (``--json``): a read
+#: waits for the device, so the host stops queueing work; the price is at most this many − 1 steps past the end
+READ_EVERY = 8
 
 
 @dataclass
@@ -369,10 +372,19 @@ class Engine:
         logits: Tensor,
         max_new_tokens: int,
         eos_ids: set[int],
-        sampler: Sampler = greedy,
+        choose: Chooser | None = None,
         on_token: Callable[[int], None] | None = None,
+        read_every: int | None = None,
     ) -> tuple[list[int], float]:
-        """Decode from ``logits`` with blocks of one token; returns (ids, seconds).
+        """Decode from ``logits`` ([rows, vocab] or [vocab]: the last row is read) with blocks of one token; returns
+        (ids, seconds).
+
+        Tokens are chosen on the device (``choose``: greedy by default) and fed back without a host read; the
+        answer is read back every ``read_every`` tokens (default: each token on a CPU, where a read costs
+        nothing; ``READ_EVERY`` on an accelerator, where it waits for the device), and always before a step that
+        evicts. So a read that finds an end token stops the answer exactly: the few steps fed after it changed
+        nothing but the lazily decoded tokens and, when citing, no mass (the cache's mass gate closes on an end
+        token), and no eviction ever runs on their account.
 
         Eviction is lazy: generated tokens fill each group's spare block region and one eviction
         per block of tokens brings it back to capacity (at most capacity + block per head at every
@@ -380,30 +392,46 @@ class Engine:
         """
         out: list[int] = []
         t0 = time.perf_counter()
+        logits = logits.view(-1, logits.shape[-1])  # rows of logits, or the last row alone
+        choose = choose or Chooser(max_new_tokens, logits.device)
+        every = read_every or (1 if self.device.type == "cpu" else READ_EVERY)
         lazy, cache.lazy = cache.lazy, True
         try:
-            self._decode(cache, logits, max_new_tokens, eos_ids, sampler, on_token, out, t0)
+            self._decode(cache, logits, max_new_tokens, eos_ids, choose, on_token, out, t0, every)
         finally:
             cache.lazy = lazy
         return out, time.perf_counter() - t0
 
-    def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int],
-                sampler: Sampler, on_token: Callable[[int], None] | None, out: list[int], t0: float) -> None:
-        # the next token is written into a device tensor by a fill (a kernel argument, not a copy), so the
-        # sampler's one read of the logits is the token's only host sync
-        token = torch.empty(1, dtype=torch.long, device=self.device)
-        for _ in range(max_new_tokens):
-            tok = sampler(logits[-1], out)
-            if tok in eos_ids:
-                break
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if len(out) == max_new_tokens:
-                break
-            logits = self.step(cache, token.fill_(tok), 1)
-            if self.listener is not None:
-                self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
+    def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int], choose: Chooser,
+                on_token: Callable[[int], None] | None, out: list[int], t0: float, every: int) -> None:
+        read = 0  # tokens of the answer read back so far
+        quiet = cache.quiet_steps()  # single-token steps from here that evict nothing
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=self.device) if cache.citing else None
+        for t in range(max_new_tokens):
+            tok = choose(logits[-1], t)
+            last = t + 1 == max_new_tokens
+            if last or quiet == 0 or choose.reads_each_token or t + 1 - read >= every:
+                ended = _read_answer(choose.ids[read : t + 1], eos_ids, out, on_token)  # the one host read
+                read = t + 1
+                if self.listener is not None:
+                    self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
+                if ended or last:
+                    return
+            elif eos is not None:
+                cache.close_mass_on(tok, eos)  # an unread end token: the steps after it add no citation mass
+            logits = self.step(cache, tok, 1)
+            quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
+
+
+def _read_answer(chosen: Tensor, eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None) -> bool:
+    """Append the tokens ``chosen`` (read back from the device) to ``out`` up to an end token; True at one."""
+    for tok in chosen.tolist():
+        if tok in eos_ids:
+            return True
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+    return False
 
 
 def _kv_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""Choosing the next token: greedy or nucleus sampling, with a guard against loops.
+"""Choosing the next token on the device: greedy or nucleus sampling, with a guard against loops.
 
 A small model decoding greedily tends to loop ("The answer is 42. The answer is 42. ..."). The blanket
 CTRL repetition penalty that used to stop it also penalises every token the answer already wrote,
@@ -7,103 +7,82 @@ which cuts exact strings: the second ``4`` of ``60494`` is penalised, and the an
 no-repeat n-gram rule, as in Paulus et al. 2018 and transformers' ``no_repeat_ngram_size``), and an
 n-gram with no letter in it (digits, punctuation, spaces: ``,000``) may always repeat, so numbers
 and codes come out whole. The document's tokens are never counted: an answer may quote them.
+
+The answer's tokens live in a device buffer and the greedy choice, the guard and the penalty are tensor
+operations on it: choosing a token never reads one back, so the engine reads the answer only when it
+needs it (to stream it, to stop at an end token), on a GPU once every few tokens when nothing streams.
+Sampling reads each token's distribution back: a seeded CPU generator gives the same answer on every device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-#: ``sampler(logits of the next token [vocab], the answer's tokens so far) → the next token``
-Sampler = Callable[[Tensor, list[int]], int]
-#: ``wordy(token ids) → whether their text has a letter``: such n-grams are the ones the guard stops
-Wordy = Callable[[tuple[int, ...]], bool]
 
+class Chooser:
+    """The tokens of one answer, chosen one at a time from the model's logits into ``ids`` (on the device).
 
-def greedy(logits: Tensor, generated: list[int] | None = None) -> int:
-    return int(torch.argmax(logits))
-
-
-def penalise(logits: Tensor, generated: list[int], penalty: float) -> Tensor:
-    """CTRL-style repetition penalty on the answer's own tokens (Keskar et al. 2019, eq. in §4.1):
-    a positive logit is divided by ``penalty``, a negative one multiplied. Off (1.0) by default."""
-    if penalty == 1.0 or not generated:
-        return logits
-    logits = logits.float().clone()
-    idx = torch.tensor(sorted(set(generated)), device=logits.device)
-    picked = logits[idx]
-    logits[idx] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
-
-
-class RepeatGuard:
-    """The tokens that would make the answer repeat one of its own word n-grams.
-
-    n-grams are indexed by their first ``n − 1`` tokens as the answer grows (each token is indexed
-    once: constant work per decoded token); ``wordy`` is asked only when a repeat is about to happen.
+    ``letters`` [vocab] (bool): which tokens spell a letter (or a piece of a multi-byte character); an
+    n-gram is a word n-gram, which the guard stops, when one of its tokens does. None: every n-gram is.
     """
 
-    def __init__(self, n: int, wordy: Wordy | None = None) -> None:
-        self.n = n
-        self.wordy = wordy
-        self.next_of: dict[tuple[int, ...], set[int]] = {}
-        self.indexed = 0  # n-grams starting before this index of the answer are in ``next_of``
+    def __init__(self, max_new_tokens: int, device: torch.device | str, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, repetition_penalty: float = 1.0, no_repeat_ngram: int = 0,
+                 letters: Tensor | None = None) -> None:
+        self.ids = torch.zeros(max(1, max_new_tokens), dtype=torch.long, device=device)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.penalty = repetition_penalty
+        self.n = no_repeat_ngram
+        self.letters = None if letters is None else letters.to(device)
+        self.gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
 
-    def banned(self, generated: list[int]) -> list[int]:
-        """The tokens that must not come next (an empty list almost always)."""
+    @property
+    def reads_each_token(self) -> bool:
+        """Sampling reads every token's distribution back to the host (greedy choice reads nothing)."""
+        return self.gen is not None
+
+    def __call__(self, logits: Tensor, t: int) -> Tensor:
+        """Choose the answer's token ``t`` from ``logits`` [vocab]; returns it as a [1] view of ``ids``."""
+        logits = self.guarded(self.penalised(logits, t), t)
+        out = self.ids[t : t + 1]
+        if self.gen is None:
+            torch.argmax(logits, dim=-1, keepdim=True, out=out)  # the best token the guard allows
+        else:
+            out.fill_(self._sample(logits))
+        return out
+
+    def penalised(self, logits: Tensor, t: int) -> Tensor:
+        """CTRL-style repetition penalty on the answer's own tokens (Keskar et al. 2019, eq. in §4.1):
+        a positive logit is divided by the penalty, a negative one multiplied. Off (1.0) by default."""
+        if self.penalty == 1.0 or t == 0:
+            return logits
+        logits, seen = logits.float(), self.ids[:t]
+        picked = logits.gather(0, seen)
+        return logits.scatter(0, seen, torch.where(picked > 0, picked / self.penalty, picked * self.penalty))
+
+    def guarded(self, logits: Tensor, t: int) -> Tensor:
+        """``logits`` with −inf for each token that would repeat one of the answer's word n-grams.
+
+        Every n-gram of the answer so far is compared with its last n − 1 tokens at once (an unfolded view
+        of ``ids``, a few small kernels, no host read): those that match ban their last token.
+        """
         n = self.n
-        if n < 1 or len(generated) < n - 1:
-            return []
-        while self.indexed + n <= len(generated):
-            gram = generated[self.indexed : self.indexed + n]
-            self.next_of.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
-            self.indexed += 1
-        prefix = tuple(generated[len(generated) - n + 1 :]) if n > 1 else ()
-        followers = self.next_of.get(prefix)
-        if not followers:
-            return []
-        return [t for t in followers if self.wordy is None or self.wordy((*prefix, t))]
+        if n < 1 or t < n:
+            return logits
+        grams = self.ids[:t].unfold(0, n, 1)  # [t − n + 1, n]: every n-gram the answer has written
+        repeat = (grams[:, :-1] == self.ids[t - n + 1 : t]).all(-1)
+        if self.letters is not None:
+            repeat &= self.letters[grams].any(-1)
+        ban = torch.where(repeat, float("-inf"), float("inf"))
+        return logits.float().scatter_reduce(0, grams[:, -1], ban, "amin")
 
-
-def _first_allowed(logits: Tensor, banned: list[int]) -> int:
-    """The best token that is not banned (``banned`` is non-empty)."""
-    top = torch.topk(logits, min(len(banned) + 1, logits.shape[-1])).indices.tolist()
-    return next((t for t in top if t not in banned), top[0])
-
-
-def make_sampler(temperature: float, top_p: float, seed: int, repetition_penalty: float = 1.0,
-                 no_repeat_ngram: int = 0, wordy: Wordy | None = None) -> Sampler:
-    """Greedy at temperature 0; otherwise temperature + nucleus sampling with a seeded generator.
-
-    ``no_repeat_ngram`` > 0: the answer never repeats a word n-gram of its own (``RepeatGuard``).
-    One sampler per answer: the guard remembers the answer it has seen.
-    """
-    guard = RepeatGuard(no_repeat_ngram, wordy) if no_repeat_ngram > 0 else None
-    if temperature <= 0:
-        def pick(logits: Tensor, generated: list[int]) -> int:
-            logits = penalise(logits, generated, repetition_penalty)
-            tok = greedy(logits)
-            if guard is None:
-                return tok
-            banned = guard.banned(generated)
-            return _first_allowed(logits, banned) if tok in banned else tok
-
-        return pick
-    gen = torch.Generator().manual_seed(seed)
-
-    def sample(logits: Tensor, generated: list[int]) -> int:
-        logits = penalise(logits, generated, repetition_penalty)
-        banned = guard.banned(generated) if guard is not None else []
-        if banned:
-            logits = logits.float().clone()
-            logits[banned] = float("-inf")
-        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-        if top_p < 1.0:
+    def _sample(self, logits: Tensor) -> int:
+        """Temperature + nucleus sampling on the host with the seeded generator (one read per token)."""
+        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-
-    return sample
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))

@@ -439,6 +439,13 @@ class HeadGroup:
             return False
         return not lazy or self.length >= min(self.usable_slots, lazy_limit)
 
+    def quiet_steps(self, lazy_limit: int) -> int:
+        """Single-token lazy steps from now on for which ``evicts_now`` stays False (each adds one token)."""
+        if self.capacity is None:
+            return 1 << 62
+        evicting_length = max(self.capacity + 1, min(self.usable_slots, lazy_limit))
+        return max(0, evicting_length - self.length - 1)
+
     @property
     def usable_slots(self) -> int:
         """Slots the group may fill: capacity + one block (its buffers may still be smaller and grow)."""

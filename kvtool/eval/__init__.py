@@ -32,7 +32,7 @@ from typing import Any
 from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
 from kvtool.errors import UsageError
 from kvtool.runtime.budget import parse_budget
-from kvtool.runtime.settings import CPU_BLOCK, Settings, resolve_settings
+from kvtool.runtime.settings import TABLE_BLOCK, Settings, resolve_settings
 
 #: What a directory of inputs may hold (other files are ignored).
 DOCUMENT_SUFFIXES = (".txt", ".md", ".markdown", ".html", ".htm", ".pdf", ".epub", ".docx")
@@ -189,8 +189,8 @@ class Grid:
 def make_grid(policies: str, budgets: str, always_full: bool = False, **overrides: Any) -> Grid:
     """Validate the shared settings and the (policy, budget) grid; loads nothing."""
     settings = resolve_settings(None, {k: v for k, v in overrides.items() if v is not None})
-    if settings.block_size is None:  # evaluation reads in the CPU's block on every device: tables stay comparable
-        settings = dataclasses.replace(settings, block_size=CPU_BLOCK)
+    if settings.block_size is None:  # evaluation reads in one block on every device: tables stay comparable
+        settings = dataclasses.replace(settings, block_size=TABLE_BLOCK)
     return Grid(
         settings=settings,
         policies=parse_policies(policies, always_full),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 
 class Detokenizer:
     """Turns a growing list of token ids into newly printable text (multi-byte safe), incrementally.
@@ -30,3 +33,17 @@ class Detokenizer:
 
     def text(self) -> str:
         return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def letter_tokens(tokenizer, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """[vocab] bool: the tokens whose own text has a letter, or is a piece of a multi-byte character (U+FFFD).
+
+    The repeat guard's word n-grams are those with such a token (``kvtool/core/sampling.py``): numbers,
+    punctuation and spaces may repeat. Decoded once per model (one batch call); ids past the tokenizer's
+    vocabulary (a padded embedding) spell nothing.
+    """
+    n = min(vocab, len(tokenizer))
+    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=True)
+    table = torch.zeros(vocab, dtype=torch.bool)
+    table[:n] = torch.tensor([any(c.isalpha() or c == "\ufffd" for c in text) for text in texts], dtype=torch.bool)
+    return table.to(device)

@@ -30,6 +30,7 @@ from kvtool.config import (
     SCAN_BYTES,
     SCAN_CHUNK,
     SCORE_BYTES,
+    batch_split,
     dtype_name,
     kv_token_head_bytes,
     kv_window_bytes,
@@ -260,6 +261,20 @@ def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int, rows
     return PROBS_COPIES * rows * keys * heads * 4
 
 
+def head_split_bytes(dims: Dims, elem: Any, keys: int, threads: int | None = None) -> int:
+    """The copies of one layer's K (float32) and V a CPU's explicit attention multiplies against when its KV heads
+    do not divide among the threads (``kvtool/config.py``'s ``batch_split``): 0 when they do."""
+    if threads is None:
+        import torch  # the threads this process's matmuls use (imported here: an error path loads no torch)
+
+        threads = torch.get_num_threads()
+    heads = dims["num_kv_heads"]
+    parts = batch_split(heads, threads)
+    if parts == 1:
+        return 0
+    return heads * parts * keys * dims["head_dim"] * (4 + dtype_bytes(elem))
+
+
 def sdpa_scratch_bytes(dims: Dims, block: int, budget: int, elem: Any) -> int:
     """Temporaries of the block's attention call itself, one layer at a time.
 
@@ -455,6 +470,8 @@ def predict_peak(
         "snapshot_bytes": 0 if device_type == "cuda" else snapshot,
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
+    if device_type == "cpu" and (rows or dims.get("softcap")):  # explicit probabilities on a CPU
+        parts["head_split_bytes"] = head_split_bytes(dims, elem, held + block_size)
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
         parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype,
                                                                 recall_tokens)

@@ -23,7 +23,7 @@ from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
 from kvtool.core.events import Listener, Note, PrefillProgress
-from kvtool.core.sampling import make_sampler
+from kvtool.core.sampling import Chooser
 from kvtool.core.timing import PARTS
 from kvtool.documents import Document
 from kvtool.errors import UsageError, first_line
@@ -32,13 +32,13 @@ from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
-from kvtool.runtime.detokenize import Detokenizer
+from kvtool.runtime.detokenize import Detokenizer, letter_tokens
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
 from kvtool.runtime.profiling import resolve_budget_and_recall
-from kvtool.runtime.settings import CPU_BLOCK, Settings, default_block_size
+from kvtool.runtime.settings import TABLE_BLOCK, Settings, default_block_size
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,7 +137,7 @@ class Session:
         if loaded is None:  # fail fast on bad options, before seconds of model loading
             check_policy(settings.policy, settings.policy_options)
             if settings.parsed_budget.tokens is not None and settings.policy.strip().lower() != "full":
-                EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size or CPU_BLOCK,
+                EngineConfig(budget=settings.parsed_budget.tokens, block_size=settings.block_size or TABLE_BLOCK,
                              sinks=settings.sinks, recent=settings.recent, positions=settings.positions).validate()
         self.threads = set_threads(settings.threads, self.say)
         self.loaded = loaded or load_model(settings.model, settings.device, settings.dtype, settings.quantize,
@@ -183,6 +183,7 @@ class Session:
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=relay, env=env,
                              pacer=self.share.rebalance if self.share is not None else None)
         self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
+        self._letters: Tensor | None = None  # which tokens spell a letter (the repeat guard's), once per model
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
         # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache, and
@@ -229,9 +230,13 @@ class Session:
         kv = self.settings.kv_dtype
         return str(self.loaded.dtype).replace("torch.", "") if kv == "auto" else kv
 
-    def _wordy(self, ids: tuple[int, ...]) -> bool:
-        """Whether tokens ``ids`` spell a letter: the n-grams the repeat guard stops (numbers may repeat)."""
-        return any(ch.isalpha() for ch in self.tokenizer.decode(list(ids), skip_special_tokens=True))
+    def _chooser(self, logits: Tensor, max_new_tokens: int) -> Chooser:
+        """One answer's token chooser; the repeat guard's table of letter tokens is built on first use."""
+        s = self.settings
+        if s.no_repeat_ngram > 0 and self._letters is None:
+            self._letters = letter_tokens(self.tokenizer, logits.shape[-1], logits.device)
+        return Chooser(max_new_tokens, logits.device, s.temperature, s.top_p, s.seed, s.repetition_penalty,
+                       s.no_repeat_ngram, self._letters)
 
     def _retrieval_heads(self, induction_frac: float = 0.14, echo_frac: float = 0.01) -> dict[int, list[int]]:
         """RazorAttention's head map: calibrated once per model and reused (kvtool/policies/razor/calibrate.py)."""
@@ -396,15 +401,14 @@ class Session:
             if piece and on_text is not None:
                 on_text(piece)
 
-        s = self.settings
-        sampler = make_sampler(s.temperature, s.top_p, s.seed, s.repetition_penalty, s.no_repeat_ngram, self._wordy)
+        max_new_tokens = max_new_tokens or self.settings.max_new_tokens
+        choose = self._chooser(logits, max_new_tokens)
         if cite_spans:
             cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
         self.emit(DecodeStarting(label))
         try:
-            ids, seconds = self.engine.generate(
-                cache, logits, max_new_tokens or s.max_new_tokens, self.eos, sampler, on_token
-            )
+            ids, seconds = self.engine.generate(cache, logits, max_new_tokens, self.eos, choose, on_token,
+                                                read_every=1 if on_text is not None else None)
         finally:
             positions, mass = cache.stop_mass() if cite_spans else (None, None)
         cache.pin_start = cache.pin_end = None

@@ -52,7 +52,7 @@ class Settings:
     policy_options: dict[str, str] = field(default_factory=dict)
     budget: str = "1k"
     kv_dtype: str = "auto"  # how the cache stores K/V (auto: the model's dtype; int8 / int4 with scales)
-    block_size: int | None = None  # None ("auto"): 128 on a CPU, GPU-sized on CUDA (``default_block_size``)
+    block_size: int | None = None  # None ("auto"): sized for the device and budget (``default_block_size``)
     sinks: int = 4
     recent: int = 8
     positions: str = "auto"
@@ -124,8 +124,11 @@ def _block(name: str, value: Any) -> int | None:
     return _int(1)(name, value)
 
 
-#: the block a CPU read feeds: where kvtool's fidelity tables were measured
-CPU_BLOCK = 128
+#: the smallest block ``auto`` feeds, and the block every evaluation table is read at (``kvtool eval`` on any
+#: device: the tables stay comparable, docs/results.md)
+TABLE_BLOCK = 128
+#: the largest block a CPU read feeds by default
+CPU_BLOCK = 256
 #: the largest block a CUDA read feeds by default
 GPU_BLOCK = 1024
 
@@ -133,18 +136,20 @@ GPU_BLOCK = 1024
 def default_block_size(device_type: str, budget_tokens: int | None) -> int:
     """The block ``--block-size auto`` (the default) feeds on a device.
 
-    On a CPU: 128. On CUDA the model's own forward of a block is launch-bound until it is about a thousand
-    tokens long (an H200, Llama-3.1-8B's shape: 6.4–7.0 ms for every block from 32 to 1,024 tokens, 11.6 ms
-    at 2,048; docs/performance.md), so a GPU read feeds the largest power of two up to 1,024 that is at most
-    a quarter of the budget (the cache holds budget + block, and a block's probabilities grow with it), and
-    never less than the CPU's 128.
+    The largest power of two that is at most a quarter of the budget (the cache holds budget + block, and a
+    block's attention rows grow with it), between 128 and the device's largest:
+
+    * a CPU: 256. Each block streams every weight from memory once, so 256 rows halve that traffic against
+      128 while a block's keys grow by an eighth at budget 1K (4K tokens, budget 1K: the default ``ask`` read
+      1.06–1.09× dense one pass at 256 against 0.96× at 128; docs/performance.md).
+    * CUDA: 1,024. The model's own forward of a block is launch-bound until it is about a thousand tokens long
+      (an H200, Llama-3.1-8B's shape: 6.4–7.0 ms for every block from 32 to 1,024 tokens, 11.6 ms at 2,048).
     """
-    if device_type != "cuda":
-        return CPU_BLOCK
+    largest = GPU_BLOCK if device_type == "cuda" else CPU_BLOCK
     if budget_tokens is None:
-        return GPU_BLOCK
+        return largest
     quarter = max(1, budget_tokens // 4)
-    return max(CPU_BLOCK, min(GPU_BLOCK, 1 << (quarter.bit_length() - 1)))
+    return max(TABLE_BLOCK, min(largest, 1 << (quarter.bit_length() - 1)))
 
 
 def _model(name: str, value: Any) -> str | None:

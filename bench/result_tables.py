@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PAGES = (16, 64)  # archive page sizes compared with the default 32 (needle with recall, the default policy)
 BLOCKS = (64, 256, 1024)  # block sizes compared with the default 128 (the agreement table) for the default policy
 #: the GPU's pairing (budget 4K: block 1,024 on CUDA, 128 on CPU): needles at 16K tokens, default settings
-GPU_BLOCKS = (128, 1024)
+GPU_BLOCKS = (128, 256, 1024)  # the tables' block, a CPU's auto at budget 4K, a GPU's
 GPU_KINDS = ("number", "name")
 
 
@@ -164,9 +164,9 @@ def table_blocks(data: dict) -> str:
 
 
 def table_gpu_block(data: dict, ran: dict[str, str]) -> str:
-    """The GPU's block against the CPU's at budget 4K (16K-token needles, the default settings): found per
-    block, and block 1,024 against 128 on the same trials (Newcombe's paired interval); ``ran``: how long the
-    trials of a log took when they ran."""
+    """The GPU's and a CPU's ``auto`` block against the tables' 128 at budget 4K (16K-token needles, the default
+    settings): found per block, and each block against 128 on the same trials (Newcombe's paired interval);
+    ``ran``: how long the trials of a log took when they ran."""
     from kvtool.eval.stats import newcombe_paired, wilson
 
     def trials(kind: str, block: int) -> dict | None:
@@ -175,8 +175,10 @@ def table_gpu_block(data: dict, ran: dict[str, str]) -> str:
             return None
         return {(r["depth"], a["trial"]): bool(a["correct"]) for r in task["result"]["results"] for a in r["answers"]}
 
-    lines = ["| needle | " + " | ".join(f"block {b}" for b in GPU_BLOCKS) + " | 1,024 vs 128 (same trials) |",
-             "|---|" + "---|" * (len(GPU_BLOCKS) + 1)]
+    base = GPU_BLOCKS[0]
+    lines = ["| needle | " + " | ".join(f"block {b}" for b in GPU_BLOCKS) + " | "
+             + " | ".join(f"{b:,} vs {base} (same trials)" for b in GPU_BLOCKS[1:]) + " |",
+             "|---|" + "---|" * (2 * len(GPU_BLOCKS) - 1)]
     cmds = []
     for kind in GPU_KINDS:
         runs = {b: trials(kind, b) for b in GPU_BLOCKS}
@@ -184,14 +186,16 @@ def table_gpu_block(data: dict, ran: dict[str, str]) -> str:
             continue
         cells = [f"{_iv(wilson(sum(r.values()), len(r)).as_dict(), pct=True)} ({sum(r.values())}/{len(r)})"
                  for r in runs.values()]
-        a, b = runs[GPU_BLOCKS[-1]], runs[GPU_BLOCKS[0]]
-        keys = sorted(a.keys() & b.keys())
-        d = newcombe_paired(sum(a[k] and b[k] for k in keys), sum(a[k] and not b[k] for k in keys),
-                            sum(b[k] and not a[k] for k in keys), sum(not a[k] and not b[k] for k in keys))
-        diff = f"{100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]" + (
-            " ✱" if d.excludes(0.0) else " (inside the noise)")
+        b = runs[base]
+        for block in GPU_BLOCKS[1:]:
+            a = runs[block]
+            keys = sorted(a.keys() & b.keys())
+            d = newcombe_paired(sum(a[k] and b[k] for k in keys), sum(a[k] and not b[k] for k in keys),
+                                sum(b[k] and not a[k] for k in keys), sum(not a[k] and not b[k] for k in keys))
+            cells.append(f"{100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]"
+                         + (" ✱" if d.excludes(0.0) else " (inside the noise)"))
         lines.append(f"| {'a 5-digit number' if kind == 'number' else 'an invented name'} | " + " | ".join(cells)
-                     + f" | {diff} |")
+                     + " |")
         tasks = [data[f"block-needle-{kind}-{b}"] for b in GPU_BLOCKS]
         cmds += [f"`{t['command']}` — {t['seconds']:.0f} s" + (f" (resumed from its log; {ran[name]})" if name in ran
                  else "") for name, t in zip((f"block-needle-{kind}-{b}" for b in GPU_BLOCKS), tasks, strict=True)]

@@ -74,7 +74,7 @@ RAN = {"needle-recall": "the recall trials ran beside other runs at low priority
        "needle-recall-64k": "the trials ran in 1,782 s beside other runs",
        **{f"block-needle-{k}": f"the trials ran in {s} s, two logs at a time on one thread each"
           for k, s in (("number-128", "1,624"), ("number-1024", "1,641"), ("name-128", "1,546"),
-                       ("name-1024", "1,533"))}}
+                       ("name-1024", "1,533"), ("number-256", "1,357"), ("name-256", "1,372"))}}
 # needle-recall shares needle's log: its full and eviction-only trials are needle's, resumed
 LOGS = {"needle-recall": "needle", "agreement-aord": "agreement", "needle-multi-1k": "needle-multi"}
 
@@ -135,8 +135,8 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
                           "bench/data/aord_questions.txt", "--policies", DEFAULT, "--budgets",
                           "256" if opts.quick else "256,1024", "--max-new-tokens", "24", "--first-tokens", "8",
                           "--block-size", str(b)] for b in BLOCKS},
-        # the block a GPU picks at budget 4K (1,024) against the CPU's (128), where a 16K haystack makes the
-        # budget evict three quarters of it: kvtool's own answering defaults (recall on), one thread
+        # the block a GPU picks at budget 4K (1,024) and a CPU's (256) against the tables' (128), where a 16K
+        # haystack makes the budget evict three quarters of it: kvtool's own answering defaults (recall on), one thread
         **{f"block-needle-{k}-{b}": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays",
                                      *(["--needle-kind", k] if k != "number" else []), "--lengths", "16k",
                                      "--depths", "0.1,0.5,0.9", "--trials", str(opts.trials or 4), "--policies",
@@ -289,17 +289,18 @@ def render(data: dict, total_seconds: float) -> str:
                   ""]
     if "agreement" in data and any(f"block-{b}" in data for b in BLOCKS):
         parts += ["## Block size for the default policy", "",
-                  f"`{DEFAULT}` on the agreement questions at prefill blocks of 64, 128 (a CPU's default), 256 and "
-                  "1,024 tokens; each block size's token F1 against block 128's on the same questions (paired "
-                  "bootstrap).", "", table_blocks(data), ""]
+                  f"`{DEFAULT}` on the agreement questions at prefill blocks of 64, 128 (the tables' block), 256 (a "
+                  "CPU's `auto` from budget 1K) and 1,024 tokens; each block size's token F1 against block 128's "
+                  "on the same questions (paired bootstrap).", "", table_blocks(data), ""]
     if any(f"block-needle-{k}-{b}" in data for k in GPU_KINDS for b in GPU_BLOCKS):
-        parts += ["### The GPU's block, on a CPU", "",
-                  "On CUDA `--block-size auto` feeds 1,024 tokens a block from budget 4K up (a CPU feeds 128). "
-                  "What that costs in answers, measured on this CPU where the block is a choice: needles in 16K "
-                  "tokens (the budget evicts three quarters of the document), kvtool's default settings (recall "
-                  "on), 4 trials per depth (0.1, 0.5, 0.9), the same trials at both blocks.", "",
+        parts += ["### The GPU's block and a CPU's, against the tables' 128", "",
+                  "At budget 4K `--block-size auto` feeds 1,024 tokens a block on CUDA and 256 on a CPU; `kvtool "
+                  "eval` reads at 128. What that costs in answers, measured on this CPU where the block is a "
+                  "choice: needles in 16K tokens (the budget evicts three quarters of the document), kvtool's "
+                  "default settings (recall on), 4 trials per depth (0.1, 0.5, 0.9), the same trials at every "
+                  "block.", "",
                   table_gpu_block(data, RAN), "",
-                  "Both blocks miss the same way: the name's misses answer with a phrase of a recalled passage "
+                  "Every block misses the same way: the name's misses answer with a phrase of a recalled passage "
                   "(`The secret name is \"The Secret Weapon\"`), as in the default settings' 8K row (below), "
                   "where `full` finds the name 3 times in 9; the block does not move it.", ""]
     if any(k in data for k in ("archive-float16", "archive-int8", *(f"recall-page-{p}" for p in PAGES))):

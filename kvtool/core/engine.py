@@ -406,7 +406,7 @@ class Engine:
                 on_token: Callable[[int], None] | None, out: list[int], t0: float, every: int) -> None:
         read = 0  # tokens of the answer read back so far
         quiet = cache.quiet_steps()  # single-token steps from here that evict nothing
-        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=self.device) if cache.citing else None
+        eos = self._on_device(torch.tensor(sorted(eos_ids), dtype=torch.long)) if cache.citing else None  # no sync
         for t in range(max_new_tokens):
             tok = choose(logits[-1], t)
             last = t + 1 == max_new_tokens

@@ -127,20 +127,28 @@ def count_transformers(layers: int) -> tuple[OpCounter, OpCounter]:
     return per_block, per_token
 
 
-def count_kvtool(layers: int, policy: str, recall: bool, fused: bool = False) -> tuple[OpCounter, OpCounter]:
-    """kvtool's engine: one steady evicting block, then one decoded token (a lazy step: no eviction)."""
+def _engine(layers: int, policy: str, archive: str | None = None, listener=None):
+    """kvtool's engine on the tiny Llama; ``archive``: recall 32 with an int8 archive in that directory."""
     import torch
 
     from kvtool.core.engine import Engine, EngineConfig, model_env
     from kvtool.policies import build_policy
 
     model = tiny_llama(layers)
+    cfg = EngineConfig(budget=BUDGET, block_size=BLOCK, sinks=4, recent=8, positions="absolute",
+                       recall=32 if archive else 0, archive_dtype=torch.int8 if archive else None,
+                       archive_dir=archive)
+    env = model_env(model, cfg)
+    return Engine(model, build_policy(policy, {}, env), cfg, env=env, listener=listener)
+
+
+def count_kvtool(layers: int, policy: str, recall: bool, fused: bool = False) -> tuple[OpCounter, OpCounter]:
+    """kvtool's engine: one steady evicting block, then one decoded token (a lazy step: no eviction)."""
+    import torch
+
+
     with tempfile.TemporaryDirectory(prefix="kvtool-launches-") as archive:
-        cfg = EngineConfig(budget=BUDGET, block_size=BLOCK, sinks=4, recent=8, positions="absolute",
-                           recall=32 if recall else 0, archive_dtype=torch.int8 if recall else None,
-                           archive_dir=archive if recall else None)
-        env = model_env(model, cfg)
-        engine = Engine(model, build_policy(policy, {}, env), cfg, env=env)
+        engine = _engine(layers, policy, archive if recall else None)
         cache = engine.new_cache()
         cache.fused_output = fused  # the GPU's way for H2O: output from SDPA, probabilities for their sums only
         ids = _ids(BUDGET + 4 * BLOCK, 1)
@@ -168,16 +176,11 @@ def count_decode_loop(tokens: int = 64, every: int = 8) -> dict:
     reads themselves (one progress event each)."""
     import torch
 
-    from kvtool.core.engine import Engine, EngineConfig, model_env
     from kvtool.core.events import DecodeProgress
     from kvtool.core.sampling import Chooser
-    from kvtool.policies import build_policy
 
-    model = tiny_llama(2)
-    cfg = EngineConfig(budget=BUDGET, block_size=BLOCK, sinks=4, recent=8, positions="absolute")
-    env = model_env(model, cfg)
     reads: list = []
-    engine = Engine(model, build_policy("h2o", {}, env), cfg, env=env, listener=reads.append)
+    engine = _engine(2, "h2o", listener=reads.append)
     cache = engine.new_cache()
     with torch.inference_mode():
         logits = engine.feed(cache, [_ids(BUDGET + 2 * BLOCK, 1)], progress=False)

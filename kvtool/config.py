@@ -141,12 +141,18 @@ def probs_chunk_rows(attention_heads: int, keys: int) -> int:
     return max(1, PROBS_CHUNK_BYTES // (attention_heads * keys * 4))
 
 
-def batch_split(batch: int, threads: int) -> int:
-    """Parts to split each entry of a CPU batched matmul of ``batch`` entries into (1: none).
+#: the fewest rows a part of a split batched matmul keeps (``batch_split``): its copy of the shared operand
+#: (keys × head dim) must stay small against its product (rows × keys × head dim)
+MIN_PART_ROWS = 128
+
+
+def batch_split(batch: int, threads: int, rows: int) -> int:
+    """Parts to split each ``rows``-row entry of a CPU batched matmul of ``batch`` entries into (1: none).
 
     torch's CPU ``bmm`` hands whole batch entries to its threads: 3 KV heads on 2 threads leave one thread
-    idle a third of the time. Split so the batch is a multiple of the thread count, at most 4 parts (each part
-    multiplies against its own copy of the shared operand, ``core/attention.py``'s ``_head_bmm``).
+    idle a third of the time. Split so the batch is a multiple of the thread count, at most 4 parts of at least
+    ``MIN_PART_ROWS`` rows (each part multiplies against its own copy of the shared operand, ``core/attention.py``'s
+    ``_head_bmm``: a decoded token's few rows, or a short chunk, would spend more on the copy than it saves).
     """
     parts = threads // math.gcd(batch, threads)
-    return parts if parts <= 4 else 1
+    return parts if parts <= 4 and rows % parts == 0 and rows // parts >= MIN_PART_ROWS else 1

@@ -15,8 +15,8 @@ VOCAB = 101
 def tiny_llama(seed: int = 0, max_positions: int = 2048, **kw) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, rope_theta=10000.0, **{"num_hidden_layers": 2, **kw},
+        vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=max_positions, rope_theta=10000.0,
+        **{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, **kw},
     )
     return LlamaForCausalLM(cfg).eval()
 

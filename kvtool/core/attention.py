@@ -128,12 +128,12 @@ def _head_bmm(cache: BoundedCache | None, a: Tensor, b: Tensor, out: Tensor | No
 
     torch's CPU ``bmm`` gives whole batch entries to its threads, so 3 KV heads on 2 threads leave one idle a
     third of the time (SmolLM2's QK and PV at block 128: 2.42 → 1.85 ms a layer once evened out). With
-    ``cache.batch_split(h)`` = s > 1, each head's M rows are cut in s parts, each multiplied by its own copy
+    ``cache.batch_split(h, M)`` = s > 1, each head's M rows are cut in s parts, each multiplied by its own copy
     of the head's ``b`` (a reused buffer, ``name``): a batch of h·s entries, the same products.
     """
     h, m = a.shape[0], a.shape[1]
-    parts = 1 if cache is None else cache.batch_split(h)
-    if parts == 1 or m % parts:
+    parts = 1 if cache is None else cache.batch_split(h, m)
+    if parts == 1:
         return torch.bmm(a, b.transpose(1, 2) if transposed else b, out=out)
     copies = cache.buffer(name, b.dtype, h, parts, b.shape[1], b.shape[2])  # type: ignore[union-attr]
     copies.copy_(b.unsqueeze(1).expand_as(copies))

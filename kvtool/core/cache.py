@@ -270,9 +270,9 @@ class BoundedCache(Cache):
             store = self._scratch[name] = torch.empty(numel, dtype=dtype, device=self.device)
         return store[:numel].view(shape)
 
-    def batch_split(self, batch: int) -> int:
+    def batch_split(self, batch: int, rows: int) -> int:
         """``batch_split`` for this device's threads: 1 on accelerators, whose batched matmuls balance themselves."""
-        return batch_split(batch, torch.get_num_threads()) if self.device.type == "cpu" else 1
+        return batch_split(batch, torch.get_num_threads(), rows) if self.device.type == "cpu" else 1
 
     # -- counters -------------------------------------------------------------------------------
     @property

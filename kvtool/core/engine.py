@@ -411,7 +411,7 @@ class Engine:
             tok = choose(logits[-1], t)
             last = t + 1 == max_new_tokens
             if last or quiet == 0 or choose.reads_each_token or t + 1 - read >= every:
-                ended = _read_answer(choose.ids[read : t + 1], eos_ids, out, on_token)  # the one host read
+                ended = _read_answer(choose.read(read, t + 1), eos_ids, out, on_token)  # the one host read
                 read = t + 1
                 if self.listener is not None:
                     self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
@@ -423,9 +423,9 @@ class Engine:
             quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
 
 
-def _read_answer(chosen: Tensor, eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None) -> bool:
+def _read_answer(chosen: list[int], eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None) -> bool:
     """Append the tokens ``chosen`` (read back from the device) to ``out`` up to an end token; True at one."""
-    for tok in chosen.tolist():
+    for tok in chosen:
         if tok in eos_ids:
             return True
         out.append(tok)

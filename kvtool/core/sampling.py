@@ -37,6 +37,7 @@ class Chooser:
         self.n = no_repeat_ngram
         self.letters = None if letters is None else letters.to(device)
         self.gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+        self.sampled: list[int] = []  # sampling: the tokens, already on the host
 
     @property
     def reads_each_token(self) -> bool:
@@ -50,8 +51,14 @@ class Chooser:
         if self.gen is None:
             torch.argmax(logits, dim=-1, keepdim=True, out=out)  # the best token the guard allows
         else:
-            out.fill_(self._sample(logits))
+            self.sampled.append(self._sample(logits))
+            out.fill_(self.sampled[-1])
         return out
+
+    def read(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of the answer on the host: one read of the device buffer (none when sampling,
+        whose tokens were read to be chosen)."""
+        return self.sampled[start:stop] if self.gen is not None else self.ids[start:stop].tolist()
 
     def penalised(self, logits: Tensor, t: int) -> Tensor:
         """CTRL-style repetition penalty on the answer's own tokens (Keskar et al. 2019, eq. in §4.1):

@@ -435,16 +435,20 @@ class HeadGroup:
         """Whether this step evicts: the group is over capacity and, while decoding lazily, its spare
         block region is full (one gather per block of generated tokens instead of one per token) or
         it holds ``lazy_limit`` tokens (compact positions must stay inside the model's range)."""
-        if self.capacity is None or self.length <= self.capacity:
+        if self.capacity is None:
             return False
-        return not lazy or self.length >= min(self.usable_slots, lazy_limit)
+        return self.length >= (self._evicting_length(lazy_limit) if lazy else self.capacity + 1)
 
     def quiet_steps(self, lazy_limit: int) -> int:
         """Single-token lazy steps from now on for which ``evicts_now`` stays False (each adds one token)."""
         if self.capacity is None:
             return 1 << 62
-        evicting_length = max(self.capacity + 1, min(self.usable_slots, lazy_limit))
-        return max(0, evicting_length - self.length - 1)
+        return max(0, self._evicting_length(lazy_limit) - self.length - 1)
+
+    def _evicting_length(self, lazy_limit: int) -> int:
+        """The length at which a lazily decoding group evicts (``evicts_now``'s one rule)."""
+        assert self.capacity is not None
+        return max(self.capacity + 1, min(self.usable_slots, lazy_limit))
 
     @property
     def usable_slots(self) -> int:

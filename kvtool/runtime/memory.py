@@ -261,15 +261,15 @@ def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int, rows
     return PROBS_COPIES * rows * keys * heads * 4
 
 
-def head_split_bytes(dims: Dims, elem: Any, keys: int, threads: int | None = None) -> int:
+def head_split_bytes(dims: Dims, elem: Any, keys: int, block: int, threads: int | None = None) -> int:
     """The copies of one layer's K (float32) and V a CPU's explicit attention multiplies against when its KV heads
-    do not divide among the threads (``kvtool/config.py``'s ``batch_split``): 0 when they do."""
+    do not divide among the threads (``kvtool/config.py``'s ``batch_split``, for a block's rows): 0 when they do."""
     if threads is None:
         import torch  # the threads this process's matmuls use (imported here: an error path loads no torch)
 
         threads = torch.get_num_threads()
     heads = dims["num_kv_heads"]
-    parts = batch_split(heads, threads)
+    parts = batch_split(heads, threads, dims["num_attention_heads"] // heads * block)
     if parts == 1:
         return 0
     return heads * parts * keys * dims["head_dim"] * (4 + dtype_bytes(elem))
@@ -471,7 +471,7 @@ def predict_peak(
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     if device_type == "cpu" and (rows or dims.get("softcap")):  # explicit probabilities on a CPU
-        parts["head_split_bytes"] = head_split_bytes(dims, elem, held + block_size)
+        parts["head_split_bytes"] = head_split_bytes(dims, elem, held + block_size, block_size)
     if coded_kv(elem, kv_dtype):  # a part only where it exists: the profiles' expected figures stay as they are
         parts["kv_decode_scratch_bytes"] = decode_scratch_bytes(dims, elem, budget_tokens, block_size, kv_dtype,
                                                                 recall_tokens)

@@ -34,8 +34,8 @@ RayOpt = Annotated[str | None, typer.Option(
     "--ray", help="Read the documents on a Ray cluster: local (start one here), auto or an address (join one). "
     "Needs the extra kvtool[cluster]; every path must be reachable from every node.")]
 WorkersOpt = Annotated[int | None, typer.Option(
-    "--workers", help="With --ray: how many workers, each a loaded model (default: one per GPU, else one per "
-    "2 CPU cores).")]
+    "--workers", help="With --ray: how many workers, each a loaded model on one node (default: one per GPU, else "
+    "one per 2 CPU cores of each node).")]
 
 #: the options only the many-document form takes, by their flags
 MANY_ONLY = ("--files-from", "--output", "--ray", "--workers")

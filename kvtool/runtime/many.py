@@ -52,6 +52,15 @@ class Task:
     cite: bool = False  # ask --cite
     doc_format: str | None = None  # --format
     force: bool = False  # prefill --force: rewrite existing caches
+    #: 16 hex digits of what decides a record's content, computed once when the task is made (see
+    #: :func:`settings_fingerprint`) and shipped with it: a copy whose settings a Ray pool adapted to its
+    #: workers (the device ``auto`` resolved, the threads, the model's absolute path) keeps the same value,
+    #: so the driver and every worker stamp and resume with one fingerprint.
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            self.fingerprint = settings_fingerprint(self)
 
     def keys(self) -> list[str]:
         """What one document gives a record for: each question, the summary, or the saved cache."""
@@ -59,21 +68,22 @@ class Task:
             return list(self.questions)
         return ["summary" if self.command == "summarize" else "prefill"]
 
-    @property
-    def fingerprint(self) -> str:
-        """16 hex digits of what decides a record's content: the command and every setting that changes an
-        answer. Not the threads, the device's place or the Ray pool: those change the speed, not the answer."""
-        values = asdict(self.settings)
-        values.pop("threads", None)
-        if values.get("model"):
-            values["model"] = os.path.abspath(str(values["model"]))
-        extra: dict[str, Any] = {"format": self.doc_format or "auto"}
-        if self.command == "ask":
-            extra["cite"] = self.cite
-        elif self.command == "summarize":
-            extra["length"] = self.length
-        payload = json.dumps({"command": self.command, "settings": values, **extra}, sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+def settings_fingerprint(task: Task) -> str:
+    """16 hex digits of what decides a record's content: the command and every setting that changes an answer,
+    as the user asked for them (``--device auto`` stays ``auto``). Not the threads, the device's place or the
+    Ray pool: those change the speed, not the answer."""
+    values = asdict(task.settings)
+    values.pop("threads", None)
+    if values.get("model"):
+        values["model"] = os.path.abspath(str(values["model"]))
+    extra: dict[str, Any] = {"format": task.doc_format or "auto"}
+    if task.command == "ask":
+        extra["cite"] = task.cite
+    elif task.command == "summarize":
+        extra["length"] = task.length
+    payload = json.dumps({"command": task.command, "settings": values, **extra}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
 @dataclass

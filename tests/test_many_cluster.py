@@ -222,6 +222,38 @@ def test_sigterm_stops_a_working_ray_worker_at_its_next_block(cluster, model_dir
     wait_until(lambda: not ray_workers(), timeout=30)
 
 
+def test_a_stopped_worker_removes_the_cache_and_archive_it_was_writing(model_dir, tmp_path):
+    """The actor's body itself (no cluster needed): ``stop()`` arrives while the .kvc is being written, after its
+    archive was placed beside it; the read stops at the next chunk written, and both the temp file and the
+    archive are gone -- what a ``ray.kill`` would have left behind."""
+    pytest.importorskip("ray")
+    from kvtool.runtime import cluster as ray_cluster
+    from kvtool.runtime.events import PhaseProgress
+    from kvtool.runtime.many import Job, Task, describe_error
+    from kvtool.runtime.settings import resolve_settings
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(f"The cat number {j} sat on mat {j}." for j in range(600)), encoding="utf-8")
+    out = tmp_path / "caches"
+    out.mkdir()
+    settings = resolve_settings(None, {"model": model_dir, "budget": "160", "block_size": 32, "threads": 1,
+                                       "recall": "64"})
+    worker = ray_cluster.KvtoolWorker(Task("prefill", settings), describe_error)
+    present: list[list[str]] = []
+
+    def stop_mid_write(event: object) -> None:
+        if isinstance(event, PhaseProgress) and event.name == "writing doc.kvc" and 0 < event.done and not present:
+            present.append(sorted(os.listdir(out)))
+            worker.stop()  # as the driver's stop.remote() would, from the actor's other thread
+        worker._between_blocks(event)
+
+    worker.worker.listener = stop_mid_write  # the session is made with it on the first job
+    job = Job(path=str(doc), location=str(doc), keys=["prefill"], output=str(out / "doc.kvc"))
+    assert list(worker.run(job)) == []  # stopped: no record, no error record
+    assert len(present) == 1 and any(".tmp" in name for name in present[0]) and len(present[0]) == 2, present
+    assert os.listdir(out) == []  # the temp file and the archive are gone
+
+
 def test_sigterm_kills_a_ray_worker_blocked_on_a_fifo_after_the_grace_period(cluster, model_dir, tmp_path):
     """A worker blocked opening a FIFO nobody writes cannot look at its stop flag: after the grace period the
     driver kills it, says so in one line, and exits 143; no worker is left running."""

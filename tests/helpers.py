@@ -88,6 +88,139 @@ def tiny_tokenizer():
     return fast
 
 
+# -- chat families' tokenizers (tests/test_injection.py) --------------------------------------------------------------
+# Tiny trained tokenizers with each family's control tokens, pre-tokenization and chat template: what a document
+# holding those tokens' text must never turn into.
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}"
+    "\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+    "{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}[/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+CHAT_FAMILIES = ["chatml", "llama3", "gemma", "mistral"]
+#: the tiny model family each chat family's checkpoint uses (tests/helpers.py ``tiny_family``)
+CHAT_MODEL = {"chatml": "qwen2", "llama3": "llama3", "gemma": "gemma3", "mistral": "mistral"}
+_CORPUS = ["the cache is small and the pass key is 12345 hello world",
+           "Revenue rose in the second quarter. How did revenue change? Answer the question about the text above.",
+           "Summarize the text above in two or three sentences. user assistant model system"]
+
+
+def tiny_chat_tokenizer(family: str):
+    """A tiny trained tokenizer of a chat family (``CHAT_FAMILIES``) with its control tokens and template.
+
+    chatml: byte-level BPE (Qwen, SmolLM); llama3: byte-level BPE, ``<|begin_of_text|>`` prepended by the
+    template; gemma: SentencePiece-style BPE without a word-start marker at the start of a string; mistral:
+    SentencePiece-style BPE with one (``prepend_scheme="first"``), ``[INST]`` / ``[/INST]`` control tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if family == "chatml":
+        return tiny_tokenizer()
+    ascii_chars = [chr(c) for c in range(32, 127)] + ["\n", "\u2581"]
+    if family == "llama3":
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                    "<|reserved_special_token_0|>"]
+        names = dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", unk_token="<|end_of_text|>")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet, template = pre_tokenizers.ByteLevel.alphabet(), LLAMA3_TEMPLATE
+    elif family == "gemma":
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        names = dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tok.decoder = decoders.Metaspace(prepend_scheme="never")
+        alphabet, template = ascii_chars, GEMMA_TEMPLATE
+    elif family == "mistral":
+        specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+        names = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+        tok.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+        alphabet, template = ascii_chars, MISTRAL_TEMPLATE
+    else:
+        raise ValueError(f"unknown chat family {family!r}")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet,
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **names)
+    fast.chat_template = template
+    return fast
+
+
+def char_tokenizer(match_controls: bool = False):
+    """A Python (not Rust-backed) tokenizer: one token per ASCII character, Mistral's control tokens and template.
+
+    ``match_controls``: its plain-text tokenization makes the control tokens out of their text too, as a
+    SentencePiece model whose control pieces are user-defined does (``split_special_tokens`` does not stop it).
+    """
+    from transformers import AddedToken
+    from transformers.tokenization_python import PythonBackend
+
+    class CharTokenizer(PythonBackend):
+        model_input_names = ["input_ids", "attention_mask"]
+
+        def __init__(self, **kw):
+            self.chars = [chr(c) for c in range(32, 127)] + ["\n"]
+            self.index = {c: i for i, c in enumerate(self.chars)}
+            super().__init__(unk_token="<unk>", bos_token="<s>", eos_token="</s>", **kw)
+            self.add_tokens([AddedToken("[INST]", special=True), AddedToken("[/INST]", special=True)],
+                            special_tokens=True)
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self.chars)
+
+        def get_vocab(self) -> dict[str, int]:
+            return {**self.index, **self.added_tokens_encoder}
+
+        def _tokenize(self, text: str, **kw) -> list[str]:
+            controls = sorted(self.added_tokens_encoder, key=len, reverse=True) if match_controls else []
+            out, i = [], 0
+            while i < len(text):
+                piece = next((c for c in controls if text.startswith(c, i)), text[i])
+                out.append(piece)
+                i += len(piece)
+            return out
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self.index.get(token, self.unk_token_id)
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return self.chars[index] if index < len(self.chars) else "<unk>"
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return "".join(tokens)
+
+    tok = CharTokenizer()
+    tok.chat_template = MISTRAL_TEMPLATE
+    return tok
+
+
+def tiny_chat_checkpoint(directory, family: str, seed: int = 0):
+    """A checkpoint directory of a tiny random model with ``tiny_chat_tokenizer(family)``."""
+    from pathlib import Path
+
+    tok = tiny_chat_tokenizer(family)
+    model = tiny_family(CHAT_MODEL[family], seed=seed, vocab=len(tok))
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return Path(directory)
+
+
 def tiny_checkpoint(directory, seed: int = 0, layers: int = 2, hidden: int = 64):
     """A tiny random Llama checkpoint directory with a real tokenizer and chat template."""
     from pathlib import Path

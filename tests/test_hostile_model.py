@@ -178,7 +178,7 @@ def test_a_hostile_chat_template_is_one_usage_error(case, monkeypatch):
     assert words in str(info.value) and "\n" not in str(info.value)
     assert time.monotonic() - started < 20
     tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}"  # the caps go away
-    assert prompt.question_suffix(tok, "Who?").endswith("Who?")
+    assert prompt.question_suffix(tok, "Who?").text.endswith("Who?")
 
 
 def test_a_hostile_chat_template_in_the_checkpoint_exits_2_before_reading(tiny_dir, tmp_path, capsys):

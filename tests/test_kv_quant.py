@@ -529,11 +529,11 @@ def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):
     rc, info, _ = run_cli(capsys, "inspect", out, "--json")
     desc = json.loads(info)
     meta = desc["metadata"]
-    assert meta["format_version"] == 2 and meta["required_features"] == ["kv_dtype"]
+    assert meta["format_version"] == 3 and meta["required_features"] == ["kv_dtype"]
     assert meta["settings"]["kv_dtype"] == "int8"
     rc, pinfo, _ = run_cli(capsys, "inspect", plain, "--json")
     pdesc = json.loads(pinfo)
-    assert pdesc["metadata"]["format_version"] == 1 and "required_features" not in pdesc["metadata"]
+    assert pdesc["metadata"]["format_version"] == 3 and "required_features" not in pdesc["metadata"]
     assert desc["kv_bytes"] == 2 * 2 * 40 * 2 * (8 + 2) and pdesc["kv_bytes"] == 2 * 2 * 40 * 2 * 8 * 4
     assert out.stat().st_size < plain.stat().st_size
 
@@ -588,9 +588,10 @@ def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qe
     meta["required_features"] = ["kv_dtype", "kv_magic"]
     bad = tmp_path / "magic.kvc"
     save_file(load_file(str(src)), str(bad), metadata={**md, "kvtool": json.dumps(meta)})
-    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 2")):
-        if path == src:  # a kvtool that reads format 1 only (what a release before --kv-dtype does)
-            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 1)
+    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 3")):
+        if path == src:  # a kvtool that reads formats 1-2 only (what a release before plain-text documents does)
+            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 2)
+            monkeypatch.setattr(kvc_format, "MIN_FORMAT_VERSION", 1)
         for args in (["ask", path, "q", "--model", qenv["model"], "-q"], ["inspect", path]):
             rc, _, err = run_cli(capsys, *args)
             lines = [ln for ln in err.splitlines() if ln.strip()]

@@ -444,7 +444,8 @@ def test_incompatible_version(env, kvc, tmp_path, capsys):
     bad = tmp_path / "future.kvc"
     save_file(load_file(str(kvc)), str(bad), metadata=md)
     for args in (["ask", bad, "q", "--model", env["model"], "-q"], ["inspect", bad]):
-        line = assert_usage_error(cli(capsys, *args), "kvtool 9.9.0", "kvc format 99", "kvc format 1")
+        line = assert_usage_error(cli(capsys, *args), "kvtool 9.9.0", "kvc format 99",
+                                  f"kvc format {kvc_format.READ_FORMAT_VERSION}")
         assert f"this kvtool {kvc_format.__version__}" in line
 
 

@@ -8,10 +8,11 @@ A ``.kvc`` file is a plain safetensors file (see ``docs/kvc-format.md``)::
               (and .comp_key_sum / .comp_value_sum / .comp_count for RazorAttention's compensated heads;
               .key_scale / .value_scale for int8 / int4 K/V, ``--kv-dtype``)
 
-A file that needs something an older kvtool would misread lists it in ``required_features`` and is written
-as format ``FEATURES_FORMAT_VERSION``: a kvtool that reads only format 1 refuses it with its one-line
-version message, and this one refuses a feature it does not know the same way. Files without features stay
-format 1, readable by every kvtool.
+Every file is written as format ``FORMAT_VERSION`` (3). Formats 1 and 2 were written before document text
+was kept apart from control tokens: their caches may hold a document's ``<|im_end|>`` as the real control
+token, so they are refused with a line that says so (prefill again). A file that needs something an older
+kvtool would misread lists it in ``required_features``; a feature this kvtool does not know is refused in
+one line as well, so a later feature needs no new version.
 
 Everything here reads the header only, so ``kvtool inspect`` and input detection stay instant and never
 import torch. Every value a reader later allocates from is checked here first: types, ranges, agreement
@@ -34,10 +35,13 @@ from kvtool.config import DTYPE_BYTES, KV_DTYPES
 from kvtool.errors import UsageError, first_line, shown
 
 FORMAT = "kvtool-kvc"
-FORMAT_VERSION = 1  # what a file without required features is written as; bump on any change an older kvtool misreads
-FEATURES_FORMAT_VERSION = 2  # a file with ``required_features`` (format-1 readers refuse it)
-READ_FORMAT_VERSION = 2  # newest format this kvtool loads
-MIN_FORMAT_VERSION = 1  # oldest format this kvtool still loads
+FORMAT_VERSION = 3  # what every file is written as; bump on any change an older kvtool misreads
+READ_FORMAT_VERSION = 3  # newest format this kvtool loads
+#: oldest format this kvtool still loads: the first whose document tokens are plain text (a document's
+#: ``<|im_end|>`` its characters, not the control token)
+MIN_FORMAT_VERSION = 3
+#: what formats 1 (no required features) and 2 (with them) lack, in the line that refuses them
+_BEFORE_PLAIN_TEXT = "written before document text was kept apart from control tokens"
 #: features a file may require that this kvtool reads: ``kv_dtype`` = K/V stored in another format than the
 #: model's dtype (``--kv-dtype``: a narrower float, or int8 / int4 codes with per-token scales)
 KNOWN_FEATURES = ("kv_dtype",)
@@ -467,6 +471,9 @@ def _check_version(path: str, md: dict[str, Any], meta: dict[str, Any]) -> None:
             raise UsageError(f"{path} was written by kvtool {writer} and needs {', '.join(unknown)[:200]}, which "
                              f"this kvtool {__version__} does not read: upgrade kvtool")
         return
+    if 1 <= version < MIN_FORMAT_VERSION:
+        raise UsageError(f"{path} was written by kvtool {writer} (kvc format {version}), {_BEFORE_PLAIN_TEXT}; "
+                         "prefill it again")
     supported = f"{MIN_FORMAT_VERSION}-{READ_FORMAT_VERSION}" if MIN_FORMAT_VERSION < READ_FORMAT_VERSION else str(
         READ_FORMAT_VERSION)
     hint = "upgrade kvtool" if version > READ_FORMAT_VERSION else "prefill it again with this kvtool"

@@ -31,7 +31,6 @@ from kvtool import __version__
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.fileio import fsync_dir
 from kvtool.kvc.format import (
-    FEATURES_FORMAT_VERSION,
     FORMAT,
     FORMAT_VERSION,
     META_KEY,
@@ -177,8 +176,7 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
     clean_stale(directory)
     entries = sorted(entries, key=lambda e: e.name)
     meta = dict(meta)
-    version = FEATURES_FORMAT_VERSION if meta.get("required_features") else FORMAT_VERSION  # see kvc/format.py
-    meta.update(format=FORMAT, format_version=version, tensors_sha256=_PLACEHOLDER)
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, tensors_sha256=_PLACEHOLDER)
     meta.setdefault("kvtool_version", __version__)
     meta = jsonable(meta)
     try:

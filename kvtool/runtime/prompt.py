@@ -6,7 +6,10 @@
 
 The template is rendered once with a marker where the document goes and split at the marker, so
 any chat template works and the prefix does not depend on the question: one prefilled document
-serves many questions.
+serves many questions. The question is data like the document: the template is rendered with a second
+marker in its place and the question put there afterwards, so the template never sees it and
+:func:`encode` knows which characters are the user's (plain text, never control tokens; see
+:mod:`kvtool.runtime.tokens`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtool.errors import UsageError, first_line
+from kvtool.runtime.tokens import encode_prompt
 
 MARK = "\u2063KVTOOL_DOCUMENT\u2063"
+QUESTION_MARK = "\u2063KVTOOL_QUESTION\u2063"
 
 ASK_INSTRUCTION = "\n\nAnswer the question about the text above. Be brief and specific.\nQuestion: {question}"
 SUMMARY_LENGTHS = {
@@ -35,6 +40,26 @@ SUMMARY_INSTRUCTION = "\n\nSummarize the text above {length}."
 class PromptParts:
     prefix: str
     suffix: str
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Rendered prompt text whose ``pieces`` alternate the template's text and the user's data (the
+    question), template first: only template pieces may hold control tokens."""
+
+    pieces: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def cut(self, end: int) -> Rendered:
+        """The first ``end`` characters, their pieces kept apart."""
+        out, at = [], 0
+        for piece in self.pieces:
+            out.append(piece[: max(0, end - at)])
+            at += len(piece)
+        return Rendered(tuple(out))
 
 
 #: a chat template (the model's own code, in Jinja's sandbox) may run this long per rendering ...
@@ -165,11 +190,17 @@ def document_prefix(tokenizer) -> str:
     return split_template(tokenizer, "").prefix
 
 
-def question_suffix(tokenizer, question: str) -> str:
-    return split_template(tokenizer, ASK_INSTRUCTION.format(question=question)).suffix
+def question_suffix(tokenizer, question: str) -> Rendered:
+    """The suffix of a question: the template rendered around a marker, the question (stripped) put in its place."""
+    suffix = split_template(tokenizer, ASK_INSTRUCTION.format(question=QUESTION_MARK)).suffix
+    if suffix.count(QUESTION_MARK) != 1:
+        raise UsageError("the model's chat template rewrites the user's message: kvtool puts the question where "
+                         "the message goes (fix the template in tokenizer_config.json or chat_template.jinja)")
+    before, after = suffix.split(QUESTION_MARK)
+    return Rendered((before, question.strip(), after))
 
 
-def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
+def focus_rows(tokenizer, suffix: Rendered, focus: str) -> slice | None:
     """The rows of ``suffix``'s tokens that encode ``focus`` (the user's question), or None if not found.
 
     Recall ranks the archive by what these rows attend to: the instruction and the chat template
@@ -177,21 +208,27 @@ def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
     generic attractors (essay titles, dates, turn headers); summed with the question's rows they
     would outrank the passage the question is about, so only the question's rows are used.
     """
-    at = suffix.rfind(focus.strip()) if focus.strip() else -1
+    at = suffix.text.rfind(focus.strip()) if focus.strip() else -1
     if at < 0:
         return None
-    start = len(encode(tokenizer, suffix[:at]))
-    end = len(encode(tokenizer, suffix[: at + len(focus.strip())]))
+    start = len(encode(tokenizer, suffix.cut(at)))
+    end = len(encode(tokenizer, suffix.cut(at + len(focus.strip()))))
     return slice(start, max(end, start + 1))
 
 
-def summary_suffix(tokenizer, length: str) -> str:
-    return split_template(tokenizer, SUMMARY_INSTRUCTION.format(length=SUMMARY_LENGTHS[length])).suffix
+def summary_suffix(tokenizer, length: str) -> Rendered:
+    return Rendered((split_template(tokenizer, SUMMARY_INSTRUCTION.format(length=SUMMARY_LENGTHS[length])).suffix,))
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Template text already contains its special tokens as text: no extra BOS/EOS."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def prefix_ids(tokenizer) -> list[int]:
+    """The token ids of the part before the document (template text only)."""
+    return encode(tokenizer, Rendered((document_prefix(tokenizer),)))
+
+
+def encode(tokenizer, prompt: Rendered) -> list[int]:
+    """Token ids of rendered prompt text: the template's control tokens as written, the user's data as plain
+    text. The template writes its own BOS where it wants one: none is added."""
+    return encode_prompt(tokenizer, prompt.pieces)
 
 
 def eos_ids(tokenizer, model_config=None) -> set[int]:

@@ -104,3 +104,20 @@ def printable(text: object, one_line: bool = False) -> str:
     """
     out = _CONTROL.sub(_escape, str(text))
     return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out
+
+
+#: the most characters of a path a message or a progress line shows (its start and its end)
+PATH_SHOWN = 160
+
+
+def short_path(path: object, limit: int = PATH_SHOWN) -> str:
+    """``path`` as a message shows it: controls escaped (:func:`printable`, one line) and, past ``limit``
+    characters, its start and its end (the file name) around an ellipsis: a path of any length (a 4 KiB
+    one from a list, a 100 KiB argument) is one readable line, never printed whole."""
+    raw = str(path)
+    head = printable(raw[:limit], one_line=True)  # only what is shown is escaped: bounded whatever the length
+    if len(raw) <= limit and len(head) <= limit:
+        return head
+    keep = limit // 2
+    tail = printable(raw[-limit:], one_line=True)
+    return f"{head[: limit - keep - 1]}…{tail[-keep:]}"

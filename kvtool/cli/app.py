@@ -34,7 +34,7 @@ from kvtool.errors import (
     interrupt_exit,
     printable,
 )
-from kvtool.stdio import guard_closed_streams, no_prompts
+from kvtool.stdio import guard_closed_streams, missing_cwd, no_prompts
 
 
 class _Group(typer.core.TyperGroup):
@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if stdout_closed:
         print("kvtool: error: stdout is closed: kvtool writes its output there (redirect it to /dev/null to "
               "discard it)", file=sys.stderr)
+        return EXIT_USAGE
+    gone = missing_cwd()
+    if gone is not None:
+        print(f"kvtool: error: {gone}", file=sys.stderr)
         return EXIT_USAGE
     with _termination_signals(), no_prompts():
         return _main(argv)

@@ -22,7 +22,7 @@ from rich.text import Text
 
 from kvtool.cli.dashboard import format_duration, format_rate
 from kvtool.core.events import PrefillProgress
-from kvtool.errors import printable
+from kvtool.errors import printable, short_path
 from kvtool.runtime.events import PhaseProgress
 from kvtool.runtime.many import DocumentFinished, DocumentStarted, Outcome, RunStarted, WorkerLost
 
@@ -84,13 +84,13 @@ class ManyView:
                 self._task = self._progress.add_task("documents", total=event.total, completed=event.complete,
                                                      rate="", failed="", eta="?")
         elif isinstance(event, DocumentStarted):
-            self.current[event.path] = "reading" if event.attempt == 1 else f"retry {event.attempt}"
+            self.current[short_path(event.path)] = "reading" if event.attempt == 1 else f"retry {event.attempt}"
         elif isinstance(event, DocumentFinished):
             self._finished(event)
         elif isinstance(event, WorkerLost):
             then = "retried on another worker" if event.retried else "not retried"
-            self._line(f"worker lost while reading {event.path} (attempt {event.attempt}: {event.reason}); {then}",
-                       style="yellow", always=False)
+            self._line(f"worker lost while reading {short_path(event.path)} (attempt {event.attempt}: "
+                       f"{event.reason}); {then}", style="yellow", always=False)
         elif isinstance(event, PrefillProgress | PhaseProgress):
             self._engine(event)
         else:
@@ -107,7 +107,7 @@ class ManyView:
             self.current[path] = f"{event.tokens_done:,}{of} tokens"
 
     def _finished(self, event: DocumentFinished) -> None:
-        self.current.pop(event.path, None)
+        self.current.pop(short_path(event.path), None)
         self.done += 1
         self.records += event.records
         self.tokens += event.tokens
@@ -115,14 +115,14 @@ class ManyView:
         if event.error is not None:
             self.failed += 1
             quiet = self.mode == "quiet"  # the prefix says it is an error already
-            self._line(f"[{n}/{self.total}] {event.path}: {'' if quiet else 'error: '}{event.error}", style="red",
-                       always=True, prefix="kvtool: error: " if quiet else "")
+            self._line(f"[{n}/{self.total}] {short_path(event.path)}: {'' if quiet else 'error: '}{event.error}",
+                       style="red", always=True, prefix="kvtool: error: " if quiet else "")
             return
         what = f"{event.records} {self.unit}{'s' if event.records != 1 else ''}"
         rate = format_rate(event.tokens / event.seconds if event.seconds > 0 else None)
         notes = "".join(f" · note: {note}" for note in event.notes)
-        self._line(f"[{n}/{self.total}] {event.path}: {what}, {event.tokens:,} tokens in {event.seconds:.1f} s "
-                   f"({rate}){notes}", style="green")
+        self._line(f"[{n}/{self.total}] {short_path(event.path)}: {what}, {event.tokens:,} tokens in "
+                   f"{event.seconds:.1f} s ({rate}){notes}", style="green")
 
     # ------------------------------------------------------------------ figures
     def rate(self) -> float | None:

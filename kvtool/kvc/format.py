@@ -33,6 +33,7 @@ from typing import Any
 from kvtool import __version__
 from kvtool.config import DTYPE_BYTES, KV_DTYPES
 from kvtool.errors import UsageError, first_line, shown
+from kvtool.fileio import open_regular
 
 FORMAT = "kvtool-kvc"
 FORMAT_VERSION = 3  # what every file is written as; bump on any change an older kvtool misreads
@@ -173,8 +174,9 @@ def is_kvc(path: str | os.PathLike[str]) -> bool:
     try:
         if not os.path.isfile(path):  # never read a pipe or device here: that would consume its data
             return False
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        # and never wait on one: the name may have become a FIFO since (the open file itself is checked)
+        with os.fdopen(open_regular(path, follow=True), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(9)
             safetensors_like = len(head) == 9 and head[4:8] == b"\0\0\0\0" and head[8:9] == b"{"
             if safetensors_like:
@@ -204,7 +206,7 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> KvcHeade
     path = os.fspath(path)
     try:
         if fd is None:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path, follow=True), "rb") as f:  # a FIFO is refused, never waited on
                 size, n, raw = _read_raw(path, f.fileno())
         else:
             size, n, raw = _read_raw(path, fd)

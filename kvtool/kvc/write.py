@@ -91,6 +91,8 @@ def check_output(path: str | os.PathLike[str], force: bool = False, source: str 
             if os.path.samefile(source, path):
                 raise UsageError(f"output {path} is the input document; choose another -o")
     if os.path.lexists(path) and not force:
+        if not os.path.exists(path):
+            raise UsageError(f"output {path} is a symbolic link to nothing; remove it, or use --force to replace it")
         raise UsageError(f"output {path} already exists; use --force to overwrite it")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.exists(parent):

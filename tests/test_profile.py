@@ -248,7 +248,7 @@ def test_cli_text_prints_conversion_and_table(tiny_dir: Path, capsys: pytest.Cap
     ("args", "message"),
     [
         (["--memory", "lots"], "size must be"),
-        (["--doc-tokens", "0"], "--doc-tokens must be at least 1"),
+        (["--doc-tokens", "0"], "--doc-tokens must be >= 1"),
         (["--budget", "3B"], "holds no token"),
         (["--budget", "many"], "budget must be"),
         (["--block-size", "0"], "--block-size must be >= 1: got 0"),

@@ -375,3 +375,16 @@ def test_a_mixture_of_experts_is_planned_alike_with_and_without_its_weights(tiny
         plans.append(json.loads(out))
     keys = ("num_params", "weights_bytes", "kv_bytes_per_token", "kv_bytes_at_budget", "budget_tokens")
     assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
+
+
+@pytest.mark.parametrize("family, words", [
+    ("rwkv", "names no num_attention_heads"),  # an RNN: no attention K/V to plan
+    ("jamba", "layer type 'linear_attention' is not supported"),  # a hybrid: Mamba layers hold no K/V
+    ("mllama", "cross-attention layers"),  # text-only, its cross-attention layers hold no cache
+    ("t5", "not a causal language model"),
+    ("deepseek_v3", "keys and values of different widths"),
+])
+def test_a_family_kvtool_cannot_plan_is_refused_from_its_config_alone(family, words, tmp_path, capsys):
+    transformers.CONFIG_MAPPING[family]().save_pretrained(str(tmp_path / family))
+    code, out, err = _run(capsys, "--model", str(tmp_path / family), "--device", "cpu", "--json")
+    assert code == 2 and not out and err.count("\n") == 1 and words in err and "internal error" not in err, err

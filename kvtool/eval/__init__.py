@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, json_text
 from kvtool.numbers import LIMITS, capped
 from kvtool.runtime.budget import parse_budget
 from kvtool.runtime.settings import TABLE_BLOCK, Settings, resolve_settings
@@ -412,8 +412,7 @@ class CellLog:
         self.done[key] = record
         if self.path is None:
             return
-        line = json.dumps({"task": self.task, "fingerprint": self.fingerprint, "key": key, "record": record},
-                          ensure_ascii=False)
+        line = json_text({"task": self.task, "fingerprint": self.fingerprint, "key": key, "record": record})
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()

@@ -211,8 +211,8 @@ def _execute(task: Any, jobs: list[Any], complete: int, out: _Output, view: Any,
             return run_serial(task, jobs, driver, complete, engine_listener=view, say=say, describe=error_line)
     except KeyboardInterrupt:  # the live view has stopped: this line is not drawn over
         if out.log is not None and not quiet:
-            print(f"kvtool: {out.output} holds every answer completed so far ({out.log.written} this run); run "
-                  "the same command again to resume", file=sys.stderr)
+            print(printable(f"kvtool: {out.output} holds every answer completed so far ({out.log.written} this "
+                            "run); run the same command again to resume", one_line=True), file=sys.stderr)
         raise
 
 

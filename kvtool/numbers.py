@@ -5,7 +5,7 @@ a request for memory: ``--max-new-tokens 1000000000`` used to zero 8 GB before t
 ``num_hidden_layers: 1e9`` in a config built a billion-entry list. So every number a user or a file gives
 kvtool passes :func:`capped` where it is parsed, against its entry in :data:`LIMITS`: far above any real
 use, far below what would exhaust a machine. A number outside is one ``UsageError`` line that names the
-setting and its range (``--max-new-tokens must be at most 1,048,576: got 1000000000``).
+setting and its range (``--max-new-tokens must be at most 1,048,576 tokens: got 1000000000``).
 
 Standard library only (the CLI checks flags with it before torch is imported); docs/cli.md lists the ranges.
 """

@@ -248,7 +248,7 @@ def test_cli_text_prints_conversion_and_table(tiny_dir: Path, capsys: pytest.Cap
     ("args", "message"),
     [
         (["--memory", "lots"], "size must be"),
-        (["--doc-tokens", "0"], "--doc-tokens must be at least 1"),
+        (["--doc-tokens", "0"], "--doc-tokens must be >= 1"),
         (["--budget", "3B"], "holds no token"),
         (["--budget", "many"], "budget must be"),
         (["--block-size", "0"], "--block-size must be >= 1: got 0"),
@@ -330,3 +330,61 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
     # Every buffer kvtool allocates is a term of the formula (the per-question snapshot included); what is
     # left is allocator and library slack in RSS: measured 1.066 here, so ±10% is the claim.
     assert 0.90 <= m["ratio"] <= 1.10
+
+
+# ---------------------------------------------------------------------------------------------
+# a config alone: counted as the model it describes, the same plan as with the weights
+
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 32, "max_position_embeddings": 4096}
+FAMILY_CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=96, num_local_experts=8,
+                                                  num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=16, intermediate_size=96,
+                                                     moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
+    "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=32, n_positions=1024),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_a_config_alone_counts_every_parameter_of_the_model_it_describes(family, tmp_path, capsys):
+    """A mixture of experts planned from its config was a dense Llama (its experts uncounted); the count is now the
+    model's own, whatever the family: the oracle is the model built from the same config."""
+    config = FAMILY_CONFIGS[family]()
+    expected = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    config.save_pretrained(str(tmp_path / family))
+    code, out, err = _run(capsys, "--model", str(tmp_path / family), "--device", "cpu", "--json", "--quiet")
+    assert code == 0, err
+    assert json.loads(out)["num_params"] == expected
+
+
+def test_a_mixture_of_experts_is_planned_alike_with_and_without_its_weights(tiny_dir, tmp_path, capsys):
+    weights, alone = tmp_path / "moe", tmp_path / "moe-config"
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(FAMILY_CONFIGS["mixtral"]()).save_pretrained(str(weights))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_dir / name).exists():
+            (weights / name).write_bytes((tiny_dir / name).read_bytes())
+    alone.mkdir()
+    (alone / "config.json").write_bytes((weights / "config.json").read_bytes())
+    plans = []
+    for directory in (weights, alone):
+        code, out, err = _run(capsys, "--model", str(directory), "--device", "cpu", "--json", "--quiet",
+                              "--budget", "64", "--block-size", "16")
+        assert code == 0, err
+        plans.append(json.loads(out))
+    keys = ("num_params", "weights_bytes", "kv_bytes_per_token", "kv_bytes_at_budget", "budget_tokens")
+    assert {k: plans[0][k] for k in keys} == {k: plans[1][k] for k in keys}
+
+
+@pytest.mark.parametrize("family, words", [
+    ("rwkv", "names no num_attention_heads"),  # an RNN: no attention K/V to plan
+    ("jamba", "layer type 'linear_attention' is not supported"),  # a hybrid: Mamba layers hold no K/V
+    ("mllama", "cross-attention layers"),  # text-only, its cross-attention layers hold no cache
+    ("t5", "not a causal language model"),
+    ("deepseek_v3", "keys and values of different widths"),
+])
+def test_a_family_kvtool_cannot_plan_is_refused_from_its_config_alone(family, words, tmp_path, capsys):
+    transformers.CONFIG_MAPPING[family]().save_pretrained(str(tmp_path / family))
+    code, out, err = _run(capsys, "--model", str(tmp_path / family), "--device", "cpu", "--json")
+    assert code == 2 and not out and err.count("\n") == 1 and words in err and "internal error" not in err, err

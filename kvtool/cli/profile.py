@@ -14,14 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
+from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, capped_option, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 
 DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this document ('-' = stdin) and report the "
                                             "measured peak against the prediction.")]
-DocTokensOpt = Annotated[int | None, typer.Option("--doc-tokens", help="Document length in tokens for the dense "
-                                                  "(no eviction) comparison.")]
+DocTokensOpt = Annotated[int | None, capped_option("doc_tokens", "--doc-tokens", help="Document length in tokens for "
+                                                   "the dense (no eviction) comparison.")]
 MemoryOpt = Annotated[str | None, typer.Option("--memory", help="Memory available (8GiB, 512MiB, 2GB): largest "
                                                "budget that fits and longest document dense transformers holds.")]
 
@@ -66,8 +66,6 @@ def run_profile(
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before torch is imported and before seconds are spent loading the model.
-    if doc_tokens is not None and doc_tokens < 1:
-        raise UsageError(f"--doc-tokens must be at least 1: got {doc_tokens}")
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None

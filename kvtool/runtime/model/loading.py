@@ -13,9 +13,8 @@ message, never as a traceback.
 
 from __future__ import annotations
 
-import json
+import os
 import re
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +26,9 @@ import transformers
 
 from kvtool.config import QUANTIZE, dtype_name
 from kvtool.core.families import check_supported
-from kvtool.core.layout import check_config
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.runtime.events import PhaseProgress
-from kvtool.runtime.memory import format_bytes
+from kvtool.runtime.model.checkpoint_config import MAX_CONFIG_BYTES, check_read_whole, checked_config, read_config
 from kvtool.runtime.model.convert import EMBEDDED_ALIASES, EMBEDDED_NAME, embedded_checkpoint
 from kvtool.runtime.model.fit import check_fits
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
@@ -122,7 +120,7 @@ def _classify_spec(spec: str | None) -> tuple[str, Path]:
         return "embedded", Path()
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is there but not a file: refused as such
             raise UsageError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
         _check_checkpoint_dir(path)
         return "dir", path.resolve()
@@ -144,36 +142,22 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 #: the files of a checkpoint directory transformers reads whole, and the most bytes each may have: a real
 #: config is a few KiB and a tokenizer tens of MiB; a larger (or sparse, or endless) file is refused unread
 READ_WHOLE_CAPS: dict[str, int] = {
-    "config.json": 4 << 20, "generation_config.json": 4 << 20, "special_tokens_map.json": 4 << 20,
+    "config.json": MAX_CONFIG_BYTES, "generation_config.json": 4 << 20, "special_tokens_map.json": 4 << 20,
     "chat_template.jinja": 4 << 20, "chat_template.json": 4 << 20, "preprocessor_config.json": 4 << 20,
     "tokenizer_config.json": 32 << 20, "added_tokens.json": 32 << 20,
     "tokenizer.json": 512 << 20, "vocab.json": 512 << 20, "merges.txt": 512 << 20, "tokenizer.model": 512 << 20,
 }
-#: the model dimensions a config names: each must be a positive integer, at most this (a C ``int``)
-DIM_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
-            "intermediate_size", "vocab_size", "max_position_embeddings")
-MAX_DIM = 2**31 - 1
-
-
 def _check_checkpoint_dir(path: Path) -> None:
     """Refuse, before transformers reads anything, what kvtool will not load or cannot describe in one line.
 
     Files transformers reads whole must be regular files within :data:`READ_WHOLE_CAPS`; ``config.json``
-    must be a JSON object whose dimensions are positive integers; the weights must not be pickles. A
+    must pass ``checkpoint_config.read_config``; the weights must not be pickles. A
     pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
     two-line warning plus advice to disable the guard, so kvtool says it once, in its own words.
     """
     for name, cap in READ_WHOLE_CAPS.items():
-        _check_read_whole(path / name, cap)
-    config_path = path / "config.json"
-    try:
-        with open(config_path, "rb") as fh:
-            config = json.loads(fh.read(READ_WHOLE_CAPS["config.json"] + 1))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise UsageError(f"{config_path} is not a valid JSON config: {first_line(exc)[:120]}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{config_path} is not a valid JSON config: not a JSON object")
-    _check_dims(config_path, config)
+        check_read_whole(path / name, cap)
+    read_config(path)  # strict, bounded JSON; every dimension in range; a model type transformers knows
     files = [f.name for f in path.iterdir() if f.is_file()]
     if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
         return
@@ -183,35 +167,6 @@ def _check_checkpoint_dir(path: Path) -> None:
             f"{path} holds only pickle weights ({pickles[0]}); kvtool loads safetensors or .gguf only, because "
             "a pickle can run code: convert it to safetensors first"
         )
-
-
-def _check_read_whole(file: Path, cap: int) -> None:
-    """A file transformers will read whole: absent, or a regular file of at most ``cap`` bytes."""
-    try:
-        st = file.stat()
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise UsageError(f"cannot read {file}: {exc.strerror or first_line(exc)}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UsageError(f"{file} is not a regular file; a checkpoint's files are read whole")
-    if st.st_size > cap:
-        raise UsageError(f"{file} is {format_bytes(st.st_size)}, more than the {format_bytes(cap)} such a file "
-                         "ever needs: not a real checkpoint file; refused unread")
-
-
-def _check_dims(config_path: Path, config: dict[str, Any]) -> None:
-    """Every dimension the config names (its own, and its ``text_config``'s) is an integer in 1..MAX_DIM."""
-    for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        if not isinstance(section, dict):
-            continue
-        for key in DIM_KEYS:
-            value = section.get(key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
-                shown = repr(value) if isinstance(value, (int, float, str, bool)) else type(value).__name__
-                raise UsageError(f"{config_path}: {where}{key} must be a positive integer: got {shown[:40]}")
 
 
 def _custom_code(path: Path) -> str | None:
@@ -267,14 +222,10 @@ def _load(
     safe: dict[str, Any] = {"trust_remote_code": False}
     with no_prompts():
         if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
-            try:
-                config = transformers.AutoConfig.from_pretrained(str(location), **safe)
-            except PromptRefused:
-                raise
-            except Exception as exc:
-                raise _no_custom_code(path, "config", exc) or UsageError(
-                    f"could not read the model config from {path}: {first_line(exc)}") from None
-            check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights
+            # the config is read once, checked as `kvtool profile` checks it, and handed to transformers (which
+            # then never reads config.json itself); attention kvtool cannot reproduce is refused before weights
+            config = checked_config(path)
+            kwargs["config"] = config
             check_fits(path, config, device, dtype, quantize)  # a config far larger than its weights, or than memory
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs, **safe)

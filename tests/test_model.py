@@ -12,6 +12,7 @@ import transformers
 
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.runtime import model as km
+from kvtool.runtime import prompt
 from kvtool.runtime.model import convert as kconv
 
 # --------------------------------------------------------------------------------------------------------------
@@ -208,12 +209,10 @@ def test_load_tiny_checkpoint(tiny_dir: Path) -> None:
     assert loaded.model.config._attn_implementation == "sdpa"
     assert len(loaded.identity) == 64 and int(loaded.identity, 16) >= 0
     assert messages and "tiny-llama" in messages[0]
-    # The tiny tokenizer has no template of its own: kvtool installs ChatML.
-    assert loaded.tokenizer.chat_template == km.CHATML_TEMPLATE
-    text = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
-    )
-    assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    # The tiny tokenizer has no template of its own: a base model, asked with a plain prompt (no chat markup).
+    assert not loaded.tokenizer.chat_template
+    assert prompt.document_prefix(loaded.tokenizer) == ""
+    assert prompt.question_suffix(loaded.tokenizer, "hello world") == "\n\nQuestion: hello world\nAnswer:"
     ids = loaded.tokenizer("hello world", return_tensors="pt").input_ids
     with torch.no_grad():
         assert loaded.model(ids).logits.shape == (1, ids.shape[1], 32)

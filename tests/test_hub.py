@@ -71,6 +71,18 @@ def cache(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf_cache_layout(root, "acme/one-gguf", ggufs, MAIN)
     (ggufs / "tiny.Q8_0.gguf").write_bytes(b"GGUF" + b"\1" * 60)
     hf_cache_layout(root, "acme/two-ggufs", ggufs, MAIN)
+    # huggingface_hub's listing of the commit names files the snapshot lacks: the weights (a download cut short),
+    # and files left out on purpose, which do not matter (the complete model has them listed too)
+    for repo in ("acme/listed", "acme/tiny-chat"):
+        snapshot = root / _repo(root, repo).name / "snapshots" / MAIN
+        if repo == "acme/listed":
+            snapshot = hf_cache_layout(root, repo, src, MAIN)
+        listed = {p.name: {"size": p.stat().st_size, "blob_id": "0" * 40} for p in snapshot.iterdir()}
+        for extra in ("original/consolidated.00.pth", "consolidated.safetensors", "README.md"):
+            listed[extra] = {"size": 10, "blob_id": "1" * 40}
+        (_repo(root, repo) / "trees").mkdir()
+        (_repo(root, repo) / "trees" / f"{MAIN}.json").write_text(json.dumps({"format_version": 1, "files": listed}))
+    (_repo(root, "acme/listed") / "snapshots" / MAIN / "model.safetensors").unlink()
     # a model that needs its own Python code
     custom = tmp_path_factory.mktemp("custom")
     for file in src.iterdir():
@@ -162,6 +174,8 @@ def test_the_cache_folder_is_huggingface_hubs_own(tmp_path: Path, monkeypatch: p
                           "1 interrupted download(s), *.incomplete, 4.00 KiB so far",
                           "`hf download acme/interrupted`"]),
     ("acme/no-weights", ["has config.json", "but no weights", "`hf download acme/no-weights`"]),
+    ("acme/listed", ["is only partly downloaded: it has config.json", "but not model.safetensors",
+                     "`hf download acme/listed`"]),
     ("acme/missing-blob", ["only partly downloaded: model.safetensors point(s) at blobs that are not there"]),
     ("acme/two-ggufs", ["holds only GGUF files (tiny.Q4_K_M.gguf, tiny.Q8_0.gguf)", "pick one with --model ",
                         f"snapshots/{MAIN}/tiny.Q4_K_M.gguf"]),
@@ -264,6 +278,7 @@ def test_models_lists_the_cache_and_the_embedded_model(offline_cache: Path, src:
     assert chat["size_bytes"] == sum(f.stat().st_size for f in src.iterdir())
     assert rows["acme/tiny-chat@v1"]["revision"] == "v1"
     assert "only partly downloaded" in rows["acme/interrupted"]["problem"]
+    assert "but not model.safetensors" in rows["acme/listed"]["problem"]
     assert "refs/main" not in str(rows)  # a snapshot no ref names is listed by its commit
     assert rows[f"acme/lost-snapshot@{MAIN}"]["revision"] is None
     assert rows["acme/one-gguf"]["dtype"] == "gguf" and rows["acme/one-gguf"]["problem"] is None

@@ -156,9 +156,11 @@ def test_missing_path_rejected(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("spec", ["meta-llama/Llama-3.2-1B-Instruct", "gpt2", "HuggingFaceTB/SmolLM2-135M"])
-def test_hub_id_rejected(spec: str) -> None:
-    with pytest.raises(UsageError, match="never downloads"):
+def test_hub_id_not_in_the_cache_rejected(spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, whatever this machine holds
+    with pytest.raises(UsageError, match="nor in the Hugging Face cache .*never downloads") as info:
         km.load_model(spec, device="cpu")
+    assert f"`hf download {spec}`" in str(info.value) and str(tmp_path) in str(info.value)
 
 
 def test_directory_without_config_rejected(tmp_path: Path) -> None:

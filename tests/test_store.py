@@ -23,6 +23,7 @@ from kvtool.kvc import format as kvc_format
 from kvtool.kvc import load as kvc_load
 from kvtool.kvc import write as kvc_write
 from kvtool.runtime import store
+from kvtool.runtime.model import CHATML_TEMPLATE
 from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
 
 # ------------------------------------------------------------------------------------------------------------
@@ -185,9 +186,11 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     words = ["[UNK]", "<|im_start|>", "<|im_end|>", *WORDS]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
+    tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="[UNK]", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
     )
+    tok.chat_template = CHATML_TEMPLATE  # a chat model's (a checkpoint without a template is a base model)
+    return tok
 
 
 def _checkpoint(directory: Path, layers: int = 2) -> Path:

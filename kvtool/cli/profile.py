@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -86,14 +85,16 @@ def _plan_and_measure(settings: Any, document: Any, doc_tokens: int | None, limi
 
     from kvtool.cli import plan_view  # noqa: F401
     from kvtool.runtime import profiling
+    from kvtool.runtime.model import config_directory
     from kvtool.runtime.session import Session
 
-    model_dir = Path(settings.model).expanduser() if settings.model else None
-    if model_dir is not None and model_dir.is_dir() and not profiling.has_weights(model_dir):
+    found = config_directory(settings.model)  # a local checkpoint directory, or a cached id's snapshot
+    if found is not None and not profiling.has_weights(found[0]):
+        model_dir, name = found
         if document is not None:
-            raise UsageError(f"{model_dir} holds no weights: it can be planned (--memory, --doc-tokens), not read "
-                             "(drop the document)")
-        return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit), json_out)
+            raise UsageError(f"{name} ({model_dir}) holds no weights: it can be planned (--memory, --doc-tokens), "
+                             "not read (drop the document)")
+        return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit, name=name), json_out)
     rss_before_load = process_rss()
     say = sayer(quiet)
     with dashboard(quiet) as dash:

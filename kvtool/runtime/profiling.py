@@ -170,7 +170,7 @@ def has_weights(directory: Path) -> bool:
     return any(p.name.endswith(WEIGHT_SUFFIXES) for p in directory.iterdir())
 
 
-def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
+def model_info_from_config(directory: Path, settings: Settings, name: str | None = None) -> ModelInfo:
     """A ``ModelInfo`` from a checkpoint directory's ``config.json`` alone: no weights are read, no device is
     needed, so a user can see the plan a model and a card would give before downloading either. The config is
     checked as loading checks it (``checkpoint_config.checked_config``: the same config is refused with or
@@ -192,7 +192,7 @@ def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
                     num_attention_heads=dims["num_attention_heads"], head_dim=dims["head_dim"], budget=budget,
                     block_size=block, sinks=settings.sinks, recent=settings.recent)
     policy = build_policy(settings.policy, settings.policy_options, env)
-    return ModelInfo(name=directory.name, dims=dims, num_params=num_params, dtype=dtype,
+    return ModelInfo(name=name or directory.name, dims=dims, num_params=num_params, dtype=dtype,
                      device=device, quantize=settings.quantize,
                      unquantized_params=embeddings if settings.quantize != "none" else 0,
                      policy=policy.spec, rows=min(max(int(policy.query_rows(block)), 0), block),
@@ -202,9 +202,11 @@ def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
                      rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None)
 
 
-def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None) -> dict[str, Any]:
-    """``plan`` for a checkpoint directory holding only its ``config.json`` (``model_info_from_config``)."""
-    out = plan(model_info_from_config(directory, settings), settings, doc_tokens=doc_tokens, memory=memory,
+def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None,
+                     name: str | None = None) -> dict[str, Any]:
+    """``plan`` for a checkpoint directory holding only its ``config.json`` (``model_info_from_config``); ``name``
+    (default: the directory's) is what the plan calls the model, e.g. the id of a cached model."""
+    out = plan(model_info_from_config(directory, settings, name), settings, doc_tokens=doc_tokens, memory=memory,
                runtime_baseline=0)
     out["from_config"] = True
     return out

@@ -138,8 +138,11 @@ def test_many_document_record_keys_documented_and_emitted(tmp_path: Path) -> Non
     folder = str(tmp_path / "docs")
     runner = CliRunner()
     emitted: set[str] = set()
-    for args in (["ask", folder, "--question", "q", "--cite", *answer], ["summarize", folder, *answer],
-                 ["prefill", folder, "-o", str(tmp_path / "caches") + "/"]):
+    for args in (
+        ["ask", folder, "--question", "q", "--cite", *answer],
+        ["summarize", folder, *answer],
+        ["prefill", folder, "-o", str(tmp_path / "caches") + "/"],
+    ):
         r = runner.invoke(app, [*args, *base])
         assert r.exit_code == 3, r.output
         for line in r.stdout.splitlines():
@@ -163,8 +166,9 @@ def test_readme_is_short_and_keeps_the_test_command() -> None:
     assert "--model" in text and "kvtool sample" in text
 
 
-@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
-                                                        for p in (ROOT / "docs").glob("*.md"))])
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+)
 def test_links_to_docs_resolve(page: str) -> None:
     text = (ROOT / page).read_text(encoding="utf-8")
     for target in re.findall(r"\]\(((?:docs/)?[\w.-]+\.md)(?:#[\w-]*)?\)", text):
@@ -175,7 +179,13 @@ def test_links_to_docs_resolve(page: str) -> None:
 
 
 def test_no_issue_numbers_in_the_face_pages() -> None:
-    for page in ("README.md", "docs/cli.md", "docs/policies.md", "docs/recall.md", "docs/models.md",
-                 "docs/evaluation.md"):
+    for page in (
+        "README.md",
+        "docs/cli.md",
+        "docs/policies.md",
+        "docs/recall.md",
+        "docs/models.md",
+        "docs/evaluation.md",
+    ):
         text = (ROOT / page).read_text(encoding="utf-8")
         assert not re.search(r"\bissue \d+|#\d{1,4}\b(?!\.)", text, re.I), page

@@ -77,7 +77,6 @@ def test_recall_under_a_tiny_open_file_limit_is_one_clear_line(model_dir, tmp_pa
     assert "Traceback" not in r.stderr
 
 
-
 # -- sampling: any top-p and temperature in range gives a distribution, the nucleus holds the best token -----------
 def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> set[int]:
     """Brute force: the most likely tokens, best first, while the mass before each is below ``top_p``."""
@@ -111,8 +110,21 @@ def test_a_tiny_top_p_or_temperature_answers_as_greedy_does(model_dir, tmp_path)
     doc.write_text("the cache is small and the river is long. " * 30, encoding="utf-8")
     answers = []
     for sampling in (["--temperature", "0"], ["--top-p", "1e-300", "--temperature", "1"], ["--temperature", "1e-300"]):
-        r = runner.invoke(app, ["ask", str(doc), "What is small?", "--model", model_dir, *BASE, "--max-new-tokens", "6",
-                                "--json", *sampling])
+        r = runner.invoke(
+            app,
+            [
+                "ask",
+                str(doc),
+                "What is small?",
+                "--model",
+                model_dir,
+                *BASE,
+                "--max-new-tokens",
+                "6",
+                "--json",
+                *sampling,
+            ],
+        )
         assert r.exit_code == 0 and "internal error" not in r.output, r.output
         answers.append(json.loads(r.stdout)["answers"][0]["answer"])
     assert answers[0] and answers[1] == answers[0] and answers[2] == answers[0], answers
@@ -127,8 +139,10 @@ def test_a_home_that_is_a_file_is_one_line_and_exit_2(model_dir, tmp_path, capsy
     monkeypatch.setenv(variable, str(a_file / "sub" if under else a_file))
     doc = tmp_path / "d.txt"
     doc.write_text("the cache is small. " * 20, encoding="utf-8")
-    for argv in (["calibrate", "--model", model_dir, "--device", "cpu", "-q"],  # writes its calibration there
-                 ["ask", str(doc), "q", "--max-new-tokens", "2", "-q"]):  # the embedded model is converted there
+    for argv in (
+        ["calibrate", "--model", model_dir, "--device", "cpu", "-q"],  # writes its calibration there
+        ["ask", str(doc), "q", "--max-new-tokens", "2", "-q"],
+    ):  # the embedded model is converted there
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and variable in err and "not a directory" in err, err

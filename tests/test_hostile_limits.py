@@ -37,8 +37,24 @@ def env(tmp_path_factory):
         mp.setenv("KVTOOL_ARCHIVE_DIR", str(root))
         for policy in ("h2o", "scissorhands"):
             kvcs[policy] = root / f"{policy}.kvc"
-            assert main(["prefill", str(doc), "-o", str(kvcs[policy]), "--model", str(model), "--policy", policy,
-                         "--recall", "64", *READ]) == 0
+            assert (
+                main(
+                    [
+                        "prefill",
+                        str(doc),
+                        "-o",
+                        str(kvcs[policy]),
+                        "--model",
+                        str(model),
+                        "--policy",
+                        policy,
+                        "--recall",
+                        "64",
+                        *READ,
+                    ]
+                )
+                == 0
+            )
     return SimpleNamespace(root=root, model=str(model), doc=doc, kvc=kvcs)
 
 
@@ -65,16 +81,19 @@ def with_pair(env, tmp_path: Path, policy: str, edit) -> Path:
 
 
 # -- numbers past what torch takes: one line, exit 2, before the model loads ------------------------------------
-@pytest.mark.parametrize("flags, words", [
-    (["--budget", "99999999999999999999"], "budget must be at most"),
-    (["--budget", "99999999999999999999TiB"], "budget must be at most"),
-    (["--sinks", "99999999999999999999"], "--sinks must be at most"),
-    (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens must be at most"),
-    (["--recall", "99999999999999999999"], "recall must be at most"),
-    (["--threads", "99999999999"], "--threads must be at most"),
-    (["--recall-page", "1073741824"], "--recall-page must be at most"),
-    (["--policy", "snapkv", "--policy-opt", "window=99999999999999999999"], "out of range"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--budget", "99999999999999999999"], "budget must be at most"),
+        (["--budget", "99999999999999999999TiB"], "budget must be at most"),
+        (["--sinks", "99999999999999999999"], "--sinks must be at most"),
+        (["--max-new-tokens", "99999999999999999999"], "--max-new-tokens must be at most"),
+        (["--recall", "99999999999999999999"], "recall must be at most"),
+        (["--threads", "99999999999"], "--threads must be at most"),
+        (["--recall-page", "1073741824"], "--recall-page must be at most"),
+        (["--policy", "snapkv", "--policy-opt", "window=99999999999999999999"], "out of range"),
+    ],
+)
 def test_numbers_too_large_are_one_line_before_the_model_loads(env, capsys, flags, words):
     started = time.monotonic()
     line = one_line(capsys, ["ask", env.doc, "q", "--model", "/nonexistent-model-dir", *flags])
@@ -83,10 +102,13 @@ def test_numbers_too_large_are_one_line_before_the_model_loads(env, capsys, flag
 
 
 # -- policy options sizing per-token state -------------------------------------------------------------------------
-@pytest.mark.parametrize("opts, words", [
-    (["window=1000000000", "buckets=1000000000"], "buckets=1000000000 must be between 1 and window (at most 1024"),
-    (["window=4096", "buckets=2048"], "at most 1024"),
-])
+@pytest.mark.parametrize(
+    "opts, words",
+    [
+        (["window=1000000000", "buckets=1000000000"], "buckets=1000000000 must be between 1 and window (at most 1024"),
+        (["window=4096", "buckets=2048"], "at most 1024"),
+    ],
+)
 def test_scissorhands_buckets_are_capped(env, capsys, opts, words):
     args = ["ask", env.doc, "q", "--model", env.model, "--policy", "scissorhands", *READ]
     for o in opts:
@@ -95,8 +117,10 @@ def test_scissorhands_buckets_are_capped(env, capsys, opts, words):
 
 
 def test_snapkv_kernel_is_capped(env, capsys):
-    line = one_line(capsys, ["ask", env.doc, "q", "--model", env.model, "--policy", "snapkv", "--policy-opt",
-                             "kernel=999999999", *READ])
+    line = one_line(
+        capsys,
+        ["ask", env.doc, "q", "--model", env.model, "--policy", "snapkv", "--policy-opt", "kernel=999999999", *READ],
+    )
     assert "at most 1023" in line
 
 
@@ -200,14 +224,21 @@ def _laughs(levels: int, key: str) -> str:
     return text + f"{key}: *a{levels}\n"
 
 
-@pytest.mark.parametrize("name, text, words", [
-    ("laughs", _laughs(12, "budget"), "more than 100 YAML aliases"),  # 109 aliases, 9^12 strings if walked
-    ("laughs under the cap", "description: [&a0 [lol,lol], " + ", ".join(
-        f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)) + "]\n",
-     "description must be text"),  # 72 aliases, a value of 2·9^8 strings repr'd into the message: shown bounded
-    ("deep", "budget: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested more than"),
-    ("keys", "".join(f"k{i}: {i}\n" for i in range(60_000)), "larger than 256 KiB"),
-])
+@pytest.mark.parametrize(
+    "name, text, words",
+    [
+        ("laughs", _laughs(12, "budget"), "more than 100 YAML aliases"),  # 109 aliases, 9^12 strings if walked
+        (
+            "laughs under the cap",
+            "description: [&a0 [lol,lol], "
+            + ", ".join(f"&a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9))
+            + "]\n",
+            "description must be text",
+        ),  # 72 aliases, a value of 2·9^8 strings repr'd into the message: shown bounded
+        ("deep", "budget: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested more than"),
+        ("keys", "".join(f"k{i}: {i}\n" for i in range(60_000)), "larger than 256 KiB"),
+    ],
+)
 def test_hostile_profiles_are_one_line_fast(env, tmp_path, capsys, name, text, words):
     profile = tmp_path / "p.yaml"
     profile.write_text(text)
@@ -251,8 +282,10 @@ CAPPED_OPTIONS = [  # (command line, the cap the line must name); none may reach
     (["eval", "ppl", "--samples", "1000000000"], "--samples must be at most 10,000"),
     (["eval", "ppl", "--context", "8m", "--samples", "1"], "--context must be at most 4,194,304"),
     (["eval", "attn-error", "--continuation", "99999999"], "--continuation must be at most 4,194,304"),
-    (["eval", "agreement", "--doc", "{doc}", "--questions-file", "{doc}", "--first-tokens", "1000000000"],
-     "--first-tokens must be at most 1,048,576"),
+    (
+        ["eval", "agreement", "--doc", "{doc}", "--questions-file", "{doc}", "--first-tokens", "1000000000"],
+        "--first-tokens must be at most 1,048,576",
+    ),
 ]
 
 
@@ -265,17 +298,20 @@ def test_every_numeric_option_is_capped_where_it_is_parsed(env, tmp_path, capsys
     assert time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("text, words", [
-    ("generation:\n  max_new_tokens: 1000000000\n", "generation.max_new_tokens must be at most 1,048,576"),
-    ("generation:\n  max_new_tokens: 1.0e9\n", "generation.max_new_tokens must be an integer from 1 to 1,048,576"),
-    ("generation:\n  temperature: .nan\n", "generation.temperature must be a number from 0 to 100"),
-    ("generation:\n  top_p: 0\n", "generation.top_p must be > 0"),
-    ("generation:\n  no_repeat_ngram: 100000\n", "generation.no_repeat_ngram must be at most 256"),
-    ("block_size: 99999999999999\n", "block_size must be at most 1,099,511,627,776"),
-    ("recall_page: 99999999\n", "recall_page must be at most 1,048,576"),
-    ("threads: 100000\n", "threads must be at most 4,096"),
-    ("budget: 99999999999999\n", "budget must be at most 1,099,511,627,776 tokens"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("generation:\n  max_new_tokens: 1000000000\n", "generation.max_new_tokens must be at most 1,048,576"),
+        ("generation:\n  max_new_tokens: 1.0e9\n", "generation.max_new_tokens must be an integer from 1 to 1,048,576"),
+        ("generation:\n  temperature: .nan\n", "generation.temperature must be a number from 0 to 100"),
+        ("generation:\n  top_p: 0\n", "generation.top_p must be > 0"),
+        ("generation:\n  no_repeat_ngram: 100000\n", "generation.no_repeat_ngram must be at most 256"),
+        ("block_size: 99999999999999\n", "block_size must be at most 1,099,511,627,776"),
+        ("recall_page: 99999999\n", "recall_page must be at most 1,048,576"),
+        ("threads: 100000\n", "threads must be at most 4,096"),
+        ("budget: 99999999999999\n", "budget must be at most 1,099,511,627,776 tokens"),
+    ],
+)
 def test_every_number_in_a_profile_is_capped_where_it_is_parsed(env, tmp_path, capsys, text, words):
     profile = tmp_path / "p.yaml"
     profile.write_text(text)

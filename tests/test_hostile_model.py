@@ -48,16 +48,25 @@ def _custom_code_dir(src: Path, dst: Path, marker: Path, config: bool = True) ->
     shutil.copytree(src, dst)
     (dst / "evil.py").write_text(EVIL.format(marker=str(marker)))
     if config:
-        _edit_json(dst / "config.json", model_type="evil",
-                   auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+        _edit_json(
+            dst / "config.json",
+            model_type="evil",
+            auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+        )
     _edit_json(dst / "tokenizer_config.json", auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]})
     return dst
 
 
 def _run(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KVTOOL_DEBUG": ""}
-    return subprocess.run([sys.executable, "-c", "from kvtool.cli.app import entry; entry()", *args], input=stdin,
-                          capture_output=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", "from kvtool.cli.app import entry; entry()", *args],
+        input=stdin,
+        capture_output=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def _answering_yes() -> bytes:
@@ -105,13 +114,16 @@ def test_a_library_that_prompts_on_stdin_is_refused(tiny_dir, tmp_path, capsys, 
 
 
 # -- configs: a bad one is a bad model (exit 2), whichever check meets it first ------------------------------------
-@pytest.mark.parametrize("changes, words", [
-    ({"num_hidden_layers": -5}, "num_hidden_layers must be >= 1"),
-    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
-    ({"hidden_size": "64"}, "hidden_size must be an integer from 1 to 262,144"),
-    ({"text_config": {"num_key_value_heads": 2**40}}, "text_config.num_key_value_heads must be at most 4,096"),
-    ({"model_type": "no-such-family"}, "model type 'no-such-family' is not one transformers"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"num_hidden_layers": -5}, "num_hidden_layers must be >= 1"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
+        ({"hidden_size": "64"}, "hidden_size must be an integer from 1 to 262,144"),
+        ({"text_config": {"num_key_value_heads": 2**40}}, "text_config.num_key_value_heads must be at most 4,096"),
+        ({"model_type": "no-such-family"}, "model type 'no-such-family' is not one transformers"),
+    ],
+)
 def test_a_bad_config_is_one_line_and_exit_2(tiny_dir, tmp_path, capsys, changes, words):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_dir, bad)
@@ -154,12 +166,20 @@ TEMPLATES = {
     "raises": ("{{ raise_exception('this template refuses') }}", "this template refuses"),
     "trips the sandbox": ("{{ messages.__class__.__mro__ }}", "SecurityError"),
     "syntax error": ("{% for %}", "TemplateSyntaxError"),
-    "writes gigabytes": ("{% for a in range(99999) %}{% for b in range(99999) %}" + "x" * 1000 + "{% endfor %}"
-                         "{% endfor %}{{ messages[0]['content'] }}", "writes more than"),
-    "loops writing nothing": ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
-                              "{{ messages[0]['content'] }}", "runs longer than"),
-    "doubles a string": ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                         "{% endfor %}{{ messages[0]['content'] }}", "MiB of memory"),
+    "writes gigabytes": (
+        "{% for a in range(99999) %}{% for b in range(99999) %}" + "x" * 1000 + "{% endfor %}"
+        "{% endfor %}{{ messages[0]['content'] }}",
+        "writes more than",
+    ),
+    "loops writing nothing": (
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}",
+        "runs longer than",
+    ),
+    "doubles a string": (
+        "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ messages[0]['content'] }}",
+        "MiB of memory",
+    ),
 }
 
 
@@ -195,11 +215,16 @@ def test_a_hostile_chat_template_in_the_checkpoint_exits_2_before_reading(tiny_d
 def _config_text(tiny_dir: Path, case: str) -> str | None:
     """``config.json``'s text for a hostile ``case`` (None: the case makes the file itself)."""
     config = json.loads((tiny_dir / "config.json").read_text())
-    edits = {"negative hidden_size": {"hidden_size": -64}, "zero hidden_size": {"hidden_size": 0},
-             "vocab 2^62": {"vocab_size": 2**62}, "a billion layers": {"num_hidden_layers": 10**9},
-             "no KV heads": {"num_key_value_heads": 0}, "3 KV heads for 4": {"num_key_value_heads": 3},
-             "heads that do not divide the hidden size": {"head_dim": None, "hidden_size": 66},
-             "unknown model_type": {"model_type": "no-such-family"}}
+    edits = {
+        "negative hidden_size": {"hidden_size": -64},
+        "zero hidden_size": {"hidden_size": 0},
+        "vocab 2^62": {"vocab_size": 2**62},
+        "a billion layers": {"num_hidden_layers": 10**9},
+        "no KV heads": {"num_key_value_heads": 0},
+        "3 KV heads for 4": {"num_key_value_heads": 3},
+        "heads that do not divide the hidden size": {"head_dim": None, "hidden_size": 66},
+        "unknown model_type": {"model_type": "no-such-family"},
+    }
     if case in edits:
         config.update(edits[case])
     elif case == "no model_type":
@@ -274,8 +299,14 @@ def test_a_config_is_refused_alike_whether_its_weights_are_there_or_not(tiny_dir
         runs[f"{case}|profile weights"] = ["profile", "--model", str(weights), "--device", "cpu", "-q"]
         runs[f"{case}|ask weights"] = ["ask", str(doc), "q", "--model", str(weights), *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KVTOOL_HOME": str(tmp_path / "home")}
-    r = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(runs)], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.splitlines()[-1])
     bad = {}

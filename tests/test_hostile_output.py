@@ -50,8 +50,9 @@ def test_printable_shows_bidi_and_separator_characters(char):
 
 
 def test_citations_show_a_headings_bidi_override_escaped(env, capsys):
-    rc, out, err = run(capsys, "ask", env.doc, "What is small?", "--cite", "--model", env.model, *READ,
-                       "--max-new-tokens", "4", "-q")
+    rc, out, err = run(
+        capsys, "ask", env.doc, "What is small?", "--cite", "--model", env.model, *READ, "--max-new-tokens", "4", "-q"
+    )
     assert rc == 0, err
     cited = [line for line in out.splitlines() if line.startswith("  ")]
     assert cited and all(RLO not in line for line in cited) and any("\\u202e" in line for line in cited), out
@@ -104,12 +105,15 @@ def _with_version(src, dst, version, writer=None):
     return dst
 
 
-@pytest.mark.parametrize("version, writer", [
-    ("9" * 4000, None),  # a number of 4,000 digits: an unknown version, shown by its start
-    ("x" * 5000, None),
-    ([["nested"] * 1000] * 10, None),
-    ("99", "v" * 5000),
-])
+@pytest.mark.parametrize(
+    "version, writer",
+    [
+        ("9" * 4000, None),  # a number of 4,000 digits: an unknown version, shown by its start
+        ("x" * 5000, None),
+        ([["nested"] * 1000] * 10, None),
+        ("99", "v" * 5000),
+    ],
+)
 def test_a_long_value_in_a_kvc_gives_a_short_error_line(env, tmp_path, capsys, version, writer):
     kvc = _with_version(env.kvc, tmp_path / "v.kvc", version, writer)
     rc, out, err = run(capsys, "inspect", kvc)
@@ -214,10 +218,27 @@ def test_a_model_or_step_name_with_markup_draws_in_the_dashboard_and_the_plan(na
     from kvtool.runtime import profiling
     from kvtool.runtime.settings import Settings
 
-    info = profiling.ModelInfo(name=name, dims={"num_layers": 2, "num_kv_heads": 2, "num_attention_heads": 4,
-                                                "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
-                                                "vocab_size": 100}, num_params=1000, dtype="float32", device="cpu",
-                               quantize="none", policy="h2o", rows=16, n_fields=1, budget_tokens=64, resolved=True)
+    info = profiling.ModelInfo(
+        name=name,
+        dims={
+            "num_layers": 2,
+            "num_kv_heads": 2,
+            "num_attention_heads": 4,
+            "head_dim": 16,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        },
+        num_params=1000,
+        dtype="float32",
+        device="cpu",
+        quantize="none",
+        policy="h2o",
+        rows=16,
+        n_fields=1,
+        budget_tokens=64,
+        resolved=True,
+    )
     render_plan(profiling.plan(info, Settings(budget="64"), runtime_baseline=0), console)
     shown = console.export_text()
     assert printable(name) in shown and "\x1b[2J" not in shown and RLO not in shown
@@ -237,9 +258,25 @@ def test_a_run_over_a_file_named_with_markup_on_a_terminal_draws_its_live_view(e
         (docs / name).write_text("the cache is small and the river is long. " * 30, encoding="utf-8")
     master, slave = pty.openpty()
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "KVTOOL_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
-    proc = subprocess.Popen([sys.executable, "-c", "from kvtool.cli.app import entry; entry()", "ask", str(docs),
-                             "--question", "What is small?", "--model", env.model, *READ, "--max-new-tokens", "2"],
-                            stdout=subprocess.PIPE, stderr=slave, env=run_env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from kvtool.cli.app import entry; entry()",
+            "ask",
+            str(docs),
+            "--question",
+            "What is small?",
+            "--model",
+            env.model,
+            *READ,
+            "--max-new-tokens",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=run_env,
+    )
     os.close(slave)
     drawn = b""
     while True:

@@ -53,8 +53,10 @@ def cache(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if file.name != "model.safetensors":
             shutil.copy(file, shards / file.name)
     shutil.copy(src / "model.safetensors", shards / "model-00001-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
-                                            "b": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
     (shards / "model.safetensors.index.json").write_text(json.dumps(index))
     hf_cache_layout(root, "acme/interrupted", shards, MAIN)
     (_repo(root, "acme/interrupted") / "blobs" / ("9" * 64 + ".incomplete")).write_bytes(b"\0" * 4096)
@@ -147,15 +149,27 @@ def test_a_local_path_wins_over_an_id(offline_cache: Path, tmp_path: Path, monke
 
 def test_the_cache_folder_is_huggingface_hubs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each environment, resolved by kvtool now and by huggingface_hub at its import in a fresh process."""
-    cases = [{"HF_HUB_CACHE": str(tmp_path / "a")}, {"HF_HOME": str(tmp_path / "home")},
-             {"XDG_CACHE_HOME": str(tmp_path / "xdg")}, {"HOME": str(tmp_path / "user")},
-             {"HF_HUB_CACHE": str(tmp_path / "b"), "HF_HOME": str(tmp_path / "c")}]
+    cases = [
+        {"HF_HUB_CACHE": str(tmp_path / "a")},
+        {"HF_HOME": str(tmp_path / "home")},
+        {"XDG_CACHE_HOME": str(tmp_path / "xdg")},
+        {"HOME": str(tmp_path / "user")},
+        {"HF_HUB_CACHE": str(tmp_path / "b"), "HF_HOME": str(tmp_path / "c")},
+    ]
     for case in cases:
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME",
-                                                                "XDG_CACHE_HOME")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+        }
         env.update(case)
-        theirs = subprocess.run([sys.executable, "-c", "from huggingface_hub import constants; "
-                                 "print(constants.HF_HUB_CACHE)"], env=env, capture_output=True, text=True, check=True)
+        theirs = subprocess.run(
+            [sys.executable, "-c", "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         with monkeypatch.context() as m:
             for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
                 m.delenv(key, raising=False)
@@ -164,25 +178,60 @@ def test_the_cache_folder_is_huggingface_hubs_own(tmp_path: Path, monkeypatch: p
             assert str(hub.hub_cache_dir()) == theirs.stdout.strip(), case
 
 
-@pytest.mark.parametrize(("model", "expected"), [
-    ("acme/absent", ["acme/absent is not a local path, nor in the Hugging Face cache", "`hf download acme/absent`"]),
-    ("acme/tiny-chat@v9", ["revision 'v9' is not in the Hugging Face cache", "main -> 0123456", "v1 -> fedcba9",
-                           "`hf download acme/tiny-chat --revision v9`"]),
-    ("acme/lost-snapshot", ["refs/main names snapshot fedcba987654", "holds no snapshot fedcba987654",
-                            "(it holds 0123456789ab)", "`hf download acme/lost-snapshot`"]),
-    ("acme/interrupted", ["only partly downloaded", "but not model-00002-of-00002.safetensors",
-                          "1 interrupted download(s), *.incomplete, 4.00 KiB so far",
-                          "`hf download acme/interrupted`"]),
-    ("acme/no-weights", ["has config.json", "but no weights", "`hf download acme/no-weights`"]),
-    ("acme/listed", ["is only partly downloaded: it has config.json", "but not model.safetensors",
-                     "`hf download acme/listed`"]),
-    ("acme/missing-blob", ["only partly downloaded: model.safetensors point(s) at blobs that are not there"]),
-    ("acme/two-ggufs", ["holds only GGUF files (tiny.Q4_K_M.gguf, tiny.Q8_0.gguf)", "pick one with --model ",
-                        f"snapshots/{MAIN}/tiny.Q4_K_M.gguf"]),
-    ("acme/custom-code", ["needs its own Python code to load its config (auto_map in config.json)"]),
-])
-def test_each_broken_layout_is_one_line_saying_what_is_there(offline_cache: Path, doc: str, model: str,
-                                                             expected: list[str], capsys) -> None:
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (
+            "acme/absent",
+            ["acme/absent is not a local path, nor in the Hugging Face cache", "`hf download acme/absent`"],
+        ),
+        (
+            "acme/tiny-chat@v9",
+            [
+                "revision 'v9' is not in the Hugging Face cache",
+                "main -> 0123456",
+                "v1 -> fedcba9",
+                "`hf download acme/tiny-chat --revision v9`",
+            ],
+        ),
+        (
+            "acme/lost-snapshot",
+            [
+                "refs/main names snapshot fedcba987654",
+                "holds no snapshot fedcba987654",
+                "(it holds 0123456789ab)",
+                "`hf download acme/lost-snapshot`",
+            ],
+        ),
+        (
+            "acme/interrupted",
+            [
+                "only partly downloaded",
+                "but not model-00002-of-00002.safetensors",
+                "1 interrupted download(s), *.incomplete, 4.00 KiB so far",
+                "`hf download acme/interrupted`",
+            ],
+        ),
+        ("acme/no-weights", ["has config.json", "but no weights", "`hf download acme/no-weights`"]),
+        (
+            "acme/listed",
+            ["is only partly downloaded: it has config.json", "but not model.safetensors", "`hf download acme/listed`"],
+        ),
+        ("acme/missing-blob", ["only partly downloaded: model.safetensors point(s) at blobs that are not there"]),
+        (
+            "acme/two-ggufs",
+            [
+                "holds only GGUF files (tiny.Q4_K_M.gguf, tiny.Q8_0.gguf)",
+                "pick one with --model ",
+                f"snapshots/{MAIN}/tiny.Q4_K_M.gguf",
+            ],
+        ),
+        ("acme/custom-code", ["needs its own Python code to load its config (auto_map in config.json)"]),
+    ],
+)
+def test_each_broken_layout_is_one_line_saying_what_is_there(
+    offline_cache: Path, doc: str, model: str, expected: list[str], capsys
+) -> None:
     code, out, err = _cli(capsys, "ask", doc, "What is the pass key?", "--model", model, *TINY)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("kvtool: error: "), err
@@ -208,15 +257,26 @@ def test_ids_are_told_from_paths_and_nonsense() -> None:
 # -- everything a path gets, an id gets -----------------------------------------------------------------------
 
 
-def test_a_cache_prefilled_by_id_loads_by_path_and_back(offline_cache: Path, src: Path, doc: str, tmp_path: Path,
-                                                        capsys) -> None:
+def test_a_cache_prefilled_by_id_loads_by_path_and_back(
+    offline_cache: Path, src: Path, doc: str, tmp_path: Path, capsys
+) -> None:
     by_id, by_path = tmp_path / "id.kvc", tmp_path / "path.kvc"
     assert _cli(capsys, "prefill", doc, "-o", str(by_id), "--model", "acme/tiny-chat", *TINY[:4], "--quiet")[0] == 0
     assert _cli(capsys, "prefill", doc, "-o", str(by_path), "--model", str(src), *TINY[:4], "--quiet")[0] == 0
     answers = {}
     for kvc, model in ((by_id, str(src)), (by_path, "acme/tiny-chat"), (by_id, "acme/tiny-chat")):
-        code, out, err = _cli(capsys, "ask", str(kvc), "What is the pass key?", "--model", model, "--json",
-                              "--max-new-tokens", "4", "--quiet")
+        code, out, err = _cli(
+            capsys,
+            "ask",
+            str(kvc),
+            "What is the pass key?",
+            "--model",
+            model,
+            "--json",
+            "--max-new-tokens",
+            "4",
+            "--quiet",
+        )
         assert code == 0, err
         answers[(kvc.name, model)] = json.loads(out)["answers"][0]["answer"]
     assert len(set(answers.values())) == 1  # one model, one cache: one answer
@@ -250,8 +310,9 @@ def test_profile_plans_a_cached_config_without_weights(offline_cache: Path, tmp_
     assert plan["from_config"] and plan["model"] == "meta-llama/Llama-3.1-8B-Instruct"
     settings = resolve_settings(None, {"device": "cuda", "dtype": "bfloat16", "budget": "32k"})
     expected = plan_from_config(only, settings, None, 24 << 30)
-    assert {k: v for k, v in plan.items() if k != "model"} == \
-        json.loads(json.dumps({k: v for k, v in expected.items() if k != "model"}))
+    assert {k: v for k, v in plan.items() if k != "model"} == json.loads(
+        json.dumps({k: v for k, v in expected.items() if k != "model"})
+    )
 
 
 # -- kvtool models ----------------------------------------------------------------------------------------------
@@ -300,6 +361,7 @@ def test_models_reads_config_files_only(offline_cache: Path, monkeypatch: pytest
         def wrapper(path, *args, **kwargs):
             opened.append(os.path.realpath(path) if isinstance(path, str | os.PathLike) else str(path))
             return {"open": real_open, "os": real_os_open, "io": real_io_open}[name](path, *args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(builtins, "open", spy("open"))
@@ -308,13 +370,15 @@ def test_models_reads_config_files_only(offline_cache: Path, monkeypatch: pytest
     _listing(capsys)
     cached = [p for p in opened if p.startswith(str(offline_cache.resolve()))]
     assert cached, "the spy saw nothing"
-    weights = {str(p.resolve()) for p in offline_cache.rglob("*.safetensors")} | \
-        {str(p.resolve()) for p in offline_cache.rglob("*.gguf")}
+    weights = {str(p.resolve()) for p in offline_cache.rglob("*.safetensors")} | {
+        str(p.resolve()) for p in offline_cache.rglob("*.gguf")
+    }
     assert not set(cached) & weights
 
 
-def test_models_refuses_a_config_linked_outside_the_cache(offline_cache: Path, src: Path, tmp_path: Path,
-                                                          capsys) -> None:
+def test_models_refuses_a_config_linked_outside_the_cache(
+    offline_cache: Path, src: Path, tmp_path: Path, capsys
+) -> None:
     outside = tmp_path / "elsewhere.json"
     outside.write_text((src / "config.json").read_text())
     snapshot = hf_cache_layout(offline_cache, "acme/escape", src, MAIN)
@@ -334,8 +398,14 @@ def test_the_cli_runs_a_cached_id_in_a_process_without_network(cache: Path, tmp_
     env.update(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="0", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     ask = "\x1f".join(["ask", str(doc), "What is the pass key?", "--model", "acme/tiny-chat", "--json", *TINY])
     models = "\x1f".join(["models", "--json"])
-    run = subprocess.run([sys.executable, "-c", OFFLINE_MAIN, ask, models], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-c", OFFLINE_MAIN, ask, models],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     first, second = run.stdout.strip().splitlines()
     assert json.loads(first)["stats"]["model"] == "acme/tiny-chat"

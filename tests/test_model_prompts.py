@@ -31,8 +31,17 @@ def _session(model_dir: Path, notes: list[str] | None = None, **settings):
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    values = {"model": str(model_dir), "policy": "full", "budget": "4k", "block_size": 32, "recall": "off",
-              "max_new_tokens": 8, "no_repeat_ngram": 0, "device": "cpu", **settings}
+    values = {
+        "model": str(model_dir),
+        "policy": "full",
+        "budget": "4k",
+        "block_size": 32,
+        "recall": "off",
+        "max_new_tokens": 8,
+        "no_repeat_ngram": 0,
+        "device": "cpu",
+        **settings,
+    }
     return Session(resolve_settings(None, values), say=(notes.append if notes is not None else None))
 
 
@@ -112,7 +121,8 @@ def test_a_base_models_prompt_starts_with_the_start_token_its_tokenizer_adds() -
     assert prompt.plain_parts(tok, "x") == prompt.PromptParts(prefix="", suffix="x")
     start = tok.convert_tokens_to_ids("<|endoftext|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", start)])
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", start)]
+    )
     tok.bos_token = "<|endoftext|>"
     assert prompt.plain_parts(tok, "x").prefix == "<|endoftext|>"
 

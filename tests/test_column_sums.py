@@ -97,13 +97,15 @@ def kernels():
     return column_sums_triton
 
 
-KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+#: the interpreter has no bfloat16; on a GPU each dtype and tile shape is a compilation (float32 runs in the engine
+#: tests there), so a GPU checks its own dtypes at the launch shapes it uses
+KERNEL_DTYPES = [torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
 #: (forward tiles, column-sum tiles): several partial tiles of the small shapes, and the launch shapes a GPU uses
-TILES = [(dict(BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=16, BLOCK_N=32)), (None, None)]
+TILES = ([] if CUDA else [(dict(BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=16, BLOCK_N=32))]) + [(None, None)]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=["small tiles", "default tiles"])
+@pytest.mark.parametrize("tiles", TILES, ids=["small tiles", "default tiles"][-len(TILES):])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernels_equal_the_probability_matrix(kernels, shape, dtype, tiles):

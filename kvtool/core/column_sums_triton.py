@@ -31,8 +31,7 @@ LOG2E = 1.0 / math.log(2.0)
 
 @triton.jit
 def _forward_kernel(Q, K, V, Out, LSE, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d, sv_h, sv_n, sv_d, so_h, so_m, so_d,
-                    m, n, n_old, window, q_per_kv, scale2,
-                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    m, n, n_old, window, q_per_kv, scale2, D, DV, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
@@ -83,8 +82,8 @@ def _forward_kernel(Q, K, V, Out, LSE, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d, sv_h,
 
 @triton.jit
 def _column_sums_kernel(Q, K, LSE, OUT, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d,
-                        m, n, n_old, window, row0, q_per_kv, scale2, inv_group,
-                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        m, n, n_old, window, row0, q_per_kv, scale2, inv_group, D,
+                        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         WINDOWED: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -149,8 +148,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, ls
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), H)
     _forward_kernel[grid](q, k, v, out, lse, q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2),
                           k.stride(3), v.stride(1), v.stride(2), v.stride(3), out.stride(1), out.stride(2),
-                          out.stride(3), m, n, vis.n_old, vis.window or 0, H // h, scaling * LOG2E,
-                          D=d, DV=dv, BLOCK_D=_width(d), BLOCK_DV=_width(dv), WINDOWED=vis.window is not None,
+                          out.stride(3), m, n, vis.n_old, vis.window or 0, H // h, scaling * LOG2E, d, dv,
+                          BLOCK_D=_width(d), BLOCK_DV=_width(dv), WINDOWED=vis.window is not None,
                           IEEE=q.dtype == torch.float32, **cfg)
     return out
 
@@ -164,6 +163,6 @@ def column_sums(q: Tensor, k: Tensor, lse: Tensor, scaling: float, vis: Visibili
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), h)
     _column_sums_kernel[grid](q, k, lse, out, q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2),
                               k.stride(3), m, n, vis.n_old, vis.window or 0, row0, H // h, scaling * LOG2E,
-                              1.0 / (H // h), D=d, BLOCK_D=_width(d), WINDOWED=vis.window is not None,
+                              1.0 / (H // h), d, BLOCK_D=_width(d), WINDOWED=vis.window is not None,
                               IEEE=q.dtype == torch.float32, **cfg)
     return out

@@ -30,6 +30,36 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
+def _forward_tile(acc, m_i, l_i, q, Kh, Vh, start, rows, dims, vdims, n, n_old, window, scale2, sk_n, sk_d, sv_n, sv_d,
+                  D, DV, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile of the online softmax; ``MASKED`` False for a tile every row of the query tile sees whole."""
+    cols = start + tl.arange(0, BLOCK_N)
+    k = tl.load(Kh + cols[:, None] * sk_n + dims[None, :] * sk_d, mask=(cols[:, None] < n) & (dims[None, :] < D),
+                other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale2
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale2
+    if MASKED:
+        dist = n_old + rows[:, None] - cols[None, :]
+        seen = (dist >= 0) & (cols[None, :] < n)
+        if WINDOWED:
+            seen = seen & (dist < window)
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(Vh + cols[:, None] * sv_n + vdims[None, :] * sv_d, mask=(cols[:, None] < n) & (vdims[None, :] < DV),
+                other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, Out, LSE, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d, sv_h, sv_n, sv_d, so_h, so_m, so_d,
                     m, n, n_old, window, q_per_kv, scale2, D, DV, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
@@ -44,40 +74,49 @@ def _forward_kernel(Q, K, V, Out, LSE, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d, sv_h,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    Kh, Vh = K + kvh * sk_h, V + kvh * sv_h
     hi = tl.minimum(n, n_old + tl.minimum(pid_m * BLOCK_M + BLOCK_M, m))  # past the tile's last visible key
-    lo = 0
-    if WINDOWED:
+    if WINDOWED:  # every tile masked, from the first the window lets the tile's first row see
         lo = tl.maximum(0, n_old + pid_m * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(K + kvh * sk_h + cols[:, None] * sk_n + dims[None, :] * sk_d,
-                    mask=(cols[:, None] < n) & (dims[None, :] < D), other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        dist = n_old + rows[:, None] - cols[None, :]
-        seen = (dist >= 0) & (cols[None, :] < n)
-        if WINDOWED:
-            seen = seen & (dist < window)
-        s = tl.where(seen, s * scale2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kvh * sv_h + cols[:, None] * sv_n + vdims[None, :] * sv_d,
-                    mask=(cols[:, None] < n) & (vdims[None, :] < DV), other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        for start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, Kh, Vh, start, rows, dims, vdims, n, n_old, window,
+                                          scale2, sk_n, sk_d, sv_n, sv_d, D, DV, BLOCK_N, True, True, IEEE)
+    else:  # keys up to the tile's first row's own are seen by every row: those whole tiles need no mask
+        mid = tl.minimum(hi, (n_old + pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N)
+        for start in range(0, mid, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, Kh, Vh, start, rows, dims, vdims, n, n_old, window,
+                                          scale2, sk_n, sk_d, sv_n, sv_d, D, DV, BLOCK_N, False, False, IEEE)
+        for start in range(mid, hi, BLOCK_N):
+            acc, m_i, l_i = _forward_tile(acc, m_i, l_i, q, Kh, Vh, start, rows, dims, vdims, n, n_old, window,
+                                          scale2, sk_n, sk_d, sv_n, sv_d, D, DV, BLOCK_N, True, False, IEEE)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows past m
     out = acc / l_safe[:, None]
     tl.store(Out + hq * so_h + rows[:, None] * so_m + vdims[None, :] * so_d, out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < m) & (vdims[None, :] < DV))
     tl.store(LSE + hq * m + rows, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=rows < m)
+
+
+@triton.jit
+def _sum_rows(acc, Qh, LSEh, k, r0, cols, last, n_old, window, scale2, sq_m, sq_d, dims, D,
+              BLOCK_M: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+    """One query tile's ``exp2(q·k·scale − lse)`` summed into the key tile's ``acc``. Rows past ``last`` read
+    ``lse = +inf`` (they add 0); ``MASKED`` False for a query tile whose every row sees the whole key tile."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    live = rows < last
+    q = tl.load(Qh + rows[:, None] * sq_m + dims[None, :] * sq_d, mask=live[:, None] & (dims[None, :] < D), other=0.0)
+    lse2 = tl.load(LSEh + rows, mask=live, other=float("inf")) * 1.4426950408889634
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    p = tl.exp2(s * scale2 - lse2[:, None])
+    if MASKED:
+        dist = n_old + rows[:, None] - cols[None, :]
+        seen = dist >= 0
+        if WINDOWED:
+            seen = seen & (dist < window)
+        p = tl.where(seen, p, 0.0)
+    return acc + tl.sum(p, 0)
 
 
 @triton.jit
@@ -91,29 +130,25 @@ def _column_sums_kernel(Q, K, LSE, OUT, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d,
     dims = tl.arange(0, BLOCK_D)
     k = tl.load(K + kvh * sk_h + cols[:, None] * sk_n + dims[None, :] * sk_d,
                 mask=(cols[:, None] < n) & (dims[None, :] < D), other=0.0)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)  # columns past n sum garbage: never stored
     first = tl.maximum(row0, pid_n * BLOCK_N - n_old)  # earlier rows see none of this tile's keys
-    last = m
     if WINDOWED:
         last = tl.minimum(m, pid_n * BLOCK_N + BLOCK_N - 1 - n_old + window)
+        diag = last  # every query tile masked
+    else:
+        last = m
+        # rows from the tile's last key's own on see the whole tile: their query tiles need no mask
+        diag = first + tl.maximum(0, tl.minimum(n, pid_n * BLOCK_N + BLOCK_N) - 1 - n_old - first + BLOCK_M - 1) \
+            // BLOCK_M * BLOCK_M
+        diag = tl.minimum(diag, last)
     for j in range(0, q_per_kv):
         hq = kvh * q_per_kv + j
-        for r0 in range(first, last, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            live = rows < last
-            q = tl.load(Q + hq * sq_h + rows[:, None] * sq_m + dims[None, :] * sq_d,
-                        mask=live[:, None] & (dims[None, :] < D), other=0.0)
-            lse2 = tl.load(LSE + hq * m + rows, mask=live, other=float("inf")) * 1.4426950408889634
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            dist = n_old + rows[:, None] - cols[None, :]
-            seen = (dist >= 0) & live[:, None] & (cols[None, :] < n)
-            if WINDOWED:
-                seen = seen & (dist < window)
-            p = tl.where(seen, tl.exp2(s * scale2 - lse2[:, None]), 0.0)
-            acc += tl.sum(p, 0)
+        for r0 in range(first, diag, BLOCK_M):
+            acc = _sum_rows(acc, Q + hq * sq_h, LSE + hq * m, k, r0, cols, last, n_old, window, scale2, sq_m, sq_d,
+                            dims, D, BLOCK_M, True, WINDOWED, IEEE)
+        for r0 in range(diag, last, BLOCK_M):
+            acc = _sum_rows(acc, Q + hq * sq_h, LSE + hq * m, k, r0, cols, last, n_old, window, scale2, sq_m, sq_d,
+                            dims, D, BLOCK_M, False, WINDOWED, IEEE)
     tl.store(OUT + kvh * n + cols, acc * inv_group, mask=cols < n)
 
 

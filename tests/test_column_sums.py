@@ -182,7 +182,7 @@ def _kept(cache):
     return out
 
 
-@pytest.mark.parametrize(("family", "policy"), [("qwen2", "h2o"), ("llama3", "snapkv"), ("gemma3", "h2o"),
+@pytest.mark.parametrize(("family", "policy"), [("qwen2", "h2o"), ("llama3", "snapkv(window=8)"), ("gemma3", "h2o"),
                                                 ("qwen2", "h2o+vatp"), ("llama3", "h2o")])
 def test_a_read_with_two_passes_equals_the_explicit_path(monkeypatch, family, policy, form):
     """The same logits, the same running sums and the same kept tokens in every layer (GQA; Gemma 3's global

@@ -12,6 +12,12 @@ appended the block's keys/values. For each head group of the layer it
 3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
    so at most one layer's probabilities exist at a time.
 
+A policy that reads its rows' probabilities only summed (``rows_summed``: H2O, SnapKV's window) gets, on a cache
+whose ``two_pass`` is set (a CUDA cache where Triton imports), the output and those column sums from two passes
+that never hold a probability matrix (``core/column_sums.py``: a forward that returns each row's log-sum-exp,
+then a key-major sum of ``exp(q·k·scale − lse)``); blocks under ``column_sums.MIN_ROWS`` rows, softcapped layers
+and RazorAttention's compensated groups keep the explicit path.
+
 SDPA gets no ``enable_gqa``: the query heads that share a KV head are folded into the query length
 (``[1, kv_heads, q_per_kv · m, d]``) and the mask is repeated along the folded axis, as an additive
 mask in the queries' dtype whose rows are 16-element aligned. On CUDA, masked GQA (``enable_gqa`` with

@@ -11,6 +11,9 @@ and float16: the interpreter has no bfloat16) and natively on CUDA; without Trit
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from tests.helpers import (
     tiny_qwen2,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 #: (KV heads, query heads per KV head, block rows, tokens before the block, head dim, window)
@@ -105,7 +109,7 @@ TILES = ([] if CUDA else [(dict(BLOCK_M=16, BLOCK_N=16), dict(BLOCK_M=16, BLOCK_
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=["small tiles", "default tiles"][-len(TILES):])
+@pytest.mark.parametrize("tiles", TILES, ids=["small tiles", "default tiles"][-len(TILES) :])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernels_equal_the_probability_matrix(kernels, shape, dtype, tiles):
@@ -117,11 +121,11 @@ def test_kernels_equal_the_probability_matrix(kernels, shape, dtype, tiles):
         want_sums, want_out, want_lse = brute_force(q, k, v, d**-0.5, vis, row0)
         lse = torch.empty(q.shape[1], q.shape[2], device=DEVICE)
         out = kernels.forward(q, k, v, d**-0.5, vis, lse, tiles=tiles[0])
-        sums = kernels.column_sums(q, k, lse, d**-0.5, vis, row0, torch.empty(k.shape[1], k.shape[2], device=DEVICE),
-                                   tiles=tiles[1])
+        sums = kernels.column_sums(
+            q, k, lse, d**-0.5, vis, row0, torch.empty(k.shape[1], k.shape[2], device=DEVICE), tiles=tiles[1]
+        )
         assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()  # transformers' layout underneath
-        torch.testing.assert_close(sums.double(), want_sums, atol=2e-6 if dtype == torch.float32 else 2e-5,
-                                   rtol=1e-4)
+        torch.testing.assert_close(sums.double(), want_sums, atol=2e-6 if dtype == torch.float32 else 2e-5, rtol=1e-4)
         torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
         atol, rtol = TOL[dtype]
         torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=rtol)
@@ -133,8 +137,9 @@ def test_kernels_equal_the_torch_form_on_contiguous_and_strided_inputs(kernels):
         q, k, v, vis = make(shape, torch.float32, seed=2, strided=strided)
         lse_t, lse_k = (torch.empty(q.shape[1], q.shape[2], device=DEVICE) for _ in range(2))
         sums_t, sums_k = (torch.empty(k.shape[1], k.shape[2], device=DEVICE) for _ in range(2))
-        torch.testing.assert_close(kernels.forward(q, k, v, 0.25, vis, lse_k), forward(q, k, v, 0.25, vis, lse_t),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            kernels.forward(q, k, v, 0.25, vis, lse_k), forward(q, k, v, 0.25, vis, lse_t), atol=1e-5, rtol=1e-5
+        )
         kernels.column_sums(q, k, lse_k, 0.25, vis, 3, sums_k)
         column_sums(q, k, lse_t, 0.25, vis, 3, sums_t)
         torch.testing.assert_close(sums_k, sums_t, atol=1e-6, rtol=1e-5)
@@ -182,8 +187,10 @@ def _kept(cache):
     return out
 
 
-@pytest.mark.parametrize(("family", "policy"), [("qwen2", "h2o"), ("llama3", "snapkv(window=8)"), ("gemma3", "h2o"),
-                                                ("qwen2", "h2o+vatp"), ("llama3", "h2o")])
+@pytest.mark.parametrize(
+    ("family", "policy"),
+    [("qwen2", "h2o"), ("llama3", "snapkv(window=8)"), ("gemma3", "h2o"), ("qwen2", "h2o+vatp"), ("llama3", "h2o")],
+)
 def test_a_read_with_two_passes_equals_the_explicit_path(monkeypatch, family, policy, form):
     """The same logits, the same running sums and the same kept tokens in every layer (GQA; Gemma 3's global
     layer between sliding ones, which evict by distance and read no probabilities), every block wide enough
@@ -253,3 +260,28 @@ def test_cuda_two_passes_after_eviction_equal_the_masking_reference(monkeypatch,
     err = float((got.float().cpu() - masking_reference_logits(exact, ids, seen).float()).abs().max())
     noise = float((noisy.float().cpu() - dense_logits(exact, ids).float()).abs().max())
     assert err <= 2.0 * noise + 0.004
+
+
+def test_a_cpu_read_needs_no_triton():
+    """Triton is a package torch's CUDA wheels ship, not a dependency: in a fresh interpreter where ``import
+    triton`` fails, a CPU cache keeps the explicit path and a whole read never asks for Triton (``triton_available``
+    is not called) nor loads the kernels' module. (Where Triton is installed torch itself imports it, so the
+    check is on kvtool's own asks.)"""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from kvtool.core import column_sums\n"
+        "def refuse():\n"
+        "    raise AssertionError('triton asked for on a CPU')\n"
+        "column_sums.triton_available = refuse\n"
+        "from tests.helpers import make_engine, stream_logits, tiny_qwen2\n"
+        "engine = make_engine(tiny_qwen2(), 'h2o', 24, block_size=16)\n"
+        "cache = engine.new_cache()\n"
+        "assert cache.two_pass is None\n"
+        "stream_logits(engine, torch.randint(0, 50, (80,)), cache)\n"
+        "assert 'kvtool.core.column_sums_triton' not in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

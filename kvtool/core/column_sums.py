@@ -71,8 +71,9 @@ def _rows_per_chunk(heads: int, width: int) -> int:
     return max(1, PROBS_CHUNK_BYTES // (heads * max(width, 1) * 4))
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, lse: Tensor,
-            out: Tensor | None = None) -> Tensor:
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, lse: Tensor, out: Tensor | None = None
+) -> Tensor:
     """Pass 1: attention output ``[1, H, m, dv]`` (``v``'s dtype) of ``q`` ``[1, H, m, d]`` over ``k``, ``v``
     ``[1, h, n, d]`` (``H = h · q_per_kv``, query head ``i`` on KV head ``i // q_per_kv``), each row's natural
     log-sum-exp written into ``lse`` ``[H, m]`` (float32). Rows in chunks of ``PROBS_CHUNK_BYTES`` of scores."""
@@ -97,8 +98,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, ls
     return out
 
 
-def column_sums(q: Tensor, k: Tensor, lse: Tensor, scaling: float, vis: Visibility, row0: int,
-                out: Tensor) -> Tensor:
+def column_sums(q: Tensor, k: Tensor, lse: Tensor, scaling: float, vis: Visibility, row0: int, out: Tensor) -> Tensor:
     """Pass 2: ``out`` ``[h, n]`` (float32) = for each key, ``exp(q·k·scale − lse)`` summed over block rows
     ``row0 … m − 1`` it is visible to and over the query heads of its KV head, divided by their number.
 
@@ -118,8 +118,7 @@ def column_sums(q: Tensor, k: Tensor, lse: Tensor, scaling: float, vis: Visibili
             out[:, c0:c1].zero_()
             continue
         qg = q[0, :, first:last].float().reshape(h, qk * (last - first), d)
-        scores = torch.bmm(qg, k[0, :, c0:c1].float().transpose(1, 2)).mul_(scaling).view(h, qk, last - first,
-                                                                                        c1 - c0)
+        scores = torch.bmm(qg, k[0, :, c0:c1].float().transpose(1, 2)).mul_(scaling).view(h, qk, last - first, c1 - c0)
         scores.sub_(lse[:, first:last].view(h, qk, last - first, 1)).exp_()
         scores.masked_fill_(~vis.mask(rows_all[first:last], torch.arange(c0, c1, device=q.device)), 0.0)
         torch.sum(scores, dim=(1, 2), out=out[:, c0:c1]).div_(qk)

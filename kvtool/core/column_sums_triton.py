@@ -29,6 +29,8 @@ from kvtool.core.column_sums import Visibility
 LOG2E = 1.0 / math.log(2.0)
 
 
+# The kernels keep their argument lists packed: one argument a line would take them past 80 lines.
+# fmt: off
 @triton.jit
 def _forward_tile(acc, m_i, l_i, q, Kh, Vh, start, rows, dims, vdims, n, n_old, window, scale2, sk_n, sk_d, sv_n, sv_d,
                   D, DV, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOWED: tl.constexpr, IEEE: tl.constexpr):
@@ -150,27 +152,42 @@ def _column_sums_kernel(Q, K, LSE, OUT, sq_h, sq_m, sq_d, sk_h, sk_n, sk_d,
             acc = _sum_rows(acc, Q + hq * sq_h, LSE + hq * m, k, r0, cols, last, n_old, window, scale2, sq_m, sq_d,
                             dims, D, BLOCK_M, False, WINDOWED, IEEE)
     tl.store(OUT + kvh * n + cols, acc * inv_group, mask=cols < n)
+# fmt: on
 
 
 def _tiles(d: int) -> tuple[dict, dict]:
     """Launch shapes of (forward, column sums) for head dimension ``d`` (Triton's fused-attention tutorial's
     choices: 128-row query tiles up to d = 128, smaller tiles for d = 256's shared memory)."""
     if d <= 64:
-        return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-                dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3))
+        return (
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+        )
     if d <= 128:
-        return (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3))
-    return (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
-            dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2))
+        return (
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+        )
+    return (
+        dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
+    )
 
 
 def _width(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, lse: Tensor,
-            out: Tensor | None = None, tiles: dict | None = None) -> Tensor:
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scaling: float,
+    vis: Visibility,
+    lse: Tensor,
+    out: Tensor | None = None,
+    tiles: dict | None = None,
+) -> Tensor:
     """Pass 1 (``column_sums.forward``'s contract): output ``[1, H, m, dv]``, natural log-sum-exp into ``lse``.
 
     A fresh output is laid out ``[1, m, H, dv]`` and returned as its ``[1, H, m, dv]`` view, so the attention
@@ -181,23 +198,79 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scaling: float, vis: Visibility, ls
         out = torch.empty(1, m, H, dv, dtype=v.dtype, device=q.device).transpose(1, 2)
     cfg = dict(tiles or _tiles(d)[0])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), H)
-    _forward_kernel[grid](q, k, v, out, lse, q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2),
-                          k.stride(3), v.stride(1), v.stride(2), v.stride(3), out.stride(1), out.stride(2),
-                          out.stride(3), m, n, vis.n_old, vis.window or 0, H // h, scaling * LOG2E, d, dv,
-                          BLOCK_D=_width(d), BLOCK_DV=_width(dv), WINDOWED=vis.window is not None,
-                          IEEE=q.dtype == torch.float32, **cfg)
+    _forward_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q.stride(1),
+        q.stride(2),
+        q.stride(3),
+        k.stride(1),
+        k.stride(2),
+        k.stride(3),
+        v.stride(1),
+        v.stride(2),
+        v.stride(3),
+        out.stride(1),
+        out.stride(2),
+        out.stride(3),
+        m,
+        n,
+        vis.n_old,
+        vis.window or 0,
+        H // h,
+        scaling * LOG2E,
+        d,
+        dv,
+        BLOCK_D=_width(d),
+        BLOCK_DV=_width(dv),
+        WINDOWED=vis.window is not None,
+        IEEE=q.dtype == torch.float32,
+        **cfg,
+    )
     return out
 
 
-def column_sums(q: Tensor, k: Tensor, lse: Tensor, scaling: float, vis: Visibility, row0: int, out: Tensor,
-                tiles: dict | None = None) -> Tensor:
+def column_sums(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    scaling: float,
+    vis: Visibility,
+    row0: int,
+    out: Tensor,
+    tiles: dict | None = None,
+) -> Tensor:
     """Pass 2 (``column_sums.column_sums``'s contract): ``out`` ``[h, n]`` float32, contiguous."""
     H, m, d = q.shape[1], q.shape[2], q.shape[3]
     h, n = k.shape[1], k.shape[2]
     cfg = dict(tiles or _tiles(d)[1])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), h)
-    _column_sums_kernel[grid](q, k, lse, out, q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2),
-                              k.stride(3), m, n, vis.n_old, vis.window or 0, row0, H // h, scaling * LOG2E,
-                              1.0 / (H // h), d, BLOCK_D=_width(d), WINDOWED=vis.window is not None,
-                              IEEE=q.dtype == torch.float32, **cfg)
+    _column_sums_kernel[grid](
+        q,
+        k,
+        lse,
+        out,
+        q.stride(1),
+        q.stride(2),
+        q.stride(3),
+        k.stride(1),
+        k.stride(2),
+        k.stride(3),
+        m,
+        n,
+        vis.n_old,
+        vis.window or 0,
+        row0,
+        H // h,
+        scaling * LOG2E,
+        1.0 / (H // h),
+        d,
+        BLOCK_D=_width(d),
+        WINDOWED=vis.window is not None,
+        IEEE=q.dtype == torch.float32,
+        **cfg,
+    )
     return out

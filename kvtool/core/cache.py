@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.config import batch_split
+from kvtool.core.column_sums import default_form
 from kvtool.core.contract import GroupSpec, ScoreContext
 from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
@@ -220,6 +221,10 @@ class BoundedCache(Cache):
         # kernel and the probabilities are computed for the sums alone (``core/attention.py``): on a GPU, where
         # memory traffic and not the product's FLOPs is the cost; a CPU keeps the one pass that gives both
         self.fused_output = device.type == "cuda"
+        # where such a policy's block has at least ``column_sums.MIN_ROWS`` rows: the output and each row's
+        # log-sum-exp from one fused forward, then the column sums key-major (``core/column_sums.py``), no
+        # probability matrix at all; "triton" on CUDA where Triton imports, else None (the explicit path above)
+        self.two_pass: str | None = default_form(device)
         self.num_kv_heads = num_kv_heads
         self.num_attention_heads = num_attention_heads
         self.head_dim = head_dim

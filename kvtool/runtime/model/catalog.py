@@ -17,10 +17,11 @@ from typing import Any
 from kvtool.config import kvtool_home
 from kvtool.core.layout import check_config
 from kvtool.errors import UsageError, first_line
+from kvtool.numbers import MAX_DIM
 from kvtool.runtime.memory import dims_from_config, llama_param_count
 from kvtool.runtime.model import hub
 from kvtool.runtime.model.convert import CONVERSION_MARKER, EMBEDDED_NAME, embedded_gguf_path
-from kvtool.runtime.model.loading import DIM_KEYS, MAX_DIM, READ_WHOLE_CAPS
+from kvtool.runtime.model.loading import READ_WHOLE_CAPS
 
 #: the model types proven with their own tiny models (tests/test_families.py); docs/models.md lists them
 PROVEN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3_text"})
@@ -197,6 +198,19 @@ def _parse(raw: bytes) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError("config.json is not a JSON object")
     return config
+
+
+#: The dimensions a listed config must name as integers in 1..MAX_DIM (the names transformers' configs use).
+DIM_KEYS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 def _check_dims(config: dict[str, Any]) -> None:

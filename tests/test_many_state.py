@@ -226,6 +226,38 @@ def test_after_any_document_the_next_is_read_as_by_a_fresh_process(model_dir, tm
     sequence_check(settings, docs, kvc)
 
 
+def test_a_disk_that_ran_short_turns_recall_off_for_its_document_only(model_dir, tmp_path, monkeypatch):
+    """``--recall auto``: a document whose archive disk ran short while it was read answers without recall; the
+    .kvc after it recalls from its archive as it does alone (recall on, no note left from the document before)."""
+    from kvtool.runtime import archive_disk
+
+    monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(archive_disk, "disk", lambda d: archive_disk.Disk(free=1 << 40, total=1 << 41))
+    settings = resolve_settings(None, dict(model=model_dir, budget="160", block_size=32, max_new_tokens=8,
+                                           threads=1))  # --recall auto, the default
+    short, long = write_doc(tmp_path / "s.txt", 20, 50), write_doc(tmp_path / "r.txt", 40, 300)
+    kvc = str(tmp_path / "r.kvc")
+    prefill = DocumentWorker(Task("prefill", settings))
+    assert "error" not in list(prefill.run(Job(path=long, location=long, keys=["prefill"], output=kvc)))[0]
+    alone = Sequence(settings)
+    try:
+        expected = [comparable(r) for r in alone.run(kvc)]
+    finally:
+        alone.close()
+    assert expected[0]["stats"]["recall_tokens"] > 0 and expected[0]["stats"]["recalled_tokens_max"] > 0
+    s = Sequence(settings)
+    try:
+        with monkeypatch.context() as m:  # the length unknown (stdin): watched, and the disk runs short
+            m.setattr(archive_disk, "WATCH_STEP", 1)
+            m.setattr(archive_disk, "disk", lambda d: archive_disk.Disk(free=1 << 20, total=1 << 34))
+            m.setattr("kvtool.runtime.session.estimate_tokens", lambda doc: None)
+            first = s.run(short)[0]
+        assert first["stats"]["recall_tokens"] == 0 and first["stats"]["recall_note"].startswith("recall off")
+        assert [comparable(r) for r in s.run(kvc)] == expected
+    finally:
+        s.close()
+
+
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "paul_graham_essays"
 
 

@@ -144,8 +144,8 @@ def write_doc(path: Path, sentences: int, start: int = 0) -> str:
     return str(path)
 
 
-def job(path: str, keys: list[str] | None = None) -> Job:
-    return Job(path=path, location=path, keys=keys or [QUESTION])
+def job(path: str) -> Job:
+    return Job(path=path, location=path, keys=[QUESTION])
 
 
 class Sequence:
@@ -197,6 +197,8 @@ def sequence_check(settings, docs: dict[str, str], kvc: str) -> None:
         for what, path, fault in before:
             first = s.run(path, fault)
             assert ("error" in first[0]) == (fault is not None), first
+            if fault is not None:  # the injected failure is the document's record, and the run goes on
+                assert "injected in layer 1" in first[0]["error"] and first[0]["exit_code"] == 1, first
             if what == "recalling":
                 assert first[0]["stats"]["recalled_tokens_max"] > expected[0]["stats"]["recalled_tokens_max"]
             if what == "kvc":  # memory is one cache: the text documents' and the .kvc's are the same one

@@ -249,12 +249,17 @@ def token_state(policy, keys: torch.Tensor, values: torch.Tensor) -> dict[str, t
 
 
 # -- state that must end with its document (tests/test_many_state.py) -------------------------------------------
-def held_bytes(root) -> int:
-    """Bytes of every distinct tensor storage ``root`` holds through kvtool's own objects (a cache, a session):
-    the walk follows kvtool objects and plain containers only, never a model, a tokenizer or a function, so
-    it counts what kvtool keeps (K/V, work buffers, snapshots, archives' buffers), not the weights."""
-    import gc
+#: what a cache keeps across documents that holds no state: work buffers sized by the largest need so far (one
+#: layer's probabilities, the archive's append buffers, the stacks' score rows and gather index) and the
+#: engine's rotator (shared by its caches)
+WORKSPACE = frozenset({"_scratch", "archive_work", "work", "probs", "_rows", "rotator"})
 
+
+def held_bytes(root, skip: frozenset[str] = WORKSPACE) -> int:
+    """Bytes of every distinct tensor storage ``root`` holds through kvtool's own objects (a cache, a session),
+    but for their attributes named in ``skip``: the walk follows kvtool objects and plain containers only,
+    never a model, a tokenizer or a function, so it counts what kvtool keeps (K/V, per-token buffers,
+    snapshots, archives), not the weights."""
     seen: set[int] = set()
     storages: dict[int, int] = {}
     todo = [root]
@@ -266,9 +271,13 @@ def held_bytes(root) -> int:
         if isinstance(obj, torch.Tensor):
             s = obj.untyped_storage()
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
-        elif isinstance(obj, (dict, list, tuple, set, frozenset)) or (
-                not isinstance(obj, type) and type(obj).__module__.startswith("kvtool.")):
-            todo.extend(gc.get_referents(obj))
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+            todo.extend(k for k in obj if isinstance(k, torch.Tensor))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("kvtool.") and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            todo.extend(v for k, v in vars(obj).items() if k not in skip)
     return sum(storages.values())
 
 

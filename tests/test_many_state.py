@@ -18,6 +18,7 @@ from kvtool.runtime.many import DocumentWorker, Job, Task
 from kvtool.runtime.settings import resolve_settings
 from tests.helpers import (
     VOCAB,
+    WORKSPACE,
     Fault,
     endless_answers,
     held_bytes,
@@ -30,16 +31,12 @@ from tests.helpers import (
 QUESTION = "Who sat on the mat?"
 
 
-#: what a cache holds of its engine's, shared by every cache of it (the rotator's constants and call count; its
-#: buffers are released by ``reuse_cache`` and counted by ``held_bytes``)
-ENGINE = ("rotator",)
-
-
 def signature(root: Any) -> Any:
     """Every field of ``root`` and of the kvtool objects it holds, as comparable values: numbers, flags and
     strings as they are, a tensor as its shape and dtype (the contents of unused slots may differ), an object
-    of another library as its type, a table keyed by objects' ids as its values. Two caches with the same
-    signature are in the same state but for the tokens stored beyond their length."""
+    of another library as its type, a table keyed by objects' ids as its values; work buffers (``WORKSPACE``)
+    left out. Two caches with the same signature are in the same state but for the tokens stored beyond
+    their length and the size of their work buffers."""
     seen: set[int] = set()
 
     def walk(obj: Any) -> Any:
@@ -57,7 +54,7 @@ def signature(root: Any) -> Any:
         if isinstance(obj, (list, tuple)):
             return [walk(v) for v in obj]
         if type(obj).__module__.startswith("kvtool.") and hasattr(obj, "__dict__") and not callable(obj):
-            return (type(obj).__name__, {k: walk(v) for k, v in sorted(vars(obj).items()) if k not in ENGINE})
+            return (type(obj).__name__, {k: walk(v) for k, v in sorted(vars(obj).items()) if k not in WORKSPACE})
         return type(obj).__name__
 
     return walk(root)
@@ -128,6 +125,14 @@ def test_a_cache_reused_after_a_failed_block_or_a_recall_is_a_new_cache(policy, 
     decode(engine, cache, question, 60, snap)
     cache.restore(snap)  # the room recall took goes back with the answer's tokens (the next question's own)
     assert [g.usable_slots for g in cache.groups()] == room
+
+    workspace = held_bytes(cache, frozenset()) - held_bytes(cache)  # the work buffers kept across documents
+    assert workspace > 0
+    for _ in range(2):  # kept at the largest a document needed: the same documents again grow them no more
+        engine.reuse_cache(cache)
+        stream_logits(engine, first, cache)
+        decode(engine, cache, question, 60)
+        assert held_bytes(cache, frozenset()) - held_bytes(cache) == workspace
 
 
 # --------------------------------------------------------------------------------------------- the worker

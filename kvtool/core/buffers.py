@@ -237,10 +237,6 @@ class LayerStack:
                     view.items[name] = self._view(b, layer)
         self.slots = slots
 
-    def release_work(self) -> None:
-        """Drop what ``gather`` made for itself (a cache emptied for another document holds what a new one does)."""
-        self._rows = None
-
     def gather(self, keep: Tensor, n: int) -> None:
         """Keep tokens ``keep`` [L, h, c] (indices into the first ``n`` of each layer) in every layer at once;
         each layer's own buffers with its slice.

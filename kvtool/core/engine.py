@@ -175,12 +175,9 @@ class Engine:
 
     def reuse_cache(self, cache: BoundedCache) -> BoundedCache:
         """``cache`` (from ``new_cache``) emptied for another document, its buffers kept, with a new archive
-        when recall is on: what ``new_cache`` returns, without allocating the K/V buffers again. The rotation
-        buffers the engine's caches share are dropped too: they were sized by the last document (its recall)."""
+        when recall is on: what ``new_cache`` returns, without allocating the K/V buffers again."""
         recall.close(cache)  # the previous document's archive files go now
         cache.clear()
-        if self.rotator is not None:
-            self.rotator.work.release()
         self._attach_archive(cache)
         return cache
 

@@ -56,7 +56,7 @@ class Rotator:
                 f"compact positions support full-dimension RoPE only (rotary dim {inv_freq.numel() * 2} "
                 f"!= head dim {head_dim}); use absolute positions", field="positions")
         self.inv_freq = inv_freq.detach().float()
-        self._inv64 = self.inv_freq.to(torch.float64)  # made here: a rotator holds the same from its start
+        self._inv64: Tensor | None = None
         self.work = work if work is not None else RotationWork()
         self.calls = 0  # rotations performed (tests count them)
         self.layers: list[Rotator] | None = None  # per-layer rotators when layer types use different RoPEs
@@ -112,7 +112,7 @@ class Rotator:
         """
         self.calls += 1
         h, n, d = keys.shape
-        if self._inv64.device != keys.device:
+        if self._inv64 is None or self._inv64.device != keys.device:
             self._inv64 = self.inv_freq.to(keys.device, torch.float64)
         out, steps = self.work.views(h, n, d, keys.dtype, keys.device)
         delta = delta.expand(h, n)  # a shared [n] delta too: every out= below has its exact shape
@@ -189,11 +189,6 @@ class RotationWork:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def release(self) -> None:
-        """Drop every buffer (and the views made of them): the next rotation allocates what it needs."""
-        self.buffers.clear()
-        self.shapes.clear()
 
 
 def _check_static(rtype: str) -> None:

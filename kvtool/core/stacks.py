@@ -45,12 +45,10 @@ class Stack:
 
     def reset(self) -> None:
         """Forget a block that never reached its end (a document that failed in a layer's forward): no layer
-        waits for its eviction, no probabilities are kept, no work buffer is left from the document."""
+        waits for its eviction, none keeps the probabilities it stashed for it."""
         self.pending = []
-        self.probs = None
         for g in self.groups:
             g.deferred_probs = None
-        self.buffers.release_work()
 
     def keep_probs(self, layer: int, probs: Tensor | None, block_len: int) -> Tensor | None:
         """Stash layer ``layer``'s probabilities [h, r, n] for its eviction at the block's end; returns the

@@ -16,17 +16,8 @@ import torch
 
 from kvtool.runtime.many import DocumentWorker, Job, Task
 from kvtool.runtime.settings import resolve_settings
-from tests.helpers import (
-    VOCAB,
-    WORKSPACE,
-    Fault,
-    endless_answers,
-    held_bytes,
-    make_engine,
-    stream_logits,
-    tiny_checkpoint,
-    tiny_llama,
-)
+from tests.faults import WORKSPACE, Fault, endless_answers, held_bytes
+from tests.helpers import VOCAB, make_engine, stream_logits, tiny_checkpoint, tiny_llama
 
 QUESTION = "Who sat on the mat?"
 

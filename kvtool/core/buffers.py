@@ -111,6 +111,15 @@ class TokenBuffers:
         _resize(self.items.values(), slots, keep)
         self._slots = slots
 
+    def renew(self, slots: int) -> None:
+        """Every buffer zeroed with ``slots`` slots, nothing kept (an emptied cache given back its first size); each
+        old tensor is let go before its new one is made, so the memory in use never holds both."""
+        if self.stack is not None:
+            self.stack.renew(slots)
+            return
+        _renew(self.items.values(), slots)
+        self._slots = slots
+
     def write(self, start: int, values: dict[str, Tensor | float], written: Collection[str] = ()) -> int:
         """Write tokens at ``start`` (``values``: name -> [.., h, m, ..] or a scalar); others get zeros, but
         those in ``written`` (already filled by the caller, e.g. encoded K/V) are left as they are.
@@ -162,6 +171,16 @@ def _resize(buffers: Collection[TokenBuffer], slots: int, keep: int) -> None:
         b.data = data
 
 
+def _renew(buffers: Collection[TokenBuffer], slots: int) -> None:
+    """Replace ``buffers`` with zeroed ones of ``slots`` slots, each old tensor let go first (nothing else may hold
+    it: a stack's views are dropped before)."""
+    for b in buffers:
+        shape, dtype, device = list(b.data.shape), b.data.dtype, b.data.device
+        shape[b.axis] = b.lead + slots
+        b.data = b.data.new_empty(0)
+        b.data = torch.zeros(shape, dtype=dtype, device=device)
+
+
 class LayerStack:
     """The shared buffers of ``layers`` head groups of one layout, one per layer (module docstring)."""
 
@@ -199,6 +218,20 @@ class LayerStack:
         _resize(self.items.values(), slots, self.slots)
         for layer, view in enumerate(self.views):
             _resize(view.own(), slots, self.slots)
+            for name, b in self.items.items():
+                if name in view.items:
+                    view.items[name] = self._view(b, layer)
+        self.slots = slots
+
+    def renew(self, slots: int) -> None:
+        """Every layer's buffers zeroed with ``slots`` slots (``TokenBuffers.renew``), the views re-pointed."""
+        for view in self.views:  # the layers' views hold the stacked tensors too: let them go first
+            for name in self.items:
+                if name in view.items:
+                    view.items[name] = TokenBuffer(view.items[name].data.new_empty(0), 0)
+            _renew(view.own(), slots)
+        _renew(self.items.values(), slots)
+        for layer, view in enumerate(self.views):
             for name, b in self.items.items():
                 if name in view.items:
                     view.items[name] = self._view(b, layer)

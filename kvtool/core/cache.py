@@ -545,19 +545,32 @@ class BoundedCache(Cache):
         self.load(*snap)
 
     def clear(self) -> None:
-        """Empty the cache for another document, keeping every buffer it has allocated.
+        """Empty the cache for another document: exactly a new cache's state, its first K/V buffers kept.
 
         One run over many documents then allocates its K/V buffers once (the process does not grow from
-        document to document). The empty state is restored the way a question restores the post-document
-        one, and the counters start again. The archive is the engine's to close and renew (``Engine.reuse_cache``).
+        document to document), and nothing of a document reaches the next one, whether it was answered or
+        failed anywhere (in a layer's forward, halfway through a block): the stacks' deferred evictions and
+        stashed probabilities, recall's extra capacity and slots (the K/V bytes are a new cache's again),
+        pins, positions, citation mass, counters and timings all go. Work buffers that hold no state (one
+        layer's probabilities, the archive's append buffers, the stacks' score rows) are kept at the largest
+        size a document needed: made again for every document, they made the process's RSS creep (freed and
+        re-made blocks fragment the CPU allocator's heap). The archive is the engine's to close and renew
+        (``Engine.reuse_cache``).
         """
+        for st in self.stacks:
+            st.reset()
         self.restore(self._blank)
+        self.kv_scratch = Scratch(self.dtype, self.device)  # counted in ``allocated_bytes``: sized by the slots
+        for g in self.groups():  # the slots a group started with: what recall or a long document grew goes back
+            g.stop_mass()
+            g.deferred_probs = None
+            g.scratch = self.kv_scratch
+            if g.slots != g.start_slots:
+                g.buffers.renew(g.start_slots)
         self.counters = CacheCounters()
         self.timer.reset()
         self.step = StepInfo()
         self.lazy = False
         self.query_log = None
-        for g in self.groups():
-            if g.mass is not None:
-                g.stop_mass()
         self.mass_gate = None
+        self.rope.host_reads = self.device.type == "cpu"

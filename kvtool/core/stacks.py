@@ -43,6 +43,13 @@ class Stack:
     def policy(self) -> Any:
         return self.groups[0].policy
 
+    def reset(self) -> None:
+        """Forget a block that never reached its end (a document that failed in a layer's forward): no layer
+        waits for its eviction, none keeps the probabilities it stashed for it."""
+        self.pending = []
+        for g in self.groups:
+            g.deferred_probs = None
+
     def keep_probs(self, layer: int, probs: Tensor | None, block_len: int) -> Tensor | None:
         """Stash layer ``layer``'s probabilities [h, r, n] for its eviction at the block's end; returns the
         stacked [L, h, r', n] buffer's view of that layer (None when the policy reads none)."""

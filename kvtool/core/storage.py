@@ -127,6 +127,7 @@ class HeadGroup:
         # the stack's probabilities this group's eviction reads, when it was left to the block's end
         self.deferred_probs: Tensor | None = None
         self.buffers = TokenBuffers(slots) if stack is None else stack[0].registry(stack[1], slots)
+        self.start_slots = slots  # what ``BoundedCache.clear`` gives back (recall and lazy growth make more)
         for name in ("keys", "values"):
             self._add_coded(name, self.off, shared=True)
         self.persisted = PERSISTED + (("key_scale", "value_scale") if codec is not None and codec.integer else ())
@@ -559,6 +560,7 @@ class HeadGroup:
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
         keys = tensors[f"{prefix}.keys"]
         self.capacity = self.base_capacity
+        self.max_slots = None if self.capacity is None else self.capacity + self.block_size  # recall's room back
         self.recalled = None
         n = keys.shape[1] - self.off
         stored = self.buffers["keys"]

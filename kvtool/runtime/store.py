@@ -271,7 +271,8 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
 
 
 def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
-    """Load a ``.kvc`` into a fresh cache of ``session``'s engine; returns a ``ReadResult`` like ``read``.
+    """Load a ``.kvc`` into an empty cache of ``session`` (``Session.new_cache``: the one cache of a run over many
+    documents); returns a ``ReadResult`` like ``read``.
 
     Checks, each a one-line ``UsageError``: the model identity and dtype, the engine settings (policy,
     options, budget, block size, sinks, recent, positions), the chat-template prefix and the head layout.
@@ -285,7 +286,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     p, meta = header.path, header.meta
     require(meta, p, "model", "dtype", "settings", "policy", "prompt", "document", "cache", "layout")
     _check_fits(header, session)
-    cache = session.engine.new_cache()
+    cache = session.new_cache()  # many documents: the run's one cache, not a second one beside it
     what = f"loading {os.path.basename(p)}"
     session.emit(PhaseProgress(what, 0, header.size, "bytes"))
     load_into(header, cache)  # read whole and checksummed: the budget bounds it
@@ -306,7 +307,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     if session.recall_tokens:
         for warning in _load_archive(p, meta, cache, session):
             session.emit(Note(f"warning: {warning}"))
-    result.snapshot = cache.snapshot()
+    result.snapshot = session.snapshot(cache)
     session.last_read = result
     session.emit(Note(
         f"loaded {p}: {doc.get('name')} ({result.document_tokens:,} tokens), {format_bytes(header.size)}, "

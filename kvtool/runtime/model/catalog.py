@@ -17,7 +17,7 @@ from typing import Any
 from kvtool.config import kvtool_home
 from kvtool.core.layout import check_config
 from kvtool.errors import UsageError, first_line
-from kvtool.numbers import MAX_DIM
+from kvtool.numbers import CONFIG_LIMITS, capped
 from kvtool.runtime.memory import dims_from_config, llama_param_count
 from kvtool.runtime.model import hub
 from kvtool.runtime.model.convert import CONVERSION_MARKER, EMBEDDED_NAME, embedded_gguf_path
@@ -200,27 +200,13 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return config
 
 
-#: The dimensions a listed config must name as integers in 1..MAX_DIM (the names transformers' configs use).
-DIM_KEYS = (
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_size",
-    "head_dim",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
 def _check_dims(config: dict[str, Any]) -> None:
-    """The dimensions a config names are integers in 1..MAX_DIM (the load-time check, on the JSON)."""
+    """The dimensions a config names are in their ranges (``CONFIG_LIMITS``, the load-time caps, on the JSON)."""
     for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        for key in DIM_KEYS if isinstance(section, dict) else ():
+        for key, rng in CONFIG_LIMITS.items() if isinstance(section, dict) else ():
             value = section.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= MAX_DIM):
-                raise ValueError(f"{where}{key} must be a positive integer: got {str(value)[:40]}")
+            if value is not None:
+                capped(f"{where}{key}", value, rng)
 
 
 def _dtype(config: dict[str, Any]) -> str | None:

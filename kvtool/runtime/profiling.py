@@ -132,6 +132,7 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     count = 0
     storages: dict[int, int] = {}
+    counted: set[int] = set()  # a tied weight (the output head that is the input embedding) is one parameter
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
@@ -139,6 +140,9 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     for module in model.modules():
         for p in module.parameters(recurse=False):
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
             add(p)
             state = getattr(p, "quant_state", None)
             if state is not None and getattr(state, "shape", None) is not None:

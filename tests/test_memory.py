@@ -322,3 +322,23 @@ def test_profile_measured_allocation_matches_plan_bf16_compact(tmp_path: Path, c
     per_token = p["kv_bytes_per_token"]["total"]
     assert p["kv_bytes_at_budget"]["allocated"] == (32 + 16) * per_token * 3 // 2
     assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "mistral"])
+def test_dense_kv_is_what_transformers_own_cache_holds(family: str) -> None:
+    """The dense comparison's K/V (``profile``'s ``dense.kv_bytes``, and ``dense_peak``'s) is what a plain
+    transformers read holds: every token in a global layer, only the sliding window in a sliding layer."""
+    import transformers
+
+    from kvtool.runtime.memory import dense_kv_bytes
+    from tests.helpers import VOCAB, tiny_family
+
+    model = tiny_family(family, window=16)
+    dims = dims_from_config(model.config)
+    for n in (10, 60):
+        cache = transformers.DynamicCache(config=model.config)
+        ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert dense_kv_bytes(dims, n, torch.float32) == held, (family, n)

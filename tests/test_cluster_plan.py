@@ -97,3 +97,15 @@ def test_a_termination_signal_exits_143_even_when_a_library_turned_it_into_ctrl_
     assert app_module._interrupt_exit(KeyboardInterrupt()) == ("kvtool: interrupted", 130)
     app_module._signalled.append("SIGTERM")
     assert app_module._interrupt_exit(KeyboardInterrupt()) == ("kvtool: terminated (SIGTERM)", EXIT_TERMINATED)
+
+
+def test_workers_get_a_local_model_path_made_absolute_and_an_id_or_alias_as_given(tmp_path, monkeypatch):
+    from kvtool.runtime.cluster_plan import model_for_workers
+
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "embedded").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert model_for_workers("models/tiny") == str(tmp_path / "models" / "tiny")
+    assert model_for_workers("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert model_for_workers("embedded") == "embedded"
+    assert model_for_workers(None) is None

@@ -45,8 +45,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def flags(model_dir: str, answers: bool = True) -> list[str]:
-    return ["--model", model_dir, "--budget", "160", "--block-size", "32", "--threads", "1",
-            *(["--max-new-tokens", "4"] if answers else [])]
+    return [
+        "--model",
+        model_dir,
+        "--budget",
+        "160",
+        "--block-size",
+        "32",
+        "--threads",
+        "1",
+        *(["--max-new-tokens", "4"] if answers else []),
+    ]
 
 
 def folder_of(where: Path, n: int = 3) -> list[Path]:
@@ -62,6 +71,7 @@ def folder_of(where: Path, n: int = 3) -> list[Path]:
 @contextlib.contextmanager
 def deadline(seconds: int) -> Iterator[None]:
     """Fail (instead of hanging the suite) when the body blocks longer than ``seconds``."""
+
     def expired(signum, frame):
         raise TimeoutError(f"blocked for more than {seconds} s")
 
@@ -74,27 +84,32 @@ def deadline(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def kvtool(args: list[str], cwd: str | Path | None = None, timeout: int = 120, prelude: str = "",
-           **kw) -> subprocess.CompletedProcess:
+def kvtool(
+    args: list[str], cwd: str | Path | None = None, timeout: int = 120, prelude: str = "", **kw
+) -> subprocess.CompletedProcess:
     """kvtool in a fresh process (``prelude`` runs first in it); a run past ``timeout`` fails the test."""
     code = f"import sys\n{prelude}\nfrom kvtool.cli.app import main\nsys.exit(main({args!r}))\n"
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout, **kw
+    )
 
 
 # -- a file that is a FIFO when its turn comes ------------------------------------------------------------------
 def test_a_walked_file_replaced_by_a_fifo_is_one_error_record_and_the_run_goes_on(model_dir, tmp_path):
     docs = folder_of(tmp_path / "docs")
-    prelude = ("import os\nimport kvtool.runtime.many_inputs as mi\nreal = mi.collect\n"
-               "def collect(*a, **k):\n"
-               "    out = real(*a, **k)\n"
-               "    os.unlink(out.paths[1]); os.mkfifo(out.paths[1])  # after the walk, before the read\n"
-               "    return out\n"
-               "mi.collect = collect\n")
+    prelude = (
+        "import os\nimport kvtool.runtime.many_inputs as mi\nreal = mi.collect\n"
+        "def collect(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        "    os.unlink(out.paths[1]); os.mkfifo(out.paths[1])  # after the walk, before the read\n"
+        "    return out\n"
+        "mi.collect = collect\n"
+    )
     started = time.monotonic()
-    r = kvtool(["ask", str(tmp_path / "docs"), "--question", "Who sat?", *flags(model_dir)], prelude=prelude,
-               timeout=90)
+    r = kvtool(
+        ["ask", str(tmp_path / "docs"), "--question", "Who sat?", *flags(model_dir)], prelude=prelude, timeout=90
+    )
     assert time.monotonic() - started < 90
     assert r.returncode == EXIT_PARTIAL, r.stderr
     out = records(r.stdout)
@@ -149,6 +164,7 @@ def test_paths_are_capped_where_they_are_read_and_shortened_where_they_are_shown
 def feeding(fifo: Path, text: str) -> Iterator[None]:
     """A thread writes ``text`` into ``fifo`` while the body runs; a writer still waiting for a reader when
     the body ends (the body failed before reading) is released, so nothing is left blocked."""
+
     def writer() -> None:
         with contextlib.suppress(OSError), open(fifo, "w") as f:
             time.sleep(0.5)
@@ -191,12 +207,18 @@ def test_a_deleted_current_directory_is_one_line_and_exit_2(model_dir, tmp_path,
     gone.mkdir()
     args = ["ask", str(doc[0]), *(["doc1.txt", "--question"] if many else []), "q", *flags(model_dir)]
     code = f"import sys\nfrom kvtool.cli.app import main\nsys.exit(main({args!r}))\n"
-    r = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -c "$3"', "sh", str(gone), sys.executable,
-                        code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        ["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" -c "$3"', "sh", str(gone), sys.executable, code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 2 and not r.stdout, (r.returncode, r.stderr)
-    assert r.stderr == ("kvtool: error: the current directory no longer exists (it was deleted): cd to an existing "
-                        "directory and run kvtool again\n"), r.stderr
+    assert r.stderr == (
+        "kvtool: error: the current directory no longer exists (it was deleted): cd to an existing "
+        "directory and run kvtool again\n"
+    ), r.stderr
 
 
 # -- the output and what counts as done ----------------------------------------------------------------------------
@@ -239,8 +261,9 @@ def test_one_document_spelled_two_ways_is_read_once_and_resumed(model_dir, tmp_p
     (tmp_path / "link.txt").symlink_to(tmp_path / "doc0.txt")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "answers.jsonl"
-    r = run("ask", "doc0.txt", "./doc0.txt", "link.txt", "doc1.txt", "--question", "Who sat?", *flags(model_dir),
-            "-o", out)
+    r = run(
+        "ask", "doc0.txt", "./doc0.txt", "link.txt", "doc1.txt", "--question", "Who sat?", *flags(model_dir), "-o", out
+    )
     assert r.exit_code == 0, r.output
     assert "2 duplicate(s) read once" in r.stderr
     full = out.read_text(encoding="utf-8")

@@ -30,8 +30,15 @@ def pairs(path: Path) -> list[tuple[str, str]]:
 
 def kvtool(*args: object, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "kvtool.cli.app", *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtool.cli.app", *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -58,8 +65,17 @@ def docs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_an_interrupted_run_resumes_with_every_pair_exactly_once(model_dir, docs, tmp_path, sig):
     out = tmp_path / "answers.jsonl"
-    args = ["ask", *docs, "--question", QUESTIONS[0], "--question", QUESTIONS[1],
-            *base(model_dir, "--max-new-tokens", "24"), "-o", out]
+    args = [
+        "ask",
+        *docs,
+        "--question",
+        QUESTIONS[0],
+        "--question",
+        QUESTIONS[1],
+        *base(model_dir, "--max-new-tokens", "24"),
+        "-o",
+        out,
+    ]
     proc = kvtool(*args)
     wait_for_lines(out, 5, proc)
     proc.send_signal(sig)
@@ -85,8 +101,12 @@ def cluster():
     """A real local Ray cluster of the CI machine's two CPUs; runs in this process and in subprocesses
     (``--ray auto``) use it."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}},
+    )
     yield ray
     ray.shutdown()
 
@@ -100,8 +120,14 @@ def test_a_ray_pool_answers_like_the_serial_run(cluster, model_dir, docs):
     assert serial.exit_code == 0 and pooled.exit_code == 0, pooled.output
 
     def key(x: dict) -> tuple:
-        return x["path"], x["question"], x["answer"], x["stats"]["decode_tokens"], x["stats"]["document_tokens"], \
-            json.dumps(x.get("citations"))
+        return (
+            x["path"],
+            x["question"],
+            x["answer"],
+            x["stats"]["decode_tokens"],
+            x["stats"]["document_tokens"],
+            json.dumps(x.get("citations")),
+        )
 
     assert sorted(map(key, records(pooled.stdout))) == sorted(map(key, records(serial.stdout)))
     assert "2 worker(s), each 1 thread(s)" in pooled.stderr
@@ -113,8 +139,21 @@ def test_a_killed_worker_loses_no_document(cluster, model_dir, docs, tmp_path):
     import psutil
 
     out = tmp_path / "answers.jsonl"
-    proc = kvtool("ask", *docs, "--question", QUESTIONS[0], "--question", QUESTIONS[1],
-                  *base(model_dir, "--max-new-tokens", "24"), "--ray", "auto", "--workers", "2", "-o", out)
+    proc = kvtool(
+        "ask",
+        *docs,
+        "--question",
+        QUESTIONS[0],
+        "--question",
+        QUESTIONS[1],
+        *base(model_dir, "--max-new-tokens", "24"),
+        "--ray",
+        "auto",
+        "--workers",
+        "2",
+        "-o",
+        out,
+    )
     victim = None
     deadline = time.monotonic() + 180
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
@@ -144,8 +183,19 @@ def test_a_resumed_ray_run_writes_nothing_again_and_starts_no_cluster(cluster, m
     device and threads change no answer), so the second run finds every pair done, writes nothing and
     finishes in seconds, without starting a cluster."""
     out = tmp_path / "answers.jsonl"
-    args = ["ask", *small(docs), "--question", QUESTIONS[0], *base(model_dir), "--ray", "local", "--workers", "1",
-            "-o", str(out)]
+    args = [
+        "ask",
+        *small(docs),
+        "--question",
+        QUESTIONS[0],
+        *base(model_dir),
+        "--ray",
+        "local",
+        "--workers",
+        "1",
+        "-o",
+        str(out),
+    ]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     written = out.read_bytes()
@@ -171,18 +221,40 @@ def test_a_busy_cluster_is_one_line_and_exit_1_not_a_wait(cluster, model_dir, do
     hog = Hog.remote()
     cluster.get(hog.ping.remote())
     try:
-        code = ("import sys, kvtool.runtime.cluster as c; c.PLACE_SECONDS = 1.0; from kvtool.cli.app import main; "
-                "sys.exit(main(sys.argv[1:]))")
+        code = (
+            "import sys, kvtool.runtime.cluster as c; c.PLACE_SECONDS = 1.0; from kvtool.cli.app import main; "
+            "sys.exit(main(sys.argv[1:]))"
+        )
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-c", code, "ask", docs[0], "--question", QUESTIONS[0], *base(model_dir),
-                            "--ray", "auto", "--workers", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                "ask",
+                docs[0],
+                "--question",
+                QUESTIONS[0],
+                *base(model_dir),
+                "--ray",
+                "auto",
+                "--workers",
+                "1",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         cluster.kill(hog)
     assert r.returncode == 1, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("kvtool:")]
-    assert errors == ["kvtool: error: the Ray cluster could not place 1 worker(s) of 2 core(s) each within 1 s: its "
-                      "nodes are busy (free now: 0 CPU(s), 0 GPU(s)); try again later, or with fewer --workers"]
+    assert errors == [
+        "kvtool: error: the Ray cluster could not place 1 worker(s) of 2 core(s) each within 1 s: its "
+        "nodes are busy (free now: 0 CPU(s), 0 GPU(s)); try again later, or with fewer --workers"
+    ]
 
 
 def ray_workers(method: str = "") -> list:
@@ -207,8 +279,24 @@ def test_sigterm_stops_a_working_ray_worker_at_its_next_block(cluster, model_dir
     doc = tmp_path / "long.txt"
     doc.write_text(" ".join(f"The cat number {j} sat on mat {j}." for j in range(40_000)), encoding="utf-8")
     caches = tmp_path / "caches"
-    proc = kvtool("prefill", doc, "--model", model_dir, "--budget", "160", "--block-size", "32", "--recall", "64",
-                  "--ray", "auto", "--workers", "1", "-o", f"{caches}/")
+    proc = kvtool(
+        "prefill",
+        doc,
+        "--model",
+        model_dir,
+        "--budget",
+        "160",
+        "--block-size",
+        "32",
+        "--recall",
+        "64",
+        "--ray",
+        "auto",
+        "--workers",
+        "1",
+        "-o",
+        f"{caches}/",
+    )
     wait_until(lambda: ray_workers("run") or proc.poll() is not None)
     time.sleep(1.0)  # into the prefill
     assert proc.poll() is None, proc.communicate()
@@ -236,8 +324,9 @@ def test_a_stopped_worker_removes_the_cache_and_archive_it_was_writing(model_dir
     doc.write_text(" ".join(f"The cat number {j} sat on mat {j}." for j in range(600)), encoding="utf-8")
     out = tmp_path / "caches"
     out.mkdir()
-    settings = resolve_settings(None, {"model": model_dir, "budget": "160", "block_size": 32, "threads": 1,
-                                       "recall": "64"})
+    settings = resolve_settings(
+        None, {"model": model_dir, "budget": "160", "block_size": 32, "threads": 1, "recall": "64"}
+    )
     worker = ray_cluster.KvtoolWorker(Task("prefill", settings), describe_error)
     present: list[list[str]] = []
 
@@ -299,8 +388,19 @@ def test_a_worker_is_sized_for_one_node_not_the_whole_cluster(two_nodes, model_d
     cluster has, which no node could give: it waited for ever); more workers than the nodes' cores are
     refused in one line before any model loads."""
     out = tmp_path / "answers.jsonl"
-    proc = kvtool("ask", *small(docs), "--question", QUESTIONS[0], *base(model_dir), "--ray", two_nodes.address,
-                  "--workers", "1", "-o", out)
+    proc = kvtool(
+        "ask",
+        *small(docs),
+        "--question",
+        QUESTIONS[0],
+        *base(model_dir),
+        "--ray",
+        two_nodes.address,
+        "--workers",
+        "1",
+        "-o",
+        out,
+    )
     try:
         _, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -309,12 +409,15 @@ def test_a_worker_is_sized_for_one_node_not_the_whole_cluster(two_nodes, model_d
     assert proc.returncode == 0, err
     assert "2 node(s)); 1 worker(s), each 1 thread(s)" in err
     assert sorted(pairs(out)) == [(d, QUESTIONS[0]) for d in small(docs)]
-    proc = kvtool("ask", docs[0], "--question", QUESTIONS[0], *base(model_dir), "--ray", two_nodes.address,
-                  "--workers", "3")
+    proc = kvtool(
+        "ask", docs[0], "--question", QUESTIONS[0], *base(model_dir), "--ray", two_nodes.address, "--workers", "3"
+    )
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
-    assert err.strip().splitlines() == ["kvtool: error: --workers 3: the Ray cluster's nodes (1 CPU(s), 1 CPU(s)) "
-                                        "hold at most 2 workers of a core each (a worker runs on one node)"]
+    assert err.strip().splitlines() == [
+        "kvtool: error: --workers 3: the Ray cluster's nodes (1 CPU(s), 1 CPU(s)) "
+        "hold at most 2 workers of a core each (a worker runs on one node)"
+    ]
 
 
 def test_every_worker_is_checked_for_the_same_kvtool(two_nodes, model_dir, docs, tmp_path):
@@ -327,17 +430,21 @@ def test_every_worker_is_checked_for_the_same_kvtool(two_nodes, model_dir, docs,
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text(
-        "import time\nimport kvtool\nkvtool.__version__ = '0.0.0+other'\ntime.sleep(3)\n", encoding="utf-8")
+        "import time\nimport kvtool\nkvtool.__version__ = '0.0.0+other'\ntime.sleep(3)\n", encoding="utf-8"
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", os.pathsep.join((str(other), ROOT)))
         node = two_nodes.add_node(num_cpus=1)
     two_nodes.wait_for_nodes()
     try:
-        proc = kvtool("ask", *docs, "--question", QUESTIONS[0], *base(model_dir), "--ray", two_nodes.address,
-                      "--workers", "3")  # more documents than the others read in the seconds that one starts later
+        proc = kvtool(
+            "ask", *docs, "--question", QUESTIONS[0], *base(model_dir), "--ray", two_nodes.address, "--workers", "3"
+        )  # more documents than the others read in the seconds that one starts later
         _, err = proc.communicate(timeout=240)
     finally:
         two_nodes.remove_node(node)
     assert proc.returncode == 2, err
-    assert f"runs kvtool 0.0.0+other, this is kvtool {package.__version__}: install the same version on every node" \
-        in err.strip().splitlines()[-1], err
+    assert (
+        f"runs kvtool 0.0.0+other, this is kvtool {package.__version__}: install the same version on every node"
+        in err.strip().splitlines()[-1]
+    ), err

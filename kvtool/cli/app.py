@@ -20,7 +20,7 @@ from rich.console import Console
 from typer.exceptions import TyperException
 
 from kvtool import __version__
-from kvtool.cli import ask, cache, calibrate, eval, profile
+from kvtool.cli import ask, cache, calibrate, eval, models, profile
 from kvtool.cli.error_lines import error_line
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
@@ -75,6 +75,7 @@ app.command("summarize")(ask.summarize)
 app.command("prefill")(cache.prefill)
 app.command("inspect")(cache.inspect)
 app.command("profile")(profile.profile)
+app.command("models")(models.models)
 app.command("calibrate")(calibrate.calibrate_cmd)
 app.add_typer(eval.eval_app, name="eval")
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvtool.cli.options import capped_option
 from kvtool.cli.output import stderr_console
 from kvtool.errors import KvtoolError, UsageError, printable, short_path
 
@@ -33,9 +34,9 @@ LogOpt = Annotated[str | None, typer.Option(
 RayOpt = Annotated[str | None, typer.Option(
     "--ray", help="Read the documents on a Ray cluster: local (start one here), auto or an address (join one). "
     "Needs the extra kvtool[cluster]; every path must be reachable from every node.")]
-WorkersOpt = Annotated[int | None, typer.Option(
-    "--workers", help="With --ray: how many workers, each a loaded model on one node (default: one per GPU, else "
-    "one per 2 CPU cores of each node).")]
+WorkersOpt = Annotated[int | None, capped_option(
+    "workers", "--workers", help="With --ray: how many workers, each a loaded model on one node (default: one per GPU, "
+    "else one per 2 CPU cores of each node).")]
 
 #: the options only the many-document form takes, by their flags
 MANY_ONLY = ("--files-from", "--output", "--ray", "--workers")
@@ -131,8 +132,6 @@ def _check_options(command: str, documents: list[str], output: str | None, ray: 
     """The many-document options that need no file: one line and exit 2 each; returns ``--ray`` checked."""
     if workers is not None and ray is None:
         raise UsageError("--workers sets the size of a Ray pool: add --ray local (or auto, or an address)")
-    if workers is not None and workers < 1:
-        raise UsageError(f"--workers must be at least 1 (got {workers})")
     if ray is not None:
         from kvtool.runtime import cluster  # imports Ray, when it is installed
 

@@ -17,10 +17,10 @@ from types import TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
-from rich.text import Text
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID
 
 from kvtool.cli.dashboard import format_duration, format_rate
+from kvtool.cli.shown import plain_column, shown_text
 from kvtool.core.events import PrefillProgress
 from kvtool.errors import printable, short_path
 from kvtool.runtime.events import PhaseProgress
@@ -55,9 +55,10 @@ class ManyView:
     def __enter__(self) -> ManyView:
         if self.mode == "live":
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[failed]}"),
-                TextColumn("ETA {task.fields[eta]}"),
+                # the description names the documents in flight: drawn as text, never parsed as markup
+                plain_column("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                plain_column("{task.fields[rate]}"), plain_column("{task.fields[failed]}"),
+                plain_column("ETA {task.fields[eta]}"),
                 console=self.console, transient=False, redirect_stdout=False, redirect_stderr=False,
             )
             self._progress.start()
@@ -161,7 +162,7 @@ class ManyView:
         if self.mode == "quiet" and not always:
             return
         if self.mode == "live":
-            self.console.print(Text(printable(line), style=style), soft_wrap=True)
+            self.console.print(shown_text(line, style=style), soft_wrap=True)
         else:
             self._plain(prefix + line)
 

@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvtool.errors import EXIT_RUNTIME, EXIT_USAGE, KvtoolError, UsageError, first_line
-from kvtool.runtime.cluster_plan import Node, PoolSize, probe, size_pool, split_address
+from kvtool.runtime.cluster_plan import Node, PoolSize, model_for_workers, probe, size_pool, split_address
 from kvtool.runtime.many import (
     MAX_ATTEMPTS,
     DocumentWorker,
@@ -195,8 +195,7 @@ def pool(task: Task, workers: int | None) -> tuple[PoolSize, Task]:
     size = size_pool(nodes, use_gpu, workers)
     settings = replace(task.settings, device="cuda" if use_gpu else "cpu" if device == "auto" else device,
                        threads=size.threads)
-    if settings.model:
-        settings.model = os.path.abspath(settings.model)  # workers run in another directory
+    settings.model = model_for_workers(settings.model)  # workers run in another directory
     return size, replace(task, settings=settings)
 
 
@@ -218,8 +217,9 @@ def check_reachable(jobs: list[Job], task: Task, directory: str | None = None) -
     a one-line ``UsageError`` naming the first node and path that are not. Paths missing here too are
     left to their documents' own error records."""
     paths = sorted({j.location for j in jobs if os.path.exists(j.location)})
-    if task.settings.model:
-        paths.append(os.path.abspath(task.settings.model))
+    model = model_for_workers(task.settings.model)
+    if model and os.path.isabs(model):  # a local path; an id is found in each worker's own cache
+        paths.append(model)
     dirs = [os.path.abspath(directory)] if directory else []
 
     @ray.remote(num_cpus=0)

@@ -164,3 +164,13 @@ def size_pool(nodes: list[Node], gpu: bool, workers: int | None) -> PoolSize:
     each = "a GPU and a core" if gpu else "a core"
     raise UsageError(f"--workers {want}: the Ray cluster's nodes ({shape}{more}) hold at most {room(1)} workers of "
                      f"{each} each (a worker runs on one node)")
+
+
+def model_for_workers(model: str | None) -> str | None:
+    """``--model`` as the workers must see it: a local path made absolute (they run in another directory);
+    the embedded model's alias and a Hugging Face id unchanged (each worker finds the id in its own cache)."""
+    from kvtool.runtime.model.convert import EMBEDDED_ALIASES
+
+    if model and model.strip().lower() not in EMBEDDED_ALIASES and os.path.exists(model):
+        return os.path.abspath(model)
+    return model

@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, json_text
 
 #: how every record's line starts (``path`` is each record's first key): the mark of a torn line that may be cut
 RECORD_START = b'{"path": '
@@ -36,14 +36,10 @@ def document_key(path: str) -> str:
 
 
 def record_line(record: dict[str, Any]) -> str:
-    """``record`` as one JSON line (no newline). UTF-8 as is, unless a path holds bytes that are not
-    UTF-8 (surrogate escapes): then ASCII escapes, which read back to the same string."""
-    line = json.dumps(record, ensure_ascii=False)
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        line = json.dumps(record)
-    return line
+    """``record`` as one JSON line (no newline), as every JSON kvtool prints (``json_text``): UTF-8 as is, but
+    every control and bidi character of a file name or an answer, and every byte of a path that is not UTF-8
+    (a surrogate escape), is a ``\\uXXXX`` escape, which reads back to the same string."""
+    return json_text(record)
 
 
 def record_key(record: dict[str, Any]) -> tuple[str, str] | None:

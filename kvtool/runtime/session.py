@@ -182,7 +182,9 @@ class Session:
         relay = _weakly(self._relay) if listener else None
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=relay, env=env,
                              pacer=self.share.rebalance if self.share is not None else None)
-        self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
+        self.eos = prompt.eos_ids(self.tokenizer, self.model.config, getattr(self.model, "generation_config", None))
+        if not prompt.has_chat_template(self.tokenizer):
+            self.say(prompt.base_model_note(self.loaded.name))
         self._letters: Tensor | None = None  # which tokens spell a letter (the repeat guard's), once per model
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []

@@ -17,10 +17,11 @@ from typing import Any
 from kvtool.config import kvtool_home
 from kvtool.core.layout import check_config
 from kvtool.errors import UsageError, first_line
+from kvtool.numbers import CONFIG_LIMITS, capped
 from kvtool.runtime.memory import dims_from_config, llama_param_count
 from kvtool.runtime.model import hub
 from kvtool.runtime.model.convert import CONVERSION_MARKER, EMBEDDED_NAME, embedded_gguf_path
-from kvtool.runtime.model.loading import DIM_KEYS, MAX_DIM, READ_WHOLE_CAPS
+from kvtool.runtime.model.loading import READ_WHOLE_CAPS
 
 #: the model types proven with their own tiny models (tests/test_families.py); docs/models.md lists them
 PROVEN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3_text"})
@@ -200,13 +201,13 @@ def _parse(raw: bytes) -> dict[str, Any]:
 
 
 def _check_dims(config: dict[str, Any]) -> None:
-    """The dimensions a config names are integers in 1..MAX_DIM (the load-time check, on the JSON)."""
+    """The dimensions a config names are in their ranges (``numbers.CONFIG_LIMITS``, the load-time check, on the
+    JSON), before transformers builds anything from them."""
     for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        for key in DIM_KEYS if isinstance(section, dict) else ():
+        for key, rng in CONFIG_LIMITS.items() if isinstance(section, dict) else ():
             value = section.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= MAX_DIM):
-                raise ValueError(f"{where}{key} must be a positive integer: got {str(value)[:40]}")
+            if value is not None:
+                capped(f"{where}{key}", value, rng)
 
 
 def _dtype(config: dict[str, Any]) -> str | None:

@@ -175,6 +175,25 @@ def test_real_gemma_is_the_hybrid_base_model(gemma) -> None:
 
 @needs_gemma
 @pytest.mark.real_model
+def test_real_gemma_is_asked_as_a_base_model(gemma) -> None:
+    """A base model gets the plain prompt, not ChatML: its own ``<bos>``, the document, then ``Question: …
+    Answer:`` as a completion cue. Oracle: the ids are the tokenizer's own encoding of that text."""
+    from kvtool.runtime import prompt
+    from kvtool.runtime.tokens import encode_text
+
+    tok = gemma.tokenizer
+    assert not prompt.has_chat_template(tok)
+    assert prompt.document_prefix(tok) == tok.bos_token == "<bos>"
+    suffix = prompt.question_suffix(tok, "Who is the narrator?")
+    assert suffix == prompt.Rendered(("\n\nQuestion: ", "Who is the narrator?", "\nAnswer:"))
+    doc = "Dr. Watson tells the story."
+    ids = prompt.prefix_ids(tok) + encode_text(tok, doc) + prompt.encode(tok, suffix)
+    assert ids == tok(f"<bos>{doc}\n\nQuestion: Who is the narrator?\nAnswer:", add_special_tokens=False).input_ids
+    assert "im_start" not in tok.decode(ids)
+
+
+@needs_gemma
+@pytest.mark.real_model
 def test_real_gemma_reads_like_transformers(gemma, monkeypatch: pytest.MonkeyPatch) -> None:
     """kvtool's engine over the real hybrid model. With no budget its logits equal a plain transformers
     forward. With budget 48 (below the 512-token window: sliding layers keep their 48 newest tokens, the

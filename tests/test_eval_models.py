@@ -77,6 +77,22 @@ def test_not_installed_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         assert "\n" not in str(info.value) and "Gemma terms" in str(info.value)
 
 
+@pytest.mark.parametrize("command", [["profile"], ["ask", "DOC", "Who?"]])
+def test_every_command_names_it_not_the_hugging_face_cache(command, tmp_path, monkeypatch, capsys) -> None:
+    """The name is the eval model, not an id to look up in the Hugging Face cache: ``profile`` (which plans a
+    directory or a cached id from its config alone) says how to install it too."""
+    from kvtool.cli.app import main
+
+    monkeypatch.setattr(kpkg.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.chdir(tmp_path)  # no local path of that name
+    (tmp_path / "doc.txt").write_text("A short document.", encoding="utf-8")
+    args = [str(tmp_path / "doc.txt") if a == "DOC" else a for a in command]
+    code = main([*args, "--model", "gemma-3-270m", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert "kvtool[eval-models]" in err and "hf download" not in err, err
+
+
 def test_a_missing_chunk_is_named(fake_install, monkeypatch: pytest.MonkeyPatch) -> None:
     root, _ = fake_install
     (root / kpkg.GEMMA_PARTS[2] / "data" / f"{kpkg.GEMMA_GGUF}.part02").unlink()

@@ -161,7 +161,7 @@ def _classify_spec(spec: str | None) -> tuple[str, Path, str]:
 
 def config_directory(spec: str | None) -> tuple[Path, str] | None:
     """The directory holding the ``config.json`` that ``spec`` names, and the model's name; None for the embedded
-    model, a ``.gguf`` file or a path that does not exist.
+    model, ``gemma-3-270m``, a ``.gguf`` file or a path that does not exist.
 
     What ``kvtool profile`` plans from without loading weights: a local checkpoint directory, or the snapshot of a
     cached id, where the config alone is enough (``hf download ORG/NAME config.json``).
@@ -172,6 +172,8 @@ def config_directory(spec: str | None) -> tuple[Path, str] | None:
     path = Path(text).expanduser()
     if path.exists() or _looks_like_path(text):
         return (path, path.resolve().name) if path.is_dir() else None
+    if is_gemma(text):  # the eval model: loaded (and converted once) like the embedded one, never an id
+        return None
     model_id = parse_model_id(text)
     if model_id is None:
         return None

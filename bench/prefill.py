@@ -21,8 +21,10 @@ Every row runs in a fresh child process so its peak memory is its own (peak RSS 
 * ``chunked``   transformers' chunked prefill at the same block size (``DynamicCache``, no eviction);
 * ``kvtool:P``  kvtool with policy P at the given budget and block size.
 
-Each row reports prefill tokens/s, peak memory, the per-block time split (model forward,
-attention-probability computation, policy scoring, eviction/gather), and decode tokens/s after
+Each row reports prefill tokens/s (and the CPU seconds the prefill took: on a machine shared with other
+work, tokens per CPU-second of a one-thread row stay comparable where wall-clock rates do not), peak memory,
+the per-block time split (model forward, attention-probability computation, policy scoring,
+eviction/gather), and decode tokens/s after
 the document (``Engine.generate``: lazy eviction, one gather per block of generated tokens).
 Ratios to dense and chunked come from the same run. It also measures the decode floor (transformers
 decoding after a budget-sized document), the decode split (scoring + eviction share of decode
@@ -200,7 +202,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
             model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if kind == "dense":
             res = model(doc[None].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         else:
@@ -210,6 +212,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
                             logits_to_keep=1 if s + block >= doc.numel() else none)
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
+        out["prefill_cpu_seconds"] = time.process_time() - c0
         logits = res.logits[0, -1]
         t1 = time.perf_counter()
         for _ in range(decode_n):
@@ -246,11 +249,12 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         engine = Engine(model, policy, cfg, env=env, pacer=share.rebalance if share is not None else None)
         cache = engine.new_cache()
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in range(0, doc.numel(), block):  # logits of the last block only (a document read: none)
             logits = engine.step(cache, doc[s : s + block], 1 if s + block >= doc.numel() else 0)
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
+        out["prefill_cpu_seconds"] = time.process_time() - c0
         c = cache.counters
         split = cache.timer.totals(wait=True)
         out["split_seconds"] = {k: split[k] for k in PARTS}

@@ -471,6 +471,20 @@ def test_measured_vs_predicted_smollm2(tmp_path: Path) -> None:
     assert 0.90 <= m["ratio"] <= 1.10
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_counts_a_tied_embedding_once(tied: bool) -> None:
+    """A tied output head is the input embedding: one parameter, counted once (as ``model.parameters()``
+    does), as its bytes already were."""
+    from kvtool.runtime.profiling import parameter_bytes
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    count, stored = parameter_bytes(model)
+    assert count == sum(p.numel() for p in model.parameters())
+    assert stored == 4 * count
+
+
 # ---------------------------------------------------------------------------------------------
 # a config alone: counted as the model it describes, the same plan as with the weights
 

@@ -118,8 +118,9 @@ def dims_from_config(config: Any) -> dict[str, int]:
     return dims
 
 
-def layer_split(dims: Dims, budget_tokens: int) -> dict[str, int]:
-    """Global and sliding layers, and the tokens per KV head each kind holds at ``budget_tokens``."""
+def layer_split(dims: Dims, budget_tokens: int | None) -> dict[str, int]:
+    """Global and sliding layers, and the tokens per KV head each kind holds at ``budget_tokens`` (None: no
+    budget, a sliding layer holds its window)."""
     sliding = int(dims.get("sliding_layers", 0))
     window = int(dims.get("sliding_window", 0))
     return {
@@ -500,16 +501,26 @@ def dense_peak(
 ) -> int:
     """Peak of plain transformers reading ``n_tokens`` in one prefill pass with a growing cache.
 
-    Weights + KV for every token + activations for all ``n_tokens`` at once (same constants as
+    Weights + KV for every token (a sliding-window layer's window: ``dense_kv_bytes``) + activations for all
+    ``n_tokens`` at once (same constants as
     ``activation_bytes``) + one row of logits. Attention scores are not counted: without a mask,
     dense prefill gets SDPA's fused causal kernels, so this estimate is generous to dense.
     """
     return (
         weights_bytes(num_params, elem, quantize, unquantized_params)
-        + n_tokens * kv_bytes_per_token(dims, elem)["total"]
+        + dense_kv_bytes(dims, n_tokens, elem)
         + activation_bytes(dims, n_tokens, elem, logits_rows=1)
         + runtime_baseline_bytes
     )
+
+
+def dense_kv_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
+    """K/V plain transformers holds after reading ``n_tokens``: every token in a global layer, at most the
+    ``W - 1`` newest in a sliding-window layer (transformers' own cache keeps no more of them)."""
+    per_layer = kv_bytes_per_token(dims, elem)["per_layer"]
+    split = layer_split(dims, None)
+    return per_layer * (split["global_layers"] * n_tokens + split["sliding_layers"] * min(n_tokens,
+                                                                                        split["sliding_tokens"]))
 
 
 def _largest(fits: Callable[[int], bool]) -> int:

@@ -132,6 +132,7 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     count = 0
     storages: dict[int, int] = {}
+    counted: set[int] = set()  # a tied weight (the output head that is the input embedding) is one parameter
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
@@ -139,6 +140,9 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     for module in model.modules():
         for p in module.parameters(recurse=False):
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
             add(p)
             state = getattr(p, "quant_state", None)
             if state is not None and getattr(state, "shape", None) is not None:
@@ -242,10 +246,12 @@ def resolve_budget_and_recall(settings: Settings, dims: Mapping[str, int],
     return tokens, recall, note + sliding_note(dims)
 
 
-def _dense_plan(dims: Any, doc_tokens: int, kv_per_token: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
-    """Dense transformers on the same document: its K/V and predicted peak (``offset``: baseline + weights')."""
+def _dense_plan(dims: Any, doc_tokens: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
+    """Dense transformers on the same document: its K/V (in the compute dtype; a sliding layer's window only)
+    and predicted peak (``offset``: baseline + weights')."""
     peak = _mem.dense_peak(dims, doc_tokens, runtime_baseline_bytes=0, **common) + offset
-    return {"doc_tokens": doc_tokens, "kv_bytes": doc_tokens * kv_per_token, "predicted_peak_bytes": peak}
+    return {"doc_tokens": doc_tokens, "kv_bytes": _mem.dense_kv_bytes(dims, doc_tokens, common["elem"]),
+            "predicted_peak_bytes": peak}
 
 
 def plan(
@@ -310,9 +316,7 @@ def plan(
     out.update(_components(peak, info, weights, baseline))
     _add_recall(out, settings, info, peak, budget, recall, doc_tokens)
     if doc_tokens is not None:
-        out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
-                                   baseline + weights_offset,
-                                   common)
+        out["dense"] = _dense_plan(dims, doc_tokens, baseline + weights_offset, common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset,
                                 {**common, **sized})

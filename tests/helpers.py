@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -246,3 +249,23 @@ def token_state(policy, keys: torch.Tensor, values: torch.Tensor) -> dict[str, t
     sets it (``HeadGroup.new_state``): 0 for running fields, the policy's per-token constants."""
     consts = policy.constants(keys, values)
     return {f: consts[f] if f in consts else torch.zeros(keys.shape[:2]) for f in policy.state_fields}
+
+
+# -- measured memory ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tensor_peak() -> Iterator[dict[str, int]]:
+    """The peak of CPU tensor bytes allocated while the block runs, above what was allocated when it began: every
+    allocation and free of torch's CPU allocator, as its profiler reports them in order (a measurement, inside
+    every op included, not a sum of sizes). Yields a dict that holds ``peak`` and ``end`` once the block is done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, int] = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield out
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    out.update(peak=peak, end=live)

@@ -33,6 +33,7 @@ from torch import Tensor
 from kvtool.core.archive import GroupArchive, dropped_indices
 from kvtool.core.buffers import LayerStack, TokenBuffers
 from kvtool.core.contract import GroupSpec, Policy
+from kvtool.core.costs import slot_head_bytes
 from kvtool.core.positions import Rotator
 from kvtool.core.quant import SCALE_DTYPE, KVCodec, RecentWindow, Scratch
 from kvtool.errors import UsageError
@@ -121,7 +122,7 @@ class HeadGroup:
         # allocates only what the document fills (growth happens a few times per run, never per token).
         self.max_slots = None if self.capacity is None else self.capacity + block_size
         self.block_size = block_size
-        per_slot = h * (2 * self.bytes_per_token_head() + 16 + 4 * len(self.state_fields))
+        per_slot = h * slot_head_bytes(self.bytes_per_token_head(), len(self.state_fields))
         slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
         if slots * per_slot > LAZY_GROUP_BYTES:
             slots = min(slots, LAZY_START_SLOTS)

@@ -182,7 +182,9 @@ class Session:
         relay = _weakly(self._relay) if listener else None
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=relay, env=env,
                              pacer=self.share.rebalance if self.share is not None else None)
-        self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
+        self.eos = prompt.eos_ids(self.tokenizer, self.model.config, getattr(self.model, "generation_config", None))
+        if not prompt.has_chat_template(self.tokenizer):
+            self.say(prompt.base_model_note(self.loaded.name))
         self._letters: Tensor | None = None  # which tokens spell a letter (the repeat guard's), once per model
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
@@ -261,7 +263,7 @@ class Session:
             if note:
                 self.emit(Note(note))
         cache = self._new_cache()
-        prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
+        prefix = torch.tensor(prompt.prefix_ids(self.tokenizer), dtype=torch.long)
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
         bs = self.settings.block_size
@@ -377,7 +379,7 @@ class Session:
     def answer(
         self,
         read: ReadResult,
-        suffix_text: str,
+        suffix_prompt: prompt.Rendered,
         label: str,
         on_text: Callable[[str], None] | None = None,
         max_new_tokens: int | None = None,
@@ -393,7 +395,7 @@ class Session:
         if cite_spans and read.source is None:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
-        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text, max_new_tokens, focus)
+        cache, logits, suffix_tokens = self._begin_answer(read, suffix_prompt, max_new_tokens, focus)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -421,7 +423,7 @@ class Session:
         self.answers.append(ans)
         return ans
 
-    def _begin_answer(self, read: ReadResult, suffix_text: str, max_new_tokens: int | None = None,
+    def _begin_answer(self, read: ReadResult, suffix_prompt: prompt.Rendered, max_new_tokens: int | None = None,
                       focus: str | None = None) -> tuple[BoundedCache, Tensor, int]:
         """Restore the post-document cache and feed the pinned suffix (with recall when it is on).
 
@@ -429,8 +431,8 @@ class Session:
         clears ``cache.pin_start``.
         """
         cache = read.cache
-        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        rows = prompt.focus_rows(self.tokenizer, suffix_text, focus) if focus else None
+        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_prompt), dtype=torch.long)
+        rows = prompt.focus_rows(self.tokenizer, suffix_prompt, focus) if focus else None
         if focus and rows is None and self.recall_tokens:
             self.emit(Note("recall: the question is not verbatim in the chat template's prompt; every prompt row "
                            "ranks the archive (the template's rows can outrank the question's)"))

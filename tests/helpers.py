@@ -585,8 +585,9 @@ def tensor_peak() -> Iterator[dict[str, int]]:
     out: dict[str, int] = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield out
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for e in events:
         live += e.nbytes()

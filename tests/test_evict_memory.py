@@ -161,8 +161,10 @@ def test_a_stack_evicts_in_chunks_of_a_few_layers_and_the_plan_prices_them(monke
     dims = {"num_layers": layers, "num_kv_heads": 2, "head_dim": 16}
     planned = eviction_scratch_bytes(dims, 4, budget, block, n_fields=1)
     allocated = cache.allocated_bytes()
-    print(f"\nstacked eviction, 16 layers at 4K: {peak / 2**20:.2f} MiB allocated (plan {planned / 2**20:.2f} MiB), "
-          f"cache {allocated / 2**20:.1f} MiB")
+    print(
+        f"\nstacked eviction, 16 layers at 4K: {peak / 2**20:.2f} MiB allocated (plan {planned / 2**20:.2f} MiB), "
+        f"cache {allocated / 2**20:.1f} MiB"
+    )
     assert cache.stacks[0].chunk_layers() == 2
     assert peak <= planned <= allocated / 8
 
@@ -190,8 +192,12 @@ def test_a_snapshot_allocates_its_copy_and_nothing_beside_it():
     layers, budget = 8, 512
     engine = make_engine(tiny_llama(num_hidden_layers=layers), "h2o", budget, block_size=64)
     cache = engine.new_cache()
-    engine.feed(cache, [torch.randint(0, VOCAB, (budget + 200,), generator=torch.Generator().manual_seed(6))],
-                progress=False, logits_rows=0)
+    engine.feed(
+        cache,
+        [torch.randint(0, VOCAB, (budget + 200,), generator=torch.Generator().manual_seed(6))],
+        progress=False,
+        logits_rows=0,
+    )
     with tensor_peak() as t:
         snap = cache.snapshot()
     dims = {"num_layers": layers, "num_kv_heads": 2, "head_dim": 16}

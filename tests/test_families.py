@@ -289,8 +289,7 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     p = json.loads(out)
     # recall off: the whole byte budget is kept tokens (with recall on it holds the recalled ones too)
     tokens = 24 * 1024 // 256 - 2 * (FAMILY_WINDOW - 1)  # 2 sliding layers need only W - 1 tokens; 1 global layer
-    assert p["budget_tokens"] == tokens == CacheCosts(3, 2, 16, 4, "auto", 2, FAMILY_WINDOW).budget_tokens(
-        24 * 1024)
+    assert p["budget_tokens"] == tokens == CacheCosts(3, 2, 16, 4, "auto", 2, FAMILY_WINDOW).budget_tokens(24 * 1024)
     kinds = p["kv_bytes_at_budget"]["by_layer_kind"]
     assert kinds["global"]["promised"] == tokens * 256 and kinds["sliding"]["promised"] == 2 * 23 * 256
     assert kinds["global"]["promised"] + kinds["sliding"]["promised"] <= 24 * 1024  # the byte budget holds

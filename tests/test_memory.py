@@ -311,7 +311,9 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
 
 
 def test_profile_measured_allocation_matches_plan_bf16_compact(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_dir: Path  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    tiny_dir: Path,  # noqa: F811
 ) -> None:
     """``kvtool profile --doc`` with a bf16 cache at compact positions: the real buffers (the original keys'
     copy included) are exactly the plan's allocated K/V, which counts the copy."""

@@ -21,8 +21,10 @@ import pytest
 from kvtool.cli.app import main
 from tests.helpers import tensor_peak, tiny_checkpoint
 
-WORDS = ("the cache keeps what the question needs while the reader moves on through chapters of letters numbers "
-         "and names that a small model can read in blocks").split()
+WORDS = (
+    "the cache keeps what the question needs while the reader moves on through chapters of letters numbers "
+    "and names that a small model can read in blocks"
+).split()
 CORPUS = Path("/work/shared/corpus/sherlock_holmes.txt")
 #: the measured peak may fall below the plan by at most this factor: a ceiling, not a guess far above
 CLOSE = 1.15
@@ -53,9 +55,11 @@ def _profile(*args: str) -> tuple[dict, dict[str, int]]:
 
 def _check(p: dict, measured: int, label: str) -> None:
     predicted, base = p["predicted_peak_bytes"], p["runtime_baseline_bytes"]
-    print(f"\n{label}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB "
-          f"(measured/predicted {measured / predicted:.3f}; above the runtime baseline of {base / 2**20:.1f} MiB: "
-          f"{(measured - base) / 2**20:.2f} against {(predicted - base) / 2**20:.2f} MiB)")
+    print(
+        f"\n{label}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB "
+        f"(measured/predicted {measured / predicted:.3f}; above the runtime baseline of {base / 2**20:.1f} MiB: "
+        f"{(measured - base) / 2**20:.2f} against {(predicted - base) / 2**20:.2f} MiB)"
+    )
     assert measured <= predicted, label
     assert predicted <= CLOSE * measured, label
 
@@ -67,8 +71,9 @@ ROWS = [("1k", "off"), ("1k", "256"), ("4k", "off"), ("4k", "256")]
 def test_tiny_model_reads_and_answers_within_its_plan(tiny, budget, recall):
     """The peak of every tensor the run allocates (the weights included) on top of the runtime baseline: at most
     the plan, within 15 %; and the plan's working set (all but the baseline) is a ceiling of the tracked one."""
-    p, tracked = _profile("--model", str(tiny["model"]), "--budget", budget, "--recall", recall, "--doc",
-                          str(tiny["a"]))
+    p, tracked = _profile(
+        "--model", str(tiny["model"]), "--budget", budget, "--recall", recall, "--doc", str(tiny["a"])
+    )
     m = p["measured"]
     assert m["document_tokens"] > 4096 + 256 and m["documents"][0]["answer_tokens"] > 0
     if recall != "off":
@@ -102,15 +107,33 @@ def test_tiny_model_largest_budget_that_fits_runs_within_the_memory(tiny):
     p, tracked = _profile(*model, "--budget", str(budget))
     measured = baseline + tracked["peak"]
     predicted = p["predicted_peak_bytes"] - p["runtime_baseline_bytes"] + baseline
-    print(f"\nlargest budget in {limit / 2**20:.1f} MiB: {budget} tokens, measured {measured / 2**20:.2f} MiB, "
-          f"predicted {predicted / 2**20:.2f} MiB")
+    print(
+        f"\nlargest budget in {limit / 2**20:.1f} MiB: {budget} tokens, measured {measured / 2**20:.2f} MiB, "
+        f"predicted {predicted / 2**20:.2f} MiB"
+    )
     assert measured <= predicted <= limit
 
 
 def _fresh_profile(*args: str) -> dict:
     code = "import sys; from kvtool.cli.app import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run([sys.executable, "-c", code, "profile", "--device", "cpu", "--json", "--quiet",
-                           "--max-new-tokens", "24", *args], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "profile",
+            "--device",
+            "cpu",
+            "--json",
+            "--quiet",
+            "--max-new-tokens",
+            "24",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -131,8 +154,9 @@ def sherlock(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize(("budget", "recall", "doc"), [("1k", "off", "2k"), ("1k", "auto", "2k"),
-                                                       ("4k", "off", "5k"), ("4k", "auto", "5k")])
+@pytest.mark.parametrize(
+    ("budget", "recall", "doc"), [("1k", "off", "2k"), ("1k", "auto", "2k"), ("4k", "off", "5k"), ("4k", "auto", "5k")]
+)
 def test_smollm2_reads_and_answers_within_its_plan(sherlock, budget, recall, doc):
     """The embedded SmolLM2-135M in a fresh process: RSS peak (the meter of every command) against the plan."""
     p = _fresh_profile("--budget", budget, "--recall", recall, "--doc", str(sherlock[doc]))
@@ -145,8 +169,24 @@ def test_smollm2_reads_and_answers_within_its_plan(sherlock, budget, recall, doc
 def test_smollm2_kvc_load_and_a_document_after_a_recalling_one(sherlock):
     kvc = sherlock["root"] / "5k.kvc"
     code = "import sys; from kvtool.cli.app import main; sys.exit(main(sys.argv[1:]))"
-    subprocess.run([sys.executable, "-c", code, "prefill", str(sherlock["5k"]), "-o", str(kvc), "--budget", "4k",
-                    "--device", "cpu", "-q"], check=True, timeout=1800)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "prefill",
+            str(sherlock["5k"]),
+            "-o",
+            str(kvc),
+            "--budget",
+            "4k",
+            "--device",
+            "cpu",
+            "-q",
+        ],
+        check=True,
+        timeout=1800,
+    )
     p = _fresh_profile("--budget", "4k", "--doc", str(kvc))
     _check(p, p["measured"]["peak_bytes"], "SmolLM2-135M, .kvc load, budget 4k")
     p = _fresh_profile("--budget", "4k", "--doc", str(sherlock["5k"]), "--doc", str(sherlock["5k-b"]))

@@ -95,10 +95,14 @@ def test_plan_matches_hand_computation() -> None:
     evict = 2 * max(336 * 48, 320 * (64 + 16)) + 4096
     row = 2 * 16 + 8 + 4
     archive = 2 * (2 * (16 * (8 + 2 * 16 * 4 + 4 * 16 + row + 2 * (2 * 16 * 4 + 4)) + 2 * 2 * 16 * 13) + 2 * 16 * row)
-    assert (auto["recall_growth_bytes"], auto["eviction_scratch_bytes"], auto["archive_work_bytes"]) == (
-        growth, evict, archive) == (20480, 55296, 38656)
-    assert auto["predicted_peak_bytes"] == (260632 - 40960 - 61440 - 24576 + attention + sdpa + evict + 151552
-                                            + scratch + growth + archive)
+    assert (
+        (auto["recall_growth_bytes"], auto["eviction_scratch_bytes"], auto["archive_work_bytes"])
+        == (growth, evict, archive)
+        == (20480, 55296, 38656)
+    )
+    assert auto["predicted_peak_bytes"] == (
+        260632 - 40960 - 61440 - 24576 + attention + sdpa + evict + 151552 + scratch + growth + archive
+    )
     # dense: every token's K+V, and activations for all 1000 tokens at once
     assert p["dense"] == {
         "doc_tokens": 1000,

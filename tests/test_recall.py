@@ -764,8 +764,15 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     # a recalling layer evicts alone, over its recalled slots too; making room holds the old keys a moment; the
     # archive's appends have their buffers
     evict = r["eviction_scratch_bytes"] - p["eviction_scratch_bytes"]
-    assert peak(r) - peak(p) == (r["recall_slots_bytes"] + rotated + seen + r["recall_scratch_bytes"] + evict
-                                 + r["recall_growth_bytes"] + r["archive_work_bytes"])
+    assert peak(r) - peak(p) == (
+        r["recall_slots_bytes"]
+        + rotated
+        + seen
+        + r["recall_scratch_bytes"]
+        + evict
+        + r["recall_growth_bytes"]
+        + r["archive_work_bytes"]
+    )
     assert r["archive_bytes_per_evicted_token"]["file"] == per_token  # the model's dtype
     rc, default, err = run_cli(capsys, *args)  # recall auto: 256 slots, an int8 archive
     assert rc == 0, err

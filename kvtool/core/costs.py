@@ -139,8 +139,15 @@ class CacheCosts:
     @classmethod
     def of(cls, dims: Mapping[str, int], compute_bytes: int, kv_dtype: str = "auto") -> CacheCosts:
         """From a model's ``dims`` (``runtime/memory.py``'s ``dims_from_config``) and its compute dtype's size."""
-        return cls(int(dims["num_layers"]), int(dims["num_kv_heads"]), int(dims["head_dim"]), int(compute_bytes),
-                   kv_dtype, int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)))
+        return cls(
+            int(dims["num_layers"]),
+            int(dims["num_kv_heads"]),
+            int(dims["head_dim"]),
+            int(compute_bytes),
+            kv_dtype,
+            int(dims.get("sliding_layers", 0)),
+            int(dims.get("sliding_window", 0)),
+        )
 
     @property
     def global_layers(self) -> int:
@@ -184,8 +191,10 @@ class CacheCosts:
         ``t`` with ``global·t + sliding·min(W − 1, t) <= nbytes / (K+V of a token in a layer)``."""
         per_token, fixed = self.kv_token, self.window_layer * self.layers
         if fixed and nbytes < fixed + per_token:
-            raise UsageError(f"budget of {nbytes} bytes holds no token: the full-precision window of every layer and"
-                             f" KV head takes {fixed} bytes, one token of K+V {per_token} more")
+            raise UsageError(
+                f"budget of {nbytes} bytes holds no token: the full-precision window of every layer and"
+                f" KV head takes {fixed} bytes, one token of K+V {per_token} more"
+            )
         nbytes -= fixed
         tokens = nbytes // per_token if per_token > 0 else 0
         sliding, window = self.sliding_layers, self.sliding_window
@@ -193,8 +202,10 @@ class CacheCosts:
             units = nbytes // self.kv_layer  # tokens x layers that fit
             tokens = (units - sliding * (window - 1)) // self.global_layers
         if tokens < 1:
-            raise UsageError(f"budget of {nbytes} bytes holds no token: one token of K+V for all layers and KV heads"
-                             f" takes {per_token} bytes")
+            raise UsageError(
+                f"budget of {nbytes} bytes holds no token: one token of K+V for all layers and KV heads"
+                f" takes {per_token} bytes"
+            )
         return int(tokens)
 
     def recall_kv(self, recall: int) -> int:
@@ -219,6 +230,9 @@ class CacheCosts:
             except UsageError:
                 kept = 0
         if kept < 1:
-            raise UsageError(f"budget of {nbytes} bytes holds {whole} tokens per KV head, and --recall {recall} takes "
-                             f"them all while answering: lower the recall or raise the budget", field="budget")
+            raise UsageError(
+                f"budget of {nbytes} bytes holds {whole} tokens per KV head, and --recall {recall} takes "
+                f"them all while answering: lower the recall or raise the budget",
+                field="budget",
+            )
         return kept, recall

@@ -66,8 +66,9 @@ def evict_step(g: Target, ctx: ScoreContext, archive: Archiver | None, timer: Se
     if extra is not None:
         if ctx.priority is not None:  # the policy's own protection ranks below the engine's
             span = SPAN32 if ctx.priority.dtype == torch.int32 else SPAN
-            ctx.priority = torch.where(ctx.protected, ctx.priority, ctx.positions.to(ctx.priority.dtype) +
-                                       GRADE_POLICY * span)
+            ctx.priority = torch.where(
+                ctx.protected, ctx.priority, ctx.positions.to(ctx.priority.dtype) + GRADE_POLICY * span
+            )
         ctx.protected = ctx.protected | extra
     if not g.policy.observe_every_step:
         g.policy.observe(ctx)

@@ -45,8 +45,9 @@ def kv_bytes_per_token(dims: Dims, elem: Any, kv_dtype: str = "auto") -> dict[st
     return {"per_layer_per_head": c.kv_head, "per_layer": c.kv_layer, "total": c.kv_token}
 
 
-def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int,
-                       original_keys: bool = False, kv_dtype: str = "auto") -> dict[str, Any]:
+def kv_bytes_at_budget(
+    dims: Dims, elem: Any, budget_tokens: int, block_size: int, original_keys: bool = False, kv_dtype: str = "auto"
+) -> dict[str, Any]:
     """KV memory at a budget of ``budget_tokens`` per KV head.
 
     ``promised``: what the budget guarantees after every eviction, the same for every policy
@@ -65,8 +66,10 @@ def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: in
     s = layer_split(dims, budget_tokens)
 
     def kind(layers: int, tokens: int) -> dict[str, int]:
-        return {"promised": layers * (tokens * c.kv_layer + c.window_layer),
-                "allocated": layers * ((tokens + block_size) * per_slot + c.window_layer)}
+        return {
+            "promised": layers * (tokens * c.kv_layer + c.window_layer),
+            "allocated": layers * ((tokens + block_size) * per_slot + c.window_layer),
+        }
 
     glob = kind(s["global_layers"], budget_tokens)
     if not s["sliding_layers"]:
@@ -84,8 +87,9 @@ def positions_bytes(dims: Dims, budget_tokens: int, block_size: int) -> int:
     return 2 * POSITION_BYTES * slots * dims["num_kv_heads"]
 
 
-def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto",
-                   original_keys: bool = False) -> int:
+def snapshot_bytes(
+    dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto", original_keys: bool = False
+) -> int:
     """A copy of ``tokens`` stored tokens per KV head: what a slot holds (``costs.slot_head_bytes``: K and V as stored,
     int64 stream and RoPE positions, float32 policy state) (``BoundedCache.snapshot``); ``original_keys``: the keys'
     original copy too, as the cache keeps it (``keeps_original_keys``), so a restore gives it back instead of
@@ -107,34 +111,74 @@ def widest_token_bytes(dims: Dims, elem: Any, kv_dtype: str = "auto", n_fields: 
     return max(CacheCosts.of(dims, dtype_bytes(elem), kv_dtype).token_head, STATE_BYTES * n_fields, POSITION_BYTES)
 
 
-def layers_evicted_together(dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str = "auto",
-                            n_fields: int = 0, stacked: bool = True, policy_slot_bytes: int = 0) -> int:
+def layers_evicted_together(
+    dims: Dims,
+    elem: Any,
+    budget: int,
+    block: int,
+    *,
+    kv_dtype: str = "auto",
+    n_fields: int = 0,
+    stacked: bool = True,
+    policy_slot_bytes: int = 0,
+) -> int:
     """The layers one eviction takes at once: a stack's chunk (``costs.evict_chunk_layers``) when the layers share one
     layout (``stacked``: a batchable policy of its own layout, K/V in the compute dtype), else one."""
     layers = int(dims["num_layers"]) - int(dims.get("sliding_layers", 0))
     if not stacked or layers < 2 or coded_kv(elem, kv_dtype):
         return 1
-    layer = eviction_layer_bytes(int(dims["num_kv_heads"]), budget + block, budget,
-                                 widest_token_bytes(dims, elem, kv_dtype, n_fields), policy_slot_bytes)
+    layer = eviction_layer_bytes(
+        int(dims["num_kv_heads"]),
+        budget + block,
+        budget,
+        widest_token_bytes(dims, elem, kv_dtype, n_fields),
+        policy_slot_bytes,
+    )
     return evict_chunk_layers(layers, layer)
 
 
-def eviction_scratch_bytes(dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str = "auto",
-                           n_fields: int = 0, stacked: bool = True, policy_slot_bytes: int = 0,
-                           recall: int = 0) -> int:
+def eviction_scratch_bytes(
+    dims: Dims,
+    elem: Any,
+    budget: int,
+    block: int,
+    *,
+    kv_dtype: str = "auto",
+    n_fields: int = 0,
+    stacked: bool = True,
+    policy_slot_bytes: int = 0,
+    recall: int = 0,
+) -> int:
     """The temporaries of an eviction (``core/costs.py``'s ``eviction_layer_bytes`` of one layer: the scoring of its
     budget + block (+ recall) slots, or the copy of its widest buffer's kept tokens) times the layers evicted
     together (``layers_evicted_together``; one while an answer holds recalled tokens: those layers evict alone)."""
-    layer = eviction_layer_bytes(int(dims["num_kv_heads"]), budget + block + recall, budget + recall,
-                                 widest_token_bytes(dims, elem, kv_dtype, n_fields), policy_slot_bytes)
-    together = 1 if recall else layers_evicted_together(dims, elem, budget, block, kv_dtype=kv_dtype,
-                                                        n_fields=n_fields, stacked=stacked,
-                                                        policy_slot_bytes=policy_slot_bytes)
+    layer = eviction_layer_bytes(
+        int(dims["num_kv_heads"]),
+        budget + block + recall,
+        budget + recall,
+        widest_token_bytes(dims, elem, kv_dtype, n_fields),
+        policy_slot_bytes,
+    )
+    together = (
+        1
+        if recall
+        else layers_evicted_together(
+            dims,
+            elem,
+            budget,
+            block,
+            kv_dtype=kv_dtype,
+            n_fields=n_fields,
+            stacked=stacked,
+            policy_slot_bytes=policy_slot_bytes,
+        )
+    )
     return layer * together + EVICTION_FIXED_BYTES
 
 
-def archive_work_bytes(dims: Dims, elem: Any, block: int, page: int, archive_dtype: str = "auto",
-                       together: int = 1) -> int:
+def archive_work_bytes(
+    dims: Dims, elem: Any, block: int, page: int, archive_dtype: str = "auto", together: int = 1
+) -> int:
     """What recall's archive appends a block's evicted tokens through (``core/archive.py``'s ``AppendWork``, shared by
     the cache's archives, and each archive's staged rows, kept until written): for the ``together`` layers
     appended at once (``layers_evicted_together``), their dropped keys, values and positions gathered, the keys in
@@ -150,8 +194,9 @@ def archive_work_bytes(dims: Dims, elem: Any, block: int, page: int, archive_dty
     return h * (together * (block * gathered + summaries) + layers * block * row)
 
 
-def recall_growth_bytes(dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str = "auto", n_fields: int = 0,
-                        stacked: bool = True) -> int:
+def recall_growth_bytes(
+    dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str = "auto", n_fields: int = 0, stacked: bool = True
+) -> int:
     """What making room for recall holds for a moment (``HeadGroup.make_room``): its buffers are reallocated one at a
     time, each old one freed once copied, so the largest at its old size (budget + block slots) is held twice; a
     stack's holds every layer (``LayerStack.resize``)."""
@@ -159,8 +204,9 @@ def recall_growth_bytes(dims: Dims, elem: Any, budget: int, block: int, *, kv_dt
     return layers * dims["num_kv_heads"] * (budget + block) * widest_token_bytes(dims, elem, kv_dtype, n_fields)
 
 
-def recall_slots_bytes(dims: Dims, elem: Any, recall: int, original_keys: bool = False, kv_dtype: str = "auto",
-                       n_fields: int = 0) -> int:
+def recall_slots_bytes(
+    dims: Dims, elem: Any, recall: int, original_keys: bool = False, kv_dtype: str = "auto", n_fields: int = 0
+) -> int:
     """The slots recall adds to every global layer's groups for an answer (``HeadGroup.make_room``): ``recall``
     tokens per KV head of what a slot holds (``costs.slot_head_bytes``: K and V as stored, with the original keys'
     copy when the cache keeps one, the int64 positions, the policy's float32 state). Sliding-window layers never
@@ -183,9 +229,19 @@ def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> in
     return n_fields * STATE_BYTES * (budget + block) * dims["num_kv_heads"] * layers
 
 
-def cache_parts(dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str = "auto", n_fields: int = 0,
-                original_keys: bool = False, stacked: bool = True, policy_slot_bytes: int = 0,
-                recall: int = 0) -> dict[str, int]:
+def cache_parts(
+    dims: Dims,
+    elem: Any,
+    budget: int,
+    block: int,
+    *,
+    kv_dtype: str = "auto",
+    n_fields: int = 0,
+    original_keys: bool = False,
+    stacked: bool = True,
+    policy_slot_bytes: int = 0,
+    recall: int = 0,
+) -> dict[str, int]:
     """The cache's lines of ``memory.predict_peak``: K/V promised and allocated, the policy state, the positions, and
     an eviction's temporaries (the larger of a stack's chunk and a recalling layer's own, ``recall`` slots more)."""
     kv = kv_bytes_at_budget(dims, elem, budget, block, original_keys, kv_dtype)
@@ -195,21 +251,49 @@ def cache_parts(dims: Dims, elem: Any, budget: int, block: int, *, kv_dtype: str
         "kv_allocated_bytes": kv["allocated"],
         "policy_state_bytes": policy_state_bytes(dims, budget, block, n_fields),
         "positions_bytes": positions_bytes(dims, budget, block),
-        "eviction_scratch_bytes": max(eviction_scratch_bytes(dims, elem, budget, block, stacked=stacked, **evict),
-                                      eviction_scratch_bytes(dims, elem, budget, block, stacked=False, recall=recall,
-                                                             **evict)),
+        "eviction_scratch_bytes": max(
+            eviction_scratch_bytes(dims, elem, budget, block, stacked=stacked, **evict),
+            eviction_scratch_bytes(dims, elem, budget, block, stacked=False, recall=recall, **evict),
+        ),
     }
 
 
-def recall_parts(dims: Dims, elem: Any, budget: int, block: int, recall: int, *, kv_dtype: str = "auto",
-                 n_fields: int = 0, original_keys: bool = False, stacked: bool = True, policy_slot_bytes: int = 0,
-                 page: int = 32, archive_dtype: str = "auto") -> dict[str, int]:
+def recall_parts(
+    dims: Dims,
+    elem: Any,
+    budget: int,
+    block: int,
+    recall: int,
+    *,
+    kv_dtype: str = "auto",
+    n_fields: int = 0,
+    original_keys: bool = False,
+    stacked: bool = True,
+    policy_slot_bytes: int = 0,
+    page: int = 32,
+    archive_dtype: str = "auto",
+) -> dict[str, int]:
     """Recall's cache lines of ``memory.predict_peak``: its archive's appends, making room for it, its slots."""
-    together = layers_evicted_together(dims, elem, budget, block, kv_dtype=kv_dtype, n_fields=n_fields,
-                                       stacked=stacked, policy_slot_bytes=policy_slot_bytes)
+    together = layers_evicted_together(
+        dims,
+        elem,
+        budget,
+        block,
+        kv_dtype=kv_dtype,
+        n_fields=n_fields,
+        stacked=stacked,
+        policy_slot_bytes=policy_slot_bytes,
+    )
     return {
         "archive_work_bytes": archive_work_bytes(dims, elem, block, page, archive_dtype, together),
-        "recall_growth_bytes": recall_growth_bytes(dims, elem, budget, block, kv_dtype=kv_dtype, n_fields=n_fields,
-                                                   stacked=stacked and not coded_kv(elem, kv_dtype)),
+        "recall_growth_bytes": recall_growth_bytes(
+            dims,
+            elem,
+            budget,
+            block,
+            kv_dtype=kv_dtype,
+            n_fields=n_fields,
+            stacked=stacked and not coded_kv(elem, kv_dtype),
+        ),
         "recall_slots_bytes": recall_slots_bytes(dims, elem, recall, original_keys, kv_dtype, n_fields),
     }

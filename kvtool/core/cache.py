@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -327,7 +328,7 @@ class BoundedCache(Cache):
         return self.protection(pos, g)[0]
 
     def protection(self, pos: Tensor, g: HeadGroup) -> tuple[Tensor, Tensor]:
-        """The protected tokens [h, n] and their priority [h, n] int64 (see ``keep_top``).
+        """The protected tokens [h, n] and their priority [h, n] (int32, or int64 past 2^28 tokens: ``keep_top``).
 
         Grades, highest kept first when protected tokens exceed a head's capacity: sinks (oldest
         first), the pinned question and recalled tokens, the recent window (engine's and the
@@ -347,7 +348,7 @@ class BoundedCache(Cache):
             at = torch.searchsorted(g.recalled, pos.contiguous()).clamp_(max=g.recalled.shape[1] - 1)
             pinned = pinned | (g.recalled.gather(1, at) == pos)
         mask = sinks | newest | pinned
-        return mask, protection_rank(pos, sinks, pinned, newest)
+        return mask, protection_rank(pos, sinks, pinned, newest, end)
 
     @property
     def lazy_limit(self) -> int:
@@ -502,12 +503,18 @@ class BoundedCache(Cache):
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self, origin: bool = False) -> dict[str, Tensor]:
-        """Every group's persisted buffers (``origin``: with the original keys' copy, for snapshots)."""
+        """Every group's persisted buffers, contiguous copies (``origin``: with the original keys' copy)."""
         out: dict[str, Tensor] = {}
         for li, layer in enumerate(self.layers):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
                 out.update(g.state_dict(f"l{li}.g{gi}", origin))
         return out
+
+    def saved_views(self, origin: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """``state_dict``'s names and tensors as views of the buffers, group by group (nothing copied)."""
+        for li, layer in enumerate(self.layers):
+            for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
+                yield from g.saved_views(f"l{li}.g{gi}", origin)
 
     def scalars(self) -> dict[str, Any]:
         return {"seen": self.seen, **self.rope.state(), "pin_start": self.pin_start, "pin_end": self.pin_end}
@@ -529,11 +536,15 @@ class BoundedCache(Cache):
         On a GPU the copy lives in pinned host memory: it is as large as the cache, and a GPU's memory is what
         bounds the budget; a restore copies it back, once per question. ``store``: flat buffers kept from an
         earlier snapshot, written over and grown in place (the copy is then valid until the next one): a run
-        over many documents makes this, a read's largest allocation, once instead of once per document."""
+        over many documents makes this, a read's largest allocation, once instead of once per document.
+
+        Each buffer is copied straight from the cache into its storage, one at a time: on a CPU nothing else is
+        allocated; on a GPU the copy to the host makes one layer's buffer contiguous on the device first (the
+        memory plan's ``snapshot_bytes`` there)."""
         pinned = self.device.type == "cuda"
         store = {} if store is None else store
         out = {}
-        for key, t in self.state_dict(origin=True).items():
+        for key, t in self.saved_views(origin=True):
             buf = store.get(key)
             if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
                 buf = store[key] = torch.empty(t.numel(), dtype=t.dtype, device="cpu" if pinned else t.device,

@@ -30,6 +30,7 @@ from kvtool.errors import UsageError, first_line
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
+from kvtool.runtime.budget import resolve_budget_and_recall
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.detokenize import Detokenizer, letter_tokens
@@ -37,7 +38,6 @@ from kvtool.runtime.document import estimate_tokens, iter_token_blocks, rechunk
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
-from kvtool.runtime.profiling import resolve_budget_and_recall
 from kvtool.runtime.settings import TABLE_BLOCK, Settings, default_block_size
 
 

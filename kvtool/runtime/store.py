@@ -146,7 +146,8 @@ def _norm_policy(spec: str) -> str:
 def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bool:
     """Whether ``--budget`` names the file's budget: its text, its tokens, or bytes that convert to them (with the
     archive's recall held inside them, as the prefill converted them, or without)."""
-    from kvtool.runtime.budget import budget_tokens_for, budget_with_recall, parse_budget
+    from kvtool.core.costs import CacheCosts
+    from kvtool.runtime.budget import parse_budget
 
     if stored["budget_tokens"] is None:  # policy full: the budget never mattered
         return True
@@ -165,9 +166,9 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
         if with_recall and not (isinstance(recall, int) and recall > 0):
             continue
         try:
-            elem, kv = DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"])
-            tokens.add(budget_with_recall(b.nbytes or 0, dims, elem, kv, recall, auto=False)[0] if with_recall
-                       else budget_tokens_for(b.nbytes or 0, dims, elem, kv))
+            costs = CacheCosts.of(dims, DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"]))
+            tokens.add(costs.kept_and_recalled(b.nbytes or 0, recall, auto=False)[0] if with_recall
+                       else costs.budget_tokens(b.nbytes or 0))
         except (KeyError, TypeError, ValueError, UsageError):
             continue
     return stored["budget_tokens"] in tokens

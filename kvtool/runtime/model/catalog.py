@@ -17,9 +17,9 @@ from typing import Any
 from kvtool.config import kvtool_home
 from kvtool.core.layout import check_config
 from kvtool.errors import UsageError, first_line
-from kvtool.numbers import CONFIG_LIMITS, capped
 from kvtool.runtime.memory import dims_from_config, llama_param_count
 from kvtool.runtime.model import hub
+from kvtool.runtime.model.checkpoint_config import check_dims
 from kvtool.runtime.model.convert import CONVERSION_MARKER, EMBEDDED_NAME, embedded_gguf_path
 from kvtool.runtime.model.loading import READ_WHOLE_CAPS
 
@@ -126,7 +126,11 @@ def describe(entry: ModelEntry, config: dict[str, Any]) -> None:
                      else f"model type {model_type!r} is unknown to transformers {transformers.__version__}")
         return
     try:
-        _check_dims(config)
+        check_dims(Path("config.json"), config, CONFIG_MAPPING[entry.family])  # as loading checks it
+    except UsageError as exc:
+        entry.why = str(exc)
+        return
+    try:
         built = CONFIG_MAPPING[entry.family].from_dict(config)
     except Exception as exc:  # noqa: BLE001 - a config transformers rejects is one line, whatever it raised
         entry.why = f"transformers rejects its config: {first_line(exc, 160)}"
@@ -198,15 +202,6 @@ def _parse(raw: bytes) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError("config.json is not a JSON object")
     return config
-
-
-def _check_dims(config: dict[str, Any]) -> None:
-    """The dimensions a config names are in their ranges (``CONFIG_LIMITS``, the load-time caps, on the JSON)."""
-    for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        for key, rng in CONFIG_LIMITS.items() if isinstance(section, dict) else ():
-            value = section.get(key)
-            if value is not None:
-                capped(f"{where}{key}", value, rng)
 
 
 def _dtype(config: dict[str, Any]) -> str | None:

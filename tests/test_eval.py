@@ -27,39 +27,14 @@ from kvtool.eval.metrics import (
 )
 from kvtool.eval.needle import Haystack, custom_needle, insert_needle, passkey_needle, sentence_boundaries
 from kvtool.eval.ppl import dense_logits, pick_offsets, stream_logits
-from kvtool.runtime.model import CHATML_TEMPLATE
-from tests.helpers import VOCAB, make_engine, tiny_llama
+from tests.helpers import VOCAB, byte_tokenizer, make_engine, tiny_byte_checkpoint, tiny_llama
 
 # --------------------------------------------------------------------------------------------- fixtures
 
 
-def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Byte-level BPE without merges: every byte is a token; decode/offsets are exact."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("eval") / "tiny-byte-llama"
-    tok = byte_tokenizer()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
+    return tiny_byte_checkpoint(tmp_path_factory.mktemp("eval") / "tiny-byte-llama")
 
 
 SENTENCES = [

@@ -92,6 +92,10 @@ def needle(
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
                                       "secret number) or name (an invented name).")] = "number",
     resume: ResumeOpt = None,
+    diagnose: Annotated[bool, typer.Option("--diagnose", help="Record per trial where recall ranked the needle, "
+                                           "which layers hold it and what the answer copied from (a `diagnose` "
+                                           "entry in the --resume log and the --json answers; answers unchanged; "
+                                           "a trial logged without one is read again).")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
@@ -124,6 +128,7 @@ def needle(
         kind=_needle_kind(kind),
         needles=_needle_count(needles, needle_text),
         resume=resume,
+        diagnose=diagnose,
     )
     task.haystack = load_text(path, "--haystack")
     _finish(run_needle(task, RichReporter(quiet, "needle", stderr_console())), json_out, render_needle)

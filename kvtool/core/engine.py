@@ -121,6 +121,8 @@ class Engine:
         # Called in the model's thread before every forward (a block or a decoded token): the runtime
         # uses it to share the CPU cores with other kvtool processes (runtime/cores.py). Must be cheap.
         self.pacer = pacer
+        # a diagnosis (``kvtool eval needle --diagnose``): the next question's recall fills it; None: nothing kept
+        self.recall_trace: recall.RecallTrace | None = None
         self.env = env or policy.env or model_env(model, config)
         attention.register()
         # The registered function falls through to SDPA without the engine's cache: a plain forward of
@@ -284,6 +286,8 @@ class Engine:
         self._question_frame(cache, ids.numel(), note=True)
         self.pin(cache, ids.numel(), answer_tokens)
         if self.config.recall == 0 or recall.archived_tokens(cache) == 0:
+            if self.recall_trace is not None:
+                self.recall_trace.hold(cache)
             logits = self.feed(cache, [ids], progress=False)
             assert logits is not None
             return logits, None
@@ -295,7 +299,7 @@ class Engine:
             cache.query_log = None
         restore()
         self._question_frame(cache, ids.numel())
-        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement)
+        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement, self.recall_trace)
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.timer.now() - t0
         logits = self.feed(cache, [ids], progress=False)

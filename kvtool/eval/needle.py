@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvtool.core.recall import RecallTrace
 from kvtool.errors import UsageError
 from kvtool.eval import (
     PROMPT_MARGIN,
@@ -37,6 +40,7 @@ from kvtool.eval import (
     report,
     text_document,
 )
+from kvtool.eval.diagnose import diagnose as diagnosis
 from kvtool.eval.metrics import contains_answer
 from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
 from kvtool.runtime.budget import parse_recall
@@ -68,6 +72,11 @@ class Needle:
     text: str
     question: str
     answer: str
+    wrong: str | None = None  # an answer naming this (a distractor's answer) is wrong, even beside ``answer``
+
+    def found(self, answer: str) -> bool:
+        """Whether ``answer`` names the expected answer (and not the distractor's)."""
+        return contains_answer(answer, self.answer) and not (self.wrong and contains_answer(answer, self.wrong))
 
 
 def passkey_needle(seed: int, trial: int) -> Needle:
@@ -193,6 +202,7 @@ class NeedleTask:
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
     kind: str = "number"  # the default needle: a secret number, or an invented name (NEEDLE_KINDS)
+    diagnose: bool = False  # record why each trial was found or missed (kvtool/eval/diagnose.py)
 
     def needles_for(self, trial: int) -> list[Needle]:
         """The needles of one trial; the first is the one asked for (the only one unless ``needles`` > 1)."""
@@ -260,10 +270,17 @@ def trial_key(label: str, recall: int, length: int, depth: float, trial: int) ->
 
 def build_document(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
                    needle_tokens: int) -> tuple[str, int, list[int]]:
-    """The trial's document: the asked needle at ``depth``, distractors (if any) at seeded other depths.
+    """The trial's document: the asked needle at ``depth``, the others (if any) at seeded other depths.
 
     Returns (text, character index of the asked needle, token start characters of the haystack cut).
     """
+    text, spans, starts = place_needles(haystack, needles, length, depth, seed, trial, needle_tokens)
+    return text, spans[0][0], starts
+
+
+def place_needles(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
+                  needle_tokens: int) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """:func:`build_document` with every needle's character span [start, end), in the order of ``needles``."""
     hay, starts = haystack.cut(length - needle_tokens)
     text, at = insert_needle(hay, needles[0].text, depth, starts)
     rng = random.Random(seed * 104729 + trial)
@@ -273,20 +290,22 @@ def build_document(haystack: Haystack, needles: list[Needle], length: int, depth
         text, pos = insert_needle(text, other.text, rng.uniform(0.02, 0.98), None, avoid=spans)
         grown = len(text) - before
         spans = [(a + grown, b + grown) if a >= pos else (a, b) for a, b in spans] + [(pos, pos + len(other.text))]
-        if pos <= at:
-            at += grown
-    return text, at, starts
+    return text, spans, starts
 
 
 def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int,
-                 trial: int, needle_tokens: int, recalls: list[int]) -> dict[int, dict[str, Any]]:
+                 trial: int, needle_tokens: int, recalls: list[int],
+                 diagnose: bool = False) -> dict[int, dict[str, Any]]:
     """Read one trial's document once and ask for the first needle under each recall budget.
 
     One read serves every recall budget: archiving does not change what the cache keeps, so the
     eviction-only answer is the same read answered with recall 0. Returns recall → the record the
-    resume log keeps.
+    resume log keeps; with ``diagnose`` each record has a ``diagnose`` entry (:mod:`kvtool.eval.diagnose`),
+    taken from the same answer (a trace changes nothing the recall does).
     """
-    text, at, starts = build_document(haystack, needles, length, depth, seed, trial, needle_tokens)
+    text, spans, starts = place_needles(haystack, needles, length, depth, seed, trial, needle_tokens)
+    at = spans[0][0]
+    session.keep_source = diagnose
     read = session.read(text_document(text, f"<haystack L={length} depth={depth:g}>"))
     if depth == 0:
         needle_token = 0
@@ -294,17 +313,22 @@ def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length
         needle_token = bisect.bisect_left(starts, at - 1)
     else:  # distractors shift the haystack's token starts: estimate from the character position
         needle_token = round(at / max(1, len(text)) * read.document_tokens)
+    watched = [read.source.positions_in(a, b) for a, b in spans] if diagnose and read.source is not None else None
     out: dict[int, dict[str, Any]] = {}
     top = session.engine.config.recall
     try:
         for rec in recalls:
             session.engine.config.recall = rec
+            trace = session.engine.recall_trace = RecallTrace(torch.cat(watched)) if watched else None
             ans = session.ask(read, needles[0].question)
             out[rec] = {"expected": needles[0].answer, "answer": ans.answer,
-                        "correct": contains_answer(ans.answer, needles[0].answer), "budget": session.budget_tokens,
+                        "correct": needles[0].found(ans.answer), "budget": session.budget_tokens,
                         "document_tokens": read.document_tokens, "needle_token": needle_token}
+            if trace is not None and watched is not None and read.source is not None:
+                out[rec]["diagnose"] = diagnosis(trace, watched, read.source, ans.ids, session.tokenizer)
     finally:
         session.engine.config.recall = top
+        session.engine.recall_trace = None
         read.close()
     return out
 
@@ -345,11 +369,13 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
                     } for rec in recalls}  # fmt: skip
                     for t, needles in enumerate(trial_needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
-                        missing = [rec for rec in recalls if trial_key(run.label, rec, L, d, t) not in log]
+                        missing = [rec for rec in recalls if not _logged(log, trial_key(run.label, rec, L, d, t),
+                                                                         task.diagnose)]
                         if missing:
                             if session is None:
                                 session = _needle_session(task, run, loaded, recalls, reporter)
-                            got = needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t], missing)
+                            got = needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t], missing,
+                                               task.diagnose)
                             for rec, rec_row in got.items():
                                 log.put(trial_key(run.label, rec, L, d, t), rec_row)
                         for rec in recalls:
@@ -361,7 +387,9 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
                             cell["budget"] = rec_row["budget"]
                             cell["correct"] += int(rec_row["correct"])
                             cell["answers"].append({"trial": t, "expected": rec_row["expected"],
-                                                    "answer": rec_row["answer"], "correct": rec_row["correct"]})
+                                                    "answer": rec_row["answer"], "correct": rec_row["correct"],
+                                                    **({"diagnose": rec_row["diagnose"]} if "diagnose" in rec_row
+                                                       else {})})
                             reporter.advance()
                     for cell in row.values():
                         iv = wilson(cell["correct"], task.trials)
@@ -370,6 +398,12 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
                         cells.append(cell)
     summary = summarize(cells)
     return report("needle", settings, cells, timer.seconds(), summary=summary)
+
+
+def _logged(log: CellLog, key: str, diagnose: bool) -> bool:
+    """Whether trial ``key`` is in the resume log (with ``diagnose``: with its diagnosis; a trial logged
+    without one is read again, and its new record, diagnosis included, is appended)."""
+    return key in log and (not diagnose or "diagnose" in log.get(key))
 
 
 def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int], reporter: Reporter) -> Any:

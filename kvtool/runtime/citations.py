@@ -115,6 +115,20 @@ class SourceMap:
     def __len__(self) -> int:
         return self.positions.numel() + self._pending_tokens
 
+    def positions_in(self, start_char: int, end_char: int) -> Tensor:
+        """Stream positions of the mapped tokens that overlap characters [``start_char``, ``end_char``)."""
+        self._flush()
+        hit = (self.spans[:, 0] < end_char) & (self.spans[:, 1] > start_char)
+        return self.positions[hit]
+
+    def ids_at(self, positions: Tensor) -> Tensor:
+        """Token ids at stream ``positions`` (sorted); -1 where the map holds no token there."""
+        self._flush()
+        if self.positions.numel() == 0:
+            return torch.full_like(positions, -1)
+        idx = torch.searchsorted(self.positions, positions).clamp_(max=self.positions.numel() - 1)
+        return torch.where(self.positions[idx] == positions, self.ids[idx], torch.full_like(positions, -1))
+
     # -- persistence (.kvc metadata) ----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         """A JSON object: the section table, and the per-token arrays as base64 of zlib'd int32 (little-endian).

@@ -189,6 +189,9 @@ class Session:
         # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache, and
         # writes its snapshot over the last one's
         self.reuse_cache = False
+        # a diagnosis (``kvtool eval needle --diagnose``): the source map keeps every document token, so that an
+        # evicted needle's positions are known even without an archive
+        self.keep_source = False
         self._spare: BoundedCache | None = None
         self._snapshot_store: dict[str, Tensor] = {}
 
@@ -278,7 +281,7 @@ class Session:
             disk_watch = watch
             for block in blocks:
                 if source.pending_tokens > max(PRUNE_BLOCKS * bs, source.positions.numel()):
-                    _prune_source(source, cache)
+                    _prune_source(source, cache, self.keep_source)
                 if disk_watch is not None:
                     short = disk_watch.short(recall.archive_bytes(cache))
                     if short is not None:
@@ -293,7 +296,7 @@ class Session:
         finally:
             self._reading = None
         seconds = time.perf_counter() - t0
-        _prune_source(source, cache)
+        _prune_source(source, cache, self.keep_source)
         for note in doc.notes:
             self.emit(Note(note))
         result = ReadResult(
@@ -572,15 +575,15 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
 PRUNE_BLOCKS = 32
 
 
-def _prune_source(source: SourceMap, cache: BoundedCache) -> None:
-    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens.
+def _prune_source(source: SourceMap, cache: BoundedCache, keep: bool = False) -> None:
+    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens (or ``keep``).
 
     While an archive exists, every document token is held or archived, and recall may bring any archived
     one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
     so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
     kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
     """
-    if recall.archives(cache):
+    if keep or recall.archives(cache):
         source.prune(None, cache.seen)
     else:
         source.prune(held_positions(cache), cache.seen)

@@ -90,7 +90,9 @@ def needle(
                                         "each bounded policy: 0 (eviction only), 256, 4k, auto (ask's "
                                         "default, 256).")] = "auto",
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
-                                      "secret number) or name (an invented name).")] = "number",
+                                      "secret number), name (an invented name), paraphrase (an invented town, "
+                                      "asked for in other words) or twofact (what the holder of a role did: two "
+                                      "facts in two places, and another person's deed).")] = "number",
     resume: ResumeOpt = None,
     diagnose: Annotated[bool, typer.Option("--diagnose", help="Record per trial where recall ranked the needle, "
                                            "which layers hold it and what the answer copied from (a `diagnose` "
@@ -126,7 +128,7 @@ def needle(
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
         kind=_needle_kind(kind),
-        needles=_needle_count(needles, needle_text),
+        needles=_needle_count(needles, needle_text, kind),
         resume=resume,
         diagnose=diagnose,
     )
@@ -143,7 +145,7 @@ def _needle_kind(kind: str) -> str:
     return kind.strip().lower()
 
 
-def _needle_count(needles: int, custom: str | None) -> int:
+def _needle_count(needles: int, custom: str | None, kind: str) -> int:
     from kvtool.errors import UsageError
     from kvtool.eval.needle import LABELS
 
@@ -151,6 +153,8 @@ def _needle_count(needles: int, custom: str | None) -> int:
         raise UsageError(f"--needles must be between 1 and {len(LABELS)} (got {needles})")
     if needles > 1 and custom is not None:
         raise UsageError("--needles > 1 uses labelled pass keys; it cannot be combined with --needle")
+    if needles > 1 and kind.strip().lower() != "number":
+        raise UsageError(f"--needles > 1 uses labelled pass keys; it cannot be combined with --needle-kind {kind}")
     return needles
 
 

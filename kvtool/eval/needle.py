@@ -60,8 +60,24 @@ LABELLED_QUESTION = "What is the secret number of the {label} door?"
 NAME_NEEDLE = "The secret name is {key}. Remember it: the secret name is {key}."
 NAME_QUESTION = "What is the secret name?"
 _SYLLABLES = ("ka", "lo", "mi", "ren", "tha", "vo", "zel", "dra", "quin", "sa", "bel", "tor", "nex", "pi", "ru", "gan")
+#: the paraphrased needle: the question asks for an invented place in other words than the sentence states it,
+#: sharing one anchor word (calibrated on the embedded model, docs/evaluation.md: with no shared word at all even the
+#: dense model does not find it at 1K tokens)
+PARAPHRASE_NEEDLE = "The peace treaty was signed in the harbour town of {key}."
+PARAPHRASE_QUESTION = "In which town was the peace agreement concluded?"
+#: the two-fact needle: who holds a role (at the cell's depth), what that person did and what another did (at seeded
+#: depths); only the first fact says whose deed the question means, so the answer must combine two places
+TWOFACT_ROLE = "The keeper of the old lighthouse is named {name}."
+TWOFACT_DEED = "{name} hid a {thing} in the cellar."
+TWOFACT_QUESTION = "What did the keeper of the old lighthouse hide in the cellar?"
+_THINGS = ("compass", "lantern", "violin", "telescope", "hammer", "candle", "mirror", "saddle", "kettle", "anchor",
+           "feather", "helmet", "bottle", "ribbon", "trumpet", "basket")
 #: ``--needle-kind``: what the default needle hides
-NEEDLE_KINDS = ("number", "name")
+NEEDLE_KINDS = ("number", "name", "paraphrase", "twofact")
+#: the needle and the question each kind's resume fingerprint names
+_KIND_TEXT = {"number": ("passkey", PASSKEY_QUESTION), "name": ("name", NAME_QUESTION),
+              "paraphrase": (PARAPHRASE_NEEDLE, PARAPHRASE_QUESTION),
+              "twofact": (f"{TWOFACT_ROLE} {TWOFACT_DEED}", TWOFACT_QUESTION)}
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -85,11 +101,35 @@ def passkey_needle(seed: int, trial: int) -> Needle:
     return Needle(PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION, key)
 
 
+def invented_name(rng: random.Random) -> str:
+    """A three-syllable name no text has (no prior to guess it from)."""
+    return "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+
+
 def name_needle(seed: int, trial: int) -> Needle:
     """The word needle of trial ``trial``: an invented three-syllable name from ``random.Random(seed + trial)``."""
-    rng = random.Random(seed + trial)
-    key = "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+    key = invented_name(random.Random(seed + trial))
     return Needle(NAME_NEEDLE.format(key=key), NAME_QUESTION, key)
+
+
+def paraphrase_needle(seed: int, trial: int) -> Needle:
+    """The paraphrased needle of trial ``trial``: an invented town, asked for in other words."""
+    key = invented_name(random.Random(seed + trial))
+    return Needle(PARAPHRASE_NEEDLE.format(key=key), PARAPHRASE_QUESTION, key)
+
+
+def twofact_needles(seed: int, trial: int) -> list[Needle]:
+    """The two-fact needle of trial ``trial``: [the role's holder (asked: its answer is the thing that person hid;
+    the other's thing makes an answer wrong), the holder's deed, another person's deed]."""
+    rng = random.Random(seed * 6151 + trial)
+    name = invented_name(rng)
+    other = invented_name(rng)
+    while other == name:
+        other = invented_name(rng)
+    thing, wrong = rng.sample(_THINGS, 2)
+    return [Needle(TWOFACT_ROLE.format(name=name), TWOFACT_QUESTION, thing, wrong),
+            Needle(TWOFACT_DEED.format(name=name, thing=thing), "", ""),
+            Needle(TWOFACT_DEED.format(name=other, thing=wrong), "", "")]
 
 
 def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
@@ -201,7 +241,7 @@ class NeedleTask:
     needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
-    kind: str = "number"  # the default needle: a secret number, or an invented name (NEEDLE_KINDS)
+    kind: str = "number"  # the default needle: a secret number, an invented name, ... (NEEDLE_KINDS)
     diagnose: bool = False  # record why each trial was found or missed (kvtool/eval/diagnose.py)
 
     def needles_for(self, trial: int) -> list[Needle]:
@@ -210,9 +250,11 @@ class NeedleTask:
             return [self.needle]
         if self.needles > 1:
             return labelled_needles(self.grid.settings.seed, trial, self.needles)
-        if self.kind == "name":
-            return [name_needle(self.grid.settings.seed, trial)]
-        return [passkey_needle(self.grid.settings.seed, trial)]
+        seed = self.grid.settings.seed
+        if self.kind == "twofact":
+            return twofact_needles(seed, trial)
+        make = {"name": name_needle, "paraphrase": paraphrase_needle}.get(self.kind, passkey_needle)
+        return [make(seed, trial)]
 
     def places_recall(self, max_positions: int | None) -> bool:
         """Whether ``--recall-placement`` can change an answer: some cell recalls (a bounded policy with a
@@ -231,9 +273,9 @@ class NeedleTask:
             "trials": self.trials,
             "needles": self.needles,
             "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else
-                                                  "name" if self.kind == "name" else "passkey"),
+                                                  _KIND_TEXT[self.kind][0]),
             "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else
-                                                        NAME_QUESTION if self.kind == "name" else PASSKEY_QUESTION),
+                                                        _KIND_TEXT[self.kind][1]),
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,

@@ -89,6 +89,9 @@ def needle(
     recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
                                         "each bounded policy: 0 (eviction only), 256, 4k, auto (ask's "
                                         "default, 256).")] = "auto",
+    select: Annotated[str, typer.Option("--recall-select", help="Comma list of the ways recall chooses, each "
+                                        "answering every read that recalls (see ask's --recall-select): shared "
+                                        "(the default), sum, layer, grow, again, or +-joined ones.")] = "shared",
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
                                       "secret number), name (an invented name), paraphrase (an invented town, "
                                       "asked for in other words) or twofact (what the holder of a role did: two "
@@ -115,7 +118,7 @@ def needle(
     trial_count = positive(trials, "--trials")
     grid = build_grid()
     from kvtool.cli.eval_view import RichReporter, render_needle
-    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, parse_selects, run_needle
 
     task = NeedleTask(
         grid=grid,
@@ -127,6 +130,7 @@ def needle(
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
+        selects=parse_selects(select),
         kind=_needle_kind(kind),
         needles=_needle_count(needles, needle_text, kind),
         resume=resume,

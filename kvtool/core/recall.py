@@ -19,6 +19,7 @@ uncompensated groups archive and recall (``recallable``).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,12 @@ StoreFactory = Callable[[int], ArchiveStore]  # row bytes → a fresh store
 SPAN = (8, 24)
 #: inside one span, the weight of a token's own relevance (it breaks the span's tie)
 TIE = 1e-3
+
+
+def grown(tokens: int, archived: int) -> int:
+    """``--recall-select grow``: the tokens a head recalls from an archive of ``archived`` tokens: ``tokens`` up to
+    ``SCAN`` archived, then in proportion to the square root (twice as many at four times ``SCAN``)."""
+    return round(tokens * math.sqrt(max(1.0, archived / SCAN)))
 
 
 @dataclass
@@ -73,6 +80,12 @@ class RecallTrace:
     layer_relevance: dict[int, Tensor] = field(default_factory=dict)
     ranking: Tensor | None = None
     groups: list[GroupTrace] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Forget what an earlier recall of the same answer noted (the trace describes the last one)."""
+        self.layer_relevance.clear()
+        self.ranking = None
+        self.groups.clear()
 
     def note(self, layer: int, g: HeadGroup, archived: Tensor, recalled: Tensor, ranking: Tensor | None) -> None:
         """Record group ``g`` of ``layer`` after its recall: ``archived`` [h, n] the positions its archive held,
@@ -191,10 +204,10 @@ class QueryLog:
     (``memory.recall_scratch_bytes`` plans it).
     """
 
-    def __init__(self, cache: BoundedCache, focus: slice | None = None) -> None:
+    def __init__(self, cache: BoundedCache, focus: slice | tuple[slice, ...] | None = None) -> None:
         self.layers = {li for li, layer in enumerate(cache.layers)
                        if any(g.archive is not None and g.archive.length for g in layer.groups)}  # type: ignore[attr-defined]
-        self.focus = focus
+        self.focus = (focus,) if isinstance(focus, slice) else focus
         self.fed: dict[int, int] = {}  # rows fed so far, per layer
         self.entries: list[tuple[int, Tensor, float]] = []
 
@@ -209,10 +222,11 @@ class QueryLog:
         if self.focus is None:
             self.entries.append((layer_idx, query, scaling))
             return
-        lo, hi = max(self.focus.start or 0, first), min(self.focus.stop if self.focus.stop is not None else
-                                                         first + m, first + m)
-        if hi > lo:
-            self.entries.append((layer_idx, query[:, :, lo - first : hi - first].clone(), scaling))
+        for part in self.focus:
+            lo = max(part.start or 0, first)
+            hi = min(part.stop if part.stop is not None else first + m, first + m)
+            if hi > lo:
+                self.entries.append((layer_idx, query[:, :, lo - first : hi - first].clone(), scaling))
 
     def __iter__(self) -> Iterator[tuple[int, Tensor, float]]:
         return iter(self.entries)
@@ -284,7 +298,7 @@ def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
 @torch.inference_mode()
 def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens: int,
            focus: slice | None = None, placement: str = DEFAULT_RECALL_PLACEMENT,
-           trace: RecallTrace | None = None) -> RecallResult:
+           trace: RecallTrace | None = None, select: frozenset[str] = frozenset()) -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
 
     ``log``: each layer's recorded queries and scaling, in feeding order (a ``QueryLog``). ``focus``: the
@@ -293,6 +307,7 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     every row, or a ``QueryLog`` that kept only those rows). ``placement``: with compact positions,
     where a selection goes (``relevance``: after the kept tokens, ``_placement``; ``document``: merged
     at its positions). ``trace``: filled with what was seen and chosen (a diagnosis; changes nothing).
+    ``select``: the variants of ``--recall-select`` (``selection``; none: the shared ranking below).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
     scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
@@ -313,6 +328,8 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
         by_layer.setdefault(layer_idx, []).append(q)
         scaling[layer_idx] = scale
     relevance = torch.zeros(cache.seen + 1)
+    own_relevance: dict[int, Tensor] = trace.layer_relevance if trace is not None else {}
+    per_layer = "layer" in select or trace is not None
     chosen: list[tuple[int, HeadGroup, int]] = []
     for li, layer in enumerate(cache.layers):
         entries = by_layer.get(li)
@@ -325,29 +342,32 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
             # Quest's bound needs the queries and the summaries in one frame: absolute positions only
             pages = a.candidate_pages(q, None if cache.compact else hold)
             place = _landing(g, cache.compact)
-            own = None if trace is None else trace.layer_relevance.setdefault(li, torch.zeros(cache.seen + 1))
-            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold):
+            own = own_relevance.setdefault(li, torch.zeros(cache.seen + 1)) if per_layer else None
+            pool = "sum" if "sum" in select else "max"
+            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold, pool):
                 relevance.scatter_add_(0, positions.flatten(), probs.flatten())
                 if own is not None:
                     own.scatter_add_(0, positions.flatten(), probs.flatten())
-            chosen.append((li, g, min(tokens, a.length)))
+            chosen.append((li, g, min(grown(tokens, a.length) if "grow" in select else tokens, a.length)))
     ranking = passage_ranking(relevance)
     if trace is not None:
         trace.ranking = ranking
     out = RecallResult()
+    layer_ranking = {li: passage_ranking(rel) for li, rel in own_relevance.items()} if "layer" in select else {}
     for li, g, T in chosen:
         a = g.archive
         assert a is not None
         g.make_room(T)
-        idx = a.top_by_position(ranking, T)
+        rank = layer_ranking.get(li, ranking)
+        idx = a.top_by_position(rank, T)
         keys, values, pos = a.read(idx)
         # compact positions: a selection is placed by relevance (``_placement``); the whole archive goes back
         # where it was, so recalling everything is the document again
         by_relevance = placement == "relevance" and cache.compact and idx.shape[1] < a.length
-        insert(g, keys, values, pos, ranking if by_relevance else None)
+        insert(g, keys, values, pos, rank if by_relevance else None)
         cache.rope.settle(g)
         if trace is not None:
-            trace.note(li, g, a.all_positions(), pos, ranking)
+            trace.note(li, g, a.all_positions(), pos, rank)
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
     out.seconds = cache.timer.now() - t0
@@ -379,8 +399,8 @@ def _kept_logsumexp(g: HeadGroup, q: Tensor, scaling: float) -> Tensor:
 
 
 def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,
-               hold: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Each scored token's attention probability, maximised over the question rows.
+               hold: int, pool: str = "max") -> Iterator[tuple[Tensor, Tensor]]:
+    """Each scored token's attention probability, maximised over the question rows (``pool="sum"``: summed).
 
     ``chunks()`` yields (positions [h, a], scores [h, r, a]) of the archived tokens; this yields
     (positions, probabilities [h, a]) for the same chunks. The softmax runs over the kept tokens and
@@ -401,4 +421,5 @@ def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tens
             held.clear()  # too many to hold: freed now, computed again below
     again = held if count <= hold else ((p, s.mul_(scaling)) for p, s in chunks())
     for positions, scores in again:
-        yield positions, scores.sub_(z).exp_().amax(1)
+        probs = scores.sub_(z).exp_()
+        yield positions, probs.sum(1) if pool == "sum" else probs.amax(1)

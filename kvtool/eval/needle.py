@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvtool.config import DEFAULT_RECALL_SELECT, recall_select_spec
 from kvtool.core.recall import RecallTrace
 from kvtool.errors import UsageError
 from kvtool.eval import (
@@ -241,6 +242,7 @@ class NeedleTask:
     needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
+    selects: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_RECALL_SELECT])  # per recall budget
     kind: str = "number"  # the default needle: a secret number, an invented name, ... (NEEDLE_KINDS)
     diagnose: bool = False  # record why each trial was found or missed (kvtool/eval/diagnose.py)
 
@@ -255,6 +257,12 @@ class NeedleTask:
             return twofact_needles(seed, trial)
         make = {"name": name_needle, "paraphrase": paraphrase_needle}.get(self.kind, passkey_needle)
         return [make(seed, trial)]
+
+    def answers_of(self, run: Any) -> list[Answered]:
+        """What each read of ``run`` is answered under: (recall budget, ``--recall-select``); ``full`` and
+        recall 0 once, every other recall budget once per select."""
+        recalls = self.recalls if run.budget is not None else [0]
+        return [(rec, sel) for rec in recalls for sel in (self.selects if rec else [DEFAULT_RECALL_SELECT])]
 
     def places_recall(self, max_positions: int | None) -> bool:
         """Whether ``--recall-placement`` can change an answer: some cell recalls (a bounded policy with a
@@ -279,6 +287,7 @@ class NeedleTask:
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
+            "selects": self.selects,
             **self.grid.describe(answers=True, placement=self.places_recall(max_positions)),
         }
 
@@ -304,9 +313,30 @@ def parse_recalls(text: str) -> list[int]:
     return out
 
 
-def trial_key(label: str, recall: int, length: int, depth: float, trial: int) -> str:
-    """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed)."""
+def parse_selects(text: str) -> list[str]:
+    """``--recall-select`` of the needle grid: a comma list of selects ("shared,grow,sum+again"), in order, unique."""
+    out: list[str] = []
+    for part in text.split(","):
+        if part.strip():
+            sel = recall_select_spec(part.strip())
+            if sel not in out:
+                out.append(sel)
+    if not out:
+        raise UsageError(f"--recall-select needs at least one value ({DEFAULT_RECALL_SELECT}: the default)")
+    return out
+
+
+#: what one read is answered under: (recall budget, ``--recall-select``)
+Answered = tuple[int, str]
+
+
+def trial_key(label: str, recall: int, length: int, depth: float, trial: int,
+              select: str = DEFAULT_RECALL_SELECT) -> str:
+    """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed, the default
+    select that of runs made before ``--recall-select``)."""
     run = label if recall == 0 else f"{label}+recall{recall}"
+    if recall and select != DEFAULT_RECALL_SELECT:
+        run += f"+{select}"
     return f"{run}|{length}|{depth}|{trial}"
 
 
@@ -336,14 +366,14 @@ def place_needles(haystack: Haystack, needles: list[Needle], length: int, depth:
 
 
 def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int,
-                 trial: int, needle_tokens: int, recalls: list[int],
-                 diagnose: bool = False) -> dict[int, dict[str, Any]]:
-    """Read one trial's document once and ask for the first needle under each recall budget.
+                 trial: int, needle_tokens: int, answers: list[Answered],
+                 diagnose: bool = False) -> dict[Answered, dict[str, Any]]:
+    """Read one trial's document once and ask for the first needle under each (recall budget, select).
 
-    One read serves every recall budget: archiving does not change what the cache keeps, so the
-    eviction-only answer is the same read answered with recall 0. Returns recall → the record the
-    resume log keeps; with ``diagnose`` each record has a ``diagnose`` entry (:mod:`kvtool.eval.diagnose`),
-    taken from the same answer (a trace changes nothing the recall does).
+    One read serves every recall budget and select: archiving does not change what the cache keeps, so
+    the eviction-only answer is the same read answered with recall 0. Returns (recall, select) → the
+    record the resume log keeps; with ``diagnose`` each record has a ``diagnose`` entry
+    (:mod:`kvtool.eval.diagnose`), taken from the same answer (a trace changes nothing the recall does).
     """
     text, spans, starts = place_needles(haystack, needles, length, depth, seed, trial, needle_tokens)
     at = spans[0][0]
@@ -356,20 +386,21 @@ def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length
     else:  # distractors shift the haystack's token starts: estimate from the character position
         needle_token = round(at / max(1, len(text)) * read.document_tokens)
     watched = [read.source.positions_in(a, b) for a, b in spans] if diagnose and read.source is not None else None
-    out: dict[int, dict[str, Any]] = {}
-    top = session.engine.config.recall
+    out: dict[Answered, dict[str, Any]] = {}
+    config = session.engine.config
+    top, top_select = config.recall, config.recall_select
     try:
-        for rec in recalls:
-            session.engine.config.recall = rec
+        for rec, sel in answers:
+            config.recall, config.recall_select = rec, sel
             trace = session.engine.recall_trace = RecallTrace(torch.cat(watched)) if watched else None
             ans = session.ask(read, needles[0].question)
-            out[rec] = {"expected": needles[0].answer, "answer": ans.answer,
-                        "correct": needles[0].found(ans.answer), "budget": session.budget_tokens,
-                        "document_tokens": read.document_tokens, "needle_token": needle_token}
+            got = out[(rec, sel)] = {"expected": needles[0].answer, "answer": ans.answer,
+                                     "correct": needles[0].found(ans.answer), "budget": session.budget_tokens,
+                                     "document_tokens": read.document_tokens, "needle_token": needle_token}
             if trace is not None and watched is not None and read.source is not None:
-                out[rec]["diagnose"] = diagnosis(trace, watched, read.source, ans.ids, session.tokenizer)
+                got["diagnose"] = diagnosis(trace, watched, read.source, ans.ids, session.tokenizer)
     finally:
-        session.engine.config.recall = top
+        config.recall, config.recall_select = top, top_select
         session.engine.recall_trace = None
         read.close()
     return out
@@ -395,43 +426,30 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
 
     runs = task.grid.runs()
     cells: list[dict[str, Any]] = []
-    total = sum(len(task.recalls) if run.budget is not None else 1 for run in runs) * len(task.lengths) * len(
-        task.depths) * task.trials
-    seed = task.grid.settings.seed
+    total = sum(len(task.answers_of(run)) for run in runs) * len(task.lengths) * len(task.depths) * task.trials
     with reporter.bar(total):
         for run in runs:
-            recalls = task.recalls if run.budget is not None else [0]
+            answers = task.answers_of(run)
             session = None  # built on first need: a fully resumed run loads nothing more
             for L in task.lengths:
                 for d in task.depths:
-                    row = {rec: {
-                        "policy": run.policy, "budget": None, "recall": rec, "length": L, "depth": d,
-                        "needle_token": None, "document_tokens": None, "trials": task.trials, "correct": 0,
-                        "accuracy": 0.0, "answers": [],
-                    } for rec in recalls}  # fmt: skip
+                    row = {a: {
+                        "policy": run.policy, "budget": None, "recall": a[0], "select": a[1], "length": L,
+                        "depth": d, "needle_token": None, "document_tokens": None, "trials": task.trials,
+                        "correct": 0, "accuracy": 0.0, "answers": [],
+                    } for a in answers}  # fmt: skip
                     for t, needles in enumerate(trial_needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
-                        missing = [rec for rec in recalls if not _logged(log, trial_key(run.label, rec, L, d, t),
-                                                                         task.diagnose)]
+                        keys = {a: trial_key(run.label, a[0], L, d, t, a[1]) for a in answers}
+                        missing = [a for a in answers if not _logged(log, keys[a], task.diagnose)]
                         if missing:
-                            if session is None:
-                                session = _needle_session(task, run, loaded, recalls, reporter)
-                            got = needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t], missing,
-                                               task.diagnose)
-                            for rec, rec_row in got.items():
-                                log.put(trial_key(run.label, rec, L, d, t), rec_row)
-                        for rec in recalls:
-                            rec_row = log.get(trial_key(run.label, rec, L, d, t))
-                            cell = row[rec]
-                            if t == 0:
-                                cell["needle_token"] = rec_row["needle_token"]
-                                cell["document_tokens"] = rec_row["document_tokens"]
-                            cell["budget"] = rec_row["budget"]
-                            cell["correct"] += int(rec_row["correct"])
-                            cell["answers"].append({"trial": t, "expected": rec_row["expected"],
-                                                    "answer": rec_row["answer"], "correct": rec_row["correct"],
-                                                    **({"diagnose": rec_row["diagnose"]} if "diagnose" in rec_row
-                                                       else {})})
+                            session = session or _needle_session(task, run, loaded, reporter)
+                            got = needle_trial(session, haystack, needles, L, d, task.grid.settings.seed, t,
+                                               needle_tokens[t], missing, task.diagnose)
+                            for a, record in got.items():
+                                log.put(keys[a], record)
+                        for a in answers:
+                            _count(row[a], t, log.get(keys[a]))
                             reporter.advance()
                     for cell in row.values():
                         iv = wilson(cell["correct"], task.trials)
@@ -442,29 +460,42 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     return report("needle", settings, cells, timer.seconds(), summary=summary)
 
 
+def _count(cell: dict[str, Any], trial: int, record: dict[str, Any]) -> None:
+    """Add one trial's logged ``record`` to its cell."""
+    if trial == 0:
+        cell["needle_token"] = record["needle_token"]
+        cell["document_tokens"] = record["document_tokens"]
+    cell["budget"] = record["budget"]
+    cell["correct"] += int(record["correct"])
+    cell["answers"].append({"trial": trial, "expected": record["expected"], "answer": record["answer"],
+                            "correct": record["correct"],
+                            **({"diagnose": record["diagnose"]} if "diagnose" in record else {})})
+
+
 def _logged(log: CellLog, key: str, diagnose: bool) -> bool:
     """Whether trial ``key`` is in the resume log (with ``diagnose``: with its diagnosis; a trial logged
     without one is read again, and its new record, diagnosis included, is appended)."""
     return key in log and (not diagnose or "diagnose" in log.get(key))
 
 
-def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int], reporter: Reporter) -> Any:
+def _needle_session(task: NeedleTask, run: Any, loaded: Any, reporter: Reporter) -> Any:
     """The run's session; with recall budgets, one archiving session that every recall budget shares."""
-    settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)) if max(recalls) else "off")
+    top = max(a[0] for a in task.answers_of(run))
+    settings = dataclasses.replace(task.grid.settings_for(run), recall=str(top) if top else "off")
     return Session(settings, listener=None, say=reporter.say, loaded=loaded)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Found-rate per (policy, budget, recall) over every length, depth and trial, with a Wilson interval.
+    """Found-rate per (policy, budget, recall, select) over every length, depth and trial, with a Wilson interval.
 
     ``significant`` marks a row whose difference from the best row at the same budget and recall budget
     excludes 0 (Newcombe interval); ``below_full`` one whose difference from the ``full`` row does.
     """
-    out: dict[tuple[str, Any, int], dict[str, Any]] = {}
+    out: dict[tuple[str, Any, int, str], dict[str, Any]] = {}
     for c in cells:
-        rec = c.get("recall", 0)
-        row = out.setdefault((c["policy"], c["budget"], rec), {"policy": c["policy"], "budget": c["budget"],
-                                                              "recall": rec, "correct": 0, "total": 0})
+        rec, sel = c.get("recall", 0), c.get("select", DEFAULT_RECALL_SELECT)
+        row = out.setdefault((c["policy"], c["budget"], rec, sel), {
+            "policy": c["policy"], "budget": c["budget"], "recall": rec, "select": sel, "correct": 0, "total": 0})
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
     rows = list(out.values())

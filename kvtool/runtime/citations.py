@@ -7,7 +7,7 @@ Two halves:
   the table of parts (page, chapter, section) by starting character. Entries of tokens no head holds
   any more are pruned as the prefill goes, so the map is bounded by the cache, not the document —
   except while the cache archives evicted tokens for recall: then every token is kept (a recalled
-  passage must be citable), and the map grows with the archive (``session._prune_source``).
+  passage must be citable), and the map grows with the archive (``prune_source``).
 * :func:`cite`, after an answer: the cache's per-token attention mass (accumulated by the attention
   function over the upper half of the layers and all their heads while the answer was decoded, see
   ``BoundedCache.start_mass``) is summed per position, the heaviest tokens are grown into sentence
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from kvtool.core import recall
 
 #: how many cited spans an answer gets at most, and the least share of the top span's weight a span needs
 MAX_CITATIONS = 3
@@ -188,6 +190,20 @@ def _unpack(text: str, count: int) -> Tensor:
 def held_positions(cache: Any) -> Tensor:
     """Every stream position some head of ``cache`` holds (the union over layers, groups and heads)."""
     return torch.cat([g.positions[:, : g.length].reshape(-1) for g in cache.groups()]).unique()
+
+
+def prune_source(source: SourceMap, cache: Any, keep: bool = False) -> None:
+    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens (or ``keep``).
+
+    While an archive exists, every document token is held or archived, and recall may bring any archived
+    one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
+    so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
+    kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
+    """
+    if keep or recall.archives(cache):
+        source.prune(None, cache.seen)
+    else:
+        source.prune(held_positions(cache), cache.seen)
 
 
 @dataclass

@@ -57,10 +57,11 @@ def test_passage_rank_and_longest_common_match_loops() -> None:
     assert runs(torch.tensor([3, 4, 5, 9, 11, 12])) == [(3, 6), (9, 10), (11, 13)]
 
 
-def _brute_relevance(state: dict, log: list, seen: int,
-                     focus_rows: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def _brute_relevance(state: dict, log: list, seen: int, focus_rows: int,
+                     pool: str = "max") -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Recall's vote in float64 from scratch: per layer, group and KV head, each question row's softmax over
-    the kept and archived keys, maximised over the rows that share the head, summed per position."""
+    the kept and archived keys, maximised (``pool="sum"``: summed) over the rows that share the head, summed per
+    position."""
     total = torch.zeros(seen + 1, dtype=torch.float64)
     per_layer: dict[int, torch.Tensor] = {}
     for (li, _), (kept, archived, positions, q_index, per_kv) in state.items():
@@ -73,14 +74,17 @@ def _brute_relevance(state: dict, log: list, seen: int,
                 for r in range(q.shape[1]):
                     s = torch.cat([kept[h].double() @ q[qh, r], archived[h].double() @ q[qh, r]]) * scaling
                     p = torch.softmax(s, 0)[kept.shape[1] :]
-                    best = torch.maximum(best, p)
+                    best = best + p if pool == "sum" else torch.maximum(best, p)
             for j in range(archived.shape[1]):
                 total[positions[h, j]] += best[j]
                 own[positions[h, j]] += best[j]
     return total, per_layer
 
 
-def test_trace_matches_a_brute_force_recall_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("select", ["shared", "sum", "layer"])
+def test_trace_matches_a_brute_force_recall_and_changes_nothing(monkeypatch: pytest.MonkeyPatch, select: str) -> None:
+    """Also the ``--recall-select`` variants that change the vote (``sum``) or whose ranking a head recalls by
+    (``layer``: its layer's own)."""
     model = tiny_llama(3)
     doc = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(5))
     question = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(6))
@@ -105,7 +109,7 @@ def test_trace_matches_a_brute_force_recall_and_changes_nothing(monkeypatch: pyt
     monkeypatch.setattr(recall, "recall", spy)
     answers = []
     for traced in (False, True):
-        engine = make_engine(model, "h2o", 64, recall=32, page_size=8)
+        engine = make_engine(model, "h2o", 64, recall=32, page_size=8, recall_select=select)
         cache = engine.new_cache()
         engine.feed(cache, [doc], progress=False)
         snap = cache.snapshot()
@@ -119,10 +123,14 @@ def test_trace_matches_a_brute_force_recall_and_changes_nothing(monkeypatch: pyt
 
     assert trace is not None and trace.ranking is not None
     seen = trace.ranking.numel() - 1
-    total, per_layer = _brute_relevance(state, captured[len(captured) // 2 :], seen, focus.stop - focus.start)
+    total, per_layer = _brute_relevance(state, captured[len(captured) // 2 :], seen, focus.stop - focus.start,
+                                        "sum" if select == "sum" else "max")
     before, after = SPAN
-    brute = [max(total[max(0, p - after) : p + before + 1]) + TIE * total[p] for p in range(seen + 1)]
-    assert torch.allclose(trace.ranking.double(), torch.tensor(brute), atol=1e-5)
+
+    def brute_ranking(rel: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([max(rel[max(0, p - after) : p + before + 1]) + TIE * rel[p] for p in range(seen + 1)])
+
+    assert torch.allclose(trace.ranking.double(), brute_ranking(total), atol=1e-5)
     for li, rel in per_layer.items():
         assert torch.allclose(trace.layer_relevance[li].double(), rel, atol=1e-5)
     assert torch.allclose(sum(trace.layer_relevance.values()).double(), total, atol=1e-5)
@@ -135,9 +143,11 @@ def test_trace_matches_a_brute_force_recall_and_changes_nothing(monkeypatch: pyt
             holds = set(held[(li, gi)][h].tolist())
             assert gt.archived[h].tolist() == [p in in_archive for p in watch.tolist()]
             assert gt.held[h].tolist() == [p in holds for p in watch.tolist()]
-            # the cut-off is the 32nd best ranking among the head's archived positions
-            ranked = sorted((float(trace.ranking[p]) for p in in_archive), reverse=True)
-            assert float(gt.cutoff[h]) == pytest.approx(ranked[31], abs=1e-6)
+            # the cut-off is the 32nd best ranking among the head's archived positions (``layer``: its layer's)
+            by = brute_ranking(per_layer[li]) if select == "layer" else trace.ranking
+            ranked = sorted((float(by[p]) for p in in_archive), reverse=True)
+            assert float(gt.cutoff[h]) == pytest.approx(ranked[31], abs=1e-5)
+            assert all(float(by[p]) >= ranked[31] - 1e-5 for p in gt.recalled[h].tolist())
             assert set(gt.recalled[h].tolist()) <= in_archive and gt.recalled.shape[1] == 32
 
     # the record: ranks by loops, held shares by counting

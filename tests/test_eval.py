@@ -259,7 +259,7 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     assert s["needle"] == "passkey" and s["policies"] == ["full", "sink"]  # full always included
     cells = rep["results"]
     assert len(cells) == 2 * 2 * 2
-    keys = {"policy", "budget", "recall", "length", "depth", "needle_token", "document_tokens", "trials",
+    keys = {"policy", "budget", "recall", "select", "length", "depth", "needle_token", "document_tokens", "trials",
             "correct", "accuracy", "answers", "interval"}
     assert all(set(c) == keys for c in cells)
     assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}

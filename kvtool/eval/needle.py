@@ -393,10 +393,12 @@ def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length
         for rec, sel in answers:
             config.recall, config.recall_select = rec, sel
             trace = session.engine.recall_trace = RecallTrace(torch.cat(watched)) if watched else None
+            before = session.recall_seconds
             ans = session.ask(read, needles[0].question)
             got = out[(rec, sel)] = {"expected": needles[0].answer, "answer": ans.answer,
                                      "correct": needles[0].found(ans.answer), "budget": session.budget_tokens,
-                                     "document_tokens": read.document_tokens, "needle_token": needle_token}
+                                     "document_tokens": read.document_tokens, "needle_token": needle_token,
+                                     "recall_seconds": round(session.recall_seconds - before, 3)}
             if trace is not None and watched is not None and read.source is not None:
                 got["diagnose"] = diagnosis(trace, watched, read.source, ans.ids, session.tokenizer)
     finally:

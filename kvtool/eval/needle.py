@@ -61,11 +61,11 @@ LABELLED_QUESTION = "What is the secret number of the {label} door?"
 NAME_NEEDLE = "The secret name is {key}. Remember it: the secret name is {key}."
 NAME_QUESTION = "What is the secret name?"
 _SYLLABLES = ("ka", "lo", "mi", "ren", "tha", "vo", "zel", "dra", "quin", "sa", "bel", "tor", "nex", "pi", "ru", "gan")
-#: the paraphrased needle: the question asks for an invented place in other words than the sentence states it,
-#: sharing one anchor word (calibrated on the embedded model, docs/evaluation.md: with no shared word at all even the
-#: dense model does not find it at 1K tokens)
-PARAPHRASE_NEEDLE = "The peace treaty was signed in the harbour town of {key}."
-PARAPHRASE_QUESTION = "In which town was the peace agreement concluded?"
+#: the paraphrased needle: the question asks for an invented village in other words than the sentence states it,
+#: sharing one anchor word (``village``) and a synonym pair (cook, chef); calibrated on the embedded model
+#: (docs/evaluation.md): with no shared word at all even the dense model does not find it at 1K tokens
+PARAPHRASE_NEEDLE = "Our ship's cook was born in the mountain village of {key}."
+PARAPHRASE_QUESTION = "Which village is the chef from?"
 #: the two-fact needle: who holds a role (at the cell's depth), what that person did and what another did (at seeded
 #: depths); only the first fact says whose deed the question means, so the answer must combine two places
 TWOFACT_ROLE = "The keeper of the old lighthouse is named {name}."

@@ -381,6 +381,31 @@ def test_multi_needle_document_holds_every_needle_and_asks_the_first(text_file: 
         assert text.count(n.text) == 1
 
 
+def test_harder_needle_kinds_are_seeded_and_scored_by_their_rules(text_file: Path) -> None:
+    from kvtool.eval.needle import (
+        PARAPHRASE_QUESTION,
+        Haystack,
+        paraphrase_needle,
+        place_needles,
+        twofact_needles,
+    )
+
+    para = paraphrase_needle(0, 3)
+    assert para == paraphrase_needle(0, 3) and para.answer in para.text and para.question == PARAPHRASE_QUESTION
+    words = {w.strip("?.'s").lower() for w in para.question.split()}
+    shared = words & {w.strip("?.'s").lower() for w in para.text.replace(para.answer, "").split()}
+    assert shared - {"the", "of", "in", "is", "a"} == {"village"}  # one anchor word; the rest in other words
+    role, deed, other = twofact_needles(0, 5)
+    assert role.answer in deed.text and role.wrong in other.text and role.answer != role.wrong
+    name = role.text.rsplit(" ", 1)[-1].rstrip(".")
+    assert deed.text.startswith(name) and not other.text.startswith(name) and name not in role.question
+    assert role.found(f"The keeper hid a {role.answer}.") and not role.found("I do not know.")
+    assert not role.found(f"a {role.answer} or a {role.wrong}")  # naming the other's thing is wrong
+    hay = Haystack(text_file.read_text(encoding="utf-8"), byte_tokenizer(), 600)
+    text, spans, _ = place_needles(hay, [role, deed, other], 600, 0.5, 0, 5, 120)
+    assert [text[a:b] for a, b in spans] == [role.text, deed.text, other.text]
+
+
 def test_cli_agreement_json(tiny_dir: Path, text_file: Path, tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
     qfile = tmp_path / "q.txt"

@@ -8,7 +8,8 @@
 
 The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
 are merged into them); the claims table is bench/claims.py's; the default settings' section is
-bench/defaults.py's and the quantized K/V section bench/kv_tables.py's (their commands run with kvtool's own
+bench/defaults.py's, the far-recall section bench/recall_variants.py's and the quantized K/V section
+bench/kv_tables.py's (their commands run with kvtool's own
 answering defaults, not pinned).
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
@@ -32,6 +33,7 @@ import cite_table
 import defaults
 import evidence
 import kv_tables
+import recall_variants
 from default_rule import DEFAULT_RULE, beside_the_rule, choose_default
 from result_tables import (
     BLOCKS,
@@ -62,7 +64,7 @@ ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024
          "block-256", "block-1024", *(f"block-needle-{k}-{b}" for k in GPU_KINDS for b in GPU_BLOCKS),
          "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
-         *kv_tables.TASKS, "citations")
+         *kv_tables.TASKS, *recall_variants.TASKS, "citations")
 #: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
 RAN = {"needle-recall": "the recall trials ran beside other runs at low priority",
        "needle-recall-2k": "the recall trials ran in 424 s beside other runs",
@@ -91,6 +93,7 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
         **out,
         **defaults.TASKS,  # the default settings' section: kvtool's own answering defaults
         **kv_tables.TASKS,  # --kv-dtype at equal tokens and equal bytes, with the default settings
+        **recall_variants.TASKS,  # far recall: --recall-select's variants, --diagnose, the harder needle kinds
         # recall for sink (the best eviction-only policy of the first six run at 256) and the default
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, *recall_rows, "--max-new-tokens", "16"],
@@ -161,7 +164,8 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 def run_eval(name: str, argv: list[str]) -> dict:
     # measured with kvtool's own answering defaults (the block pairing: what `ask` does at each block)
-    own = name in defaults.TASKS or name in kv_tables.TASKS or name.startswith("block-needle-")
+    own = (name in defaults.TASKS or name in kv_tables.TASKS or name in recall_variants.TASKS
+           or name.startswith("block-needle-"))
     argv = argv if own else evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
@@ -331,6 +335,7 @@ def render(data: dict, total_seconds: float) -> str:
                   f"`{peer['command']}` — {peer.get('wall_seconds', peer['seconds']):.0f} s",
                   ""]
     parts += defaults.section(data)
+    parts += recall_variants.section(data)
     parts += kv_tables.section(data, RESUME)
     parts += cite_table.section(data.get("citations"))
     parts += [f"Total run time of this regeneration: {total_seconds:.0f} s (resumed cells are not re-run).", ""]

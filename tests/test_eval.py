@@ -264,7 +264,8 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     assert all(set(c) == keys for c in cells)
     assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}
     for c in cells:
-        assert len(c["answers"]) == 2 and set(c["answers"][0]) == {"trial", "expected", "answer", "correct"}
+        assert len(c["answers"]) == 2
+        assert set(c["answers"][0]) == {"trial", "expected", "answer", "correct", "recall_seconds"}
         assert c["accuracy"] == c["correct"] / 2
         assert c["interval"][0] <= c["accuracy"] <= c["interval"][1]
         assert abs(c["document_tokens"] - c["length"]) <= 2  # byte tokenizer: ≈ exact length

@@ -471,7 +471,7 @@ def _count(cell: dict[str, Any], trial: int, record: dict[str, Any]) -> None:
     cell["correct"] += int(record["correct"])
     cell["answers"].append({"trial": trial, "expected": record["expected"], "answer": record["answer"],
                             "correct": record["correct"],
-                            **({"diagnose": record["diagnose"]} if "diagnose" in record else {})})
+                            **{k: record[k] for k in ("recall_seconds", "diagnose") if k in record}})
 
 
 def _logged(log: CellLog, key: str, diagnose: bool) -> bool:

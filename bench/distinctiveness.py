@@ -62,8 +62,9 @@ def run(args: argparse.Namespace) -> dict:
 
     from kvtool.eval import CellLog, load_text, resolve_input, split_list
     from kvtool.eval.distinctiveness import measure_window
-    from kvtool.eval.ppl import bos_prefix, pick_offsets
+    from kvtool.eval.ppl import pick_offsets
     from kvtool.runtime.model.loading import load_model
+    from kvtool.runtime.tokens import bos_prefix
 
     t0 = time.perf_counter()
     if args.samples < 1 or args.window < args.min_queries + 3:

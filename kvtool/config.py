@@ -132,14 +132,28 @@ def kvtool_home() -> Path:
 
     It holds converted models and user profiles (everything in it can be rebuilt), hence the XDG *cache*
     directory. Empty variables count as unset; a relative ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says.
+    A path that cannot be a directory (it, or a directory above it, is a file) is a usage error (exit 2)
+    naming the variable, before anything is written there.
     """
     home = os.environ.get("KVTOOL_HOME", "").strip()
     if home:
-        return Path(home).expanduser()
+        return _directory(Path(home).expanduser(), "KVTOOL_HOME")
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     if xdg and os.path.isabs(os.path.expanduser(xdg)):
-        return Path(xdg).expanduser() / "kvtool"
+        return _directory(Path(xdg).expanduser(), "XDG_CACHE_HOME") / "kvtool"
     return Path.home() / ".cache" / "kvtool"
+
+
+def _directory(path: Path, variable: str) -> Path:
+    """``path`` when it is, or can become, a directory: the nearest part of it that exists is one."""
+    for part in (path, *path.parents):
+        if os.path.lexists(part):
+            if not part.is_dir():
+                what = "is" if part == path else f"is under {part}, which is"
+                raise UsageError(f"{variable}={path} {what} not a directory (it holds kvtool's converted models, "
+                                 "profiles and calibrations)")
+            break
+    return path
 
 
 def packaged_profiles_dir() -> Path:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import reprlib
+from typing import Any
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -86,7 +88,8 @@ def interrupt_exit(e: BaseException) -> tuple[str, int]:
 # C0 controls but tab and newline, DEL and C1 controls: ESC starts ANSI/OSC sequences, CR rewrites a line.
 # Then the Unicode characters that reorder or split what a terminal shows: the bidi marks, embeddings,
 # overrides and isolates (U+202E turns "txt.exe" into "exe.txt"), and the line and paragraph separators.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+_ABOVE_C0 = "\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\x00-\x08\x0b-\x1f{_ABOVE_C0}]")
 
 
 def _escape(m: re.Match[str]) -> str:
@@ -104,3 +107,41 @@ def printable(text: object, one_line: bool = False) -> str:
     """
     out = _CONTROL.sub(_escape, str(text))
     return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out
+
+
+#: the most characters of a path a message or a progress line shows (its start and its end)
+PATH_SHOWN = 160
+
+
+def short_path(path: object, limit: int = PATH_SHOWN) -> str:
+    """``path`` as a message shows it: controls escaped (:func:`printable`, one line) and, past ``limit``
+    characters, its start and its end (the file name) around an ellipsis: a path of any length (a 4 KiB
+    one from a list, a 100 KiB argument) is one readable line, never printed whole."""
+    raw = str(path)
+    head = printable(raw[:limit], one_line=True)  # only what is shown is escaped: bounded whatever the length
+    if len(raw) <= limit and len(head) <= limit:
+        return head
+    keep = limit // 2
+    tail = printable(raw[-limit:], one_line=True)
+    return f"{head[: limit - keep - 1]}…{tail[-keep:]}"
+
+
+# Inside JSON: what ``printable`` escapes and ``json.dumps(ensure_ascii=False)`` leaves raw (DEL, the C1 controls
+# with U+009B, an 8-bit CSI; the bidi and separator characters), and lone surrogates (a file name's bytes that are
+# not UTF-8, which no terminal or UTF-8 file can hold). C0 controls json already escapes.
+_JSON_RAW = re.compile(f"[{_ABOVE_C0}\ud800-\udfff]")
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """``obj`` as JSON (``json.dumps`` with ``ensure_ascii=False`` and ``kwargs``) whose every terminal control
+    character, bidi override and lone surrogate is a ``\\uXXXX`` escape: safe on a terminal, and the data reads
+    back unchanged (``json.loads`` turns each escape into its character). Every JSON kvtool prints or logs is
+    written by this function.
+
+    Only string contents can hold such characters (JSON's own syntax is ASCII), so escaping the dumped text is
+    escaping the strings."""
+    return _JSON_RAW.sub(_json_escape, json.dumps(obj, ensure_ascii=False, **kwargs))
+
+
+def _json_escape(m: re.Match[str]) -> str:
+    return f"\\u{ord(m.group()):04x}"

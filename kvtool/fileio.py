@@ -33,10 +33,12 @@ def confined_name(name: object, what: str) -> str:
     return name
 
 
-def open_regular(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:
-    """Open ``path`` read-only without following a final symlink and without blocking on a FIFO; the
-    descriptor is returned only for a regular file (``OSError`` otherwise, the descriptor closed)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+def open_regular(path: str | os.PathLike[str], dir_fd: int | None = None, follow: bool = False) -> int:
+    """Open ``path`` read-only without following a final symlink (unless ``follow``) and without blocking on a
+    FIFO; the descriptor is returned only for a regular file (``OSError`` otherwise, the descriptor closed)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)

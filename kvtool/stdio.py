@@ -6,7 +6,8 @@ its answer from the document: :func:`no_prompts` makes every such question an er
 started with stdout or stderr closed (``>&-``, ``2>&-``) has no descriptor 1 or 2: the next file opened
 would take that number, and Python's ``print(file=None)`` falls back to stdout, so an error line meant for
 stderr would land in the answers. :func:`guard_closed_streams` points the missing descriptors at
-``/dev/null`` first.
+``/dev/null`` first. A process started in a directory that was deleted since has no current directory:
+:func:`missing_cwd` says so before anything (torch's MKL dies with its own fatal error there) needs it.
 """
 
 from __future__ import annotations
@@ -78,3 +79,18 @@ def _fd_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def missing_cwd() -> str | None:
+    """One line when the current directory no longer exists (deleted while a shell sat in it), else None.
+
+    Checked at startup, before torch is imported: loading torch there ends in MKL's own fatal error (exit 2,
+    no line of ours), and every relative path would fail later as an internal ``FileNotFoundError``."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return ("the current directory no longer exists (it was deleted): cd to an existing directory and run "
+                "kvtool again")
+    except OSError:  # unreadable above us (EACCES): absolute paths still work, and relative ones say why
+        return None
+    return None

@@ -10,8 +10,15 @@ from kvtool.errors import UsageError
 from kvtool.policies import PolicyEnv, build_policy
 from tests.helpers import VOCAB, dense_logits, make_engine, stream_logits, tiny_llama
 
-LAYERS = ["kvtool.documents", "kvtool.core", "kvtool.policies", "kvtool.kvc", "kvtool.runtime", "kvtool.eval",
-          "kvtool.cli"]
+LAYERS = [
+    "kvtool.documents",
+    "kvtool.core",
+    "kvtool.policies",
+    "kvtool.kvc",
+    "kvtool.runtime",
+    "kvtool.eval",
+    "kvtool.cli",
+]
 
 
 def test_no_import_cycles_and_no_back_imports() -> None:

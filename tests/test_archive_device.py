@@ -211,6 +211,7 @@ def test_append_makes_no_host_sync(monkeypatch, tmp_path):
         def wrapper(self, *a, **k):
             calls.append((name, state["flushing"]))
             return real(self, *a, **k)
+
         return wrapper
 
     real_flush = GroupArchive.flush
@@ -341,10 +342,12 @@ def test_a_read_with_recall_archives_each_block_without_allocating(positions, tm
     cfg = EngineConfig(budget=40, block_size=8, positions=positions, recall=16, page_size=8, archive_dir=str(tmp_path))
     env = model_env(model, cfg)
     engine = Engine(model, build_policy("h2o", {}, env), cfg, env=env)
+
     def labelled(real):  # a layer's archive path, and a stack's (every layer's at once)
         def run(self, target, dropped):
             with record_function("archive_dropped"):
                 real(self, target, dropped)
+
         return run
 
     monkeypatch.setattr(BoundedCache, "archive_dropped", labelled(BoundedCache.archive_dropped))

@@ -129,8 +129,9 @@ BASE = ["--budget", "96", "--block-size", "16", "--max-new-tokens", "4", "--quie
 
 def test_cli_cite_json_and_text(model_dir, tmp_path):
     doc = tmp_path / "d.md"
-    doc.write_text("# One\n" + "the cache is small. " * 20 + "\n\n# Two\nthe pass key is 12345. hello world.\n",
-                   encoding="utf-8")
+    doc.write_text(
+        "# One\n" + "the cache is small. " * 20 + "\n\n# Two\nthe pass key is 12345. hello world.\n", encoding="utf-8"
+    )
     r = runner.invoke(app, ["ask", str(doc), "What is the pass key?", "--cite", "--json", "--model", model_dir, *BASE])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
@@ -155,8 +156,10 @@ def test_cite_from_a_kvc_and_an_old_kvc_without_source_map(model_dir, tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text("the cache is small. " * 30 + "the pass key is 12345.", encoding="utf-8")
     kvc = tmp_path / "d.kvc"
-    r = runner.invoke(app, ["prefill", str(doc), "-o", str(kvc), "--model", model_dir, "--budget", "96",
-                            "--block-size", "16", "--quiet"])
+    r = runner.invoke(
+        app,
+        ["prefill", str(doc), "-o", str(kvc), "--model", model_dir, "--budget", "96", "--block-size", "16", "--quiet"],
+    )
     assert r.exit_code == 0, r.output
     args = ["ask", str(kvc), "What is the pass key?", "--cite", "--json", "--model", model_dir, *BASE]
     direct = runner.invoke(app, ["ask", str(doc), *args[2:]])
@@ -202,8 +205,7 @@ def test_real_model_cites_the_needle_page(tmp_path):
     for key in ("71432", "58219", "30917"):
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         doc = make_pdf(tmp_path / f"{key}.pdf", [*pages[:-1], pages[-1] + " " + needle])
-        s = Session(resolve_settings(None, {"max_new_tokens": 12, "policy": POLICY, "budget": "512"}),
-                    loaded=loaded)
+        s = Session(resolve_settings(None, {"max_new_tokens": 12, "policy": POLICY, "budget": "512"}), loaded=loaded)
         read = s.read(open_document(str(doc)))
         ans = s.ask(read, "What is the pass key?", cite_spans=True)
         print(key, repr(ans.answer), [c.line(80) for c in ans.citations])
@@ -228,8 +230,10 @@ def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_p
 
     pages = [f"the cache is small and the pass key is {i} hello world. " * 6 for i in range(8)]
     events: list[PrefillProgress] = []
-    s = Session(resolve_settings(None, {"model": model_dir, "budget": "48", "block_size": 16, "recall": "off"}),
-                listener=lambda e: events.append(e) if isinstance(e, PrefillProgress) else None)
+    s = Session(
+        resolve_settings(None, {"model": model_dir, "budget": "48", "block_size": 16, "recall": "off"}),
+        listener=lambda e: events.append(e) if isinstance(e, PrefillProgress) else None,
+    )
     read = s.read(open_document(str(make_pdf(tmp_path / "p.pdf", pages))))
     done = [e.parts_done for e in events]
     assert done == sorted(done) and done[-1] == 8 and {e.parts_total for e in events} == {8}

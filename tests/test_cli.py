@@ -47,9 +47,21 @@ def test_json_output_schema(model_dir, doc):
     out = json.loads(r.stdout)
     assert [a["question"] for a in out["answers"]] == ["q1", "q2"]
     stats = out["stats"]
-    for key in ("model", "policy", "budget", "block_size", "device", "dtype", "document_tokens", "cached_tokens_max",
-                "prefill_seconds", "prefill_tokens_per_second", "decode_tokens_per_second", "kv_cache_bytes",
-                "peak_memory_bytes"):
+    for key in (
+        "model",
+        "policy",
+        "budget",
+        "block_size",
+        "device",
+        "dtype",
+        "document_tokens",
+        "cached_tokens_max",
+        "prefill_seconds",
+        "prefill_tokens_per_second",
+        "decode_tokens_per_second",
+        "kv_cache_bytes",
+        "peak_memory_bytes",
+    ):
         assert key in stats, key
     assert stats["policy"] == "h2o+vatp"
     assert stats["cached_tokens_max"] <= 160 + stats["recall_tokens"]  # recall (the default) adds its tokens
@@ -117,8 +129,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, doc, model_dir, args, messag
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     (tmp_path / "bin.dat").write_bytes(b"\x00\x01\x02abc")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    paths = {"missing": tmp_path / "nope.txt", "dir": tmp_path, "empty": tmp_path / "empty.txt",
-             "binary": tmp_path / "bin.dat", "latin1": tmp_path / "latin1.txt", "doc": doc}
+    paths = {
+        "missing": tmp_path / "nope.txt",
+        "dir": tmp_path,
+        "empty": tmp_path / "empty.txt",
+        "binary": tmp_path / "bin.dat",
+        "latin1": tmp_path / "latin1.txt",
+        "doc": doc,
+    }
     argv = [a.format(**paths) for a in args]
     if "--model" not in argv:
         argv += ["--model", model_dir]

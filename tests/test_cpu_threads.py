@@ -36,8 +36,11 @@ def test_split_products_equal_one_bmm(two_threads):
     cache = make_engine(model, "h2o", 512, block_size=256).new_cache()
     assert cache.batch_split(3, 3 * 256) == 2
     g = torch.Generator().manual_seed(0)
-    a, k, v = (torch.randn(3, 768, 16, generator=g), torch.randn(3, 300, 16, generator=g),
-               torch.randn(3, 300, 16, generator=g))
+    a, k, v = (
+        torch.randn(3, 768, 16, generator=g),
+        torch.randn(3, 300, 16, generator=g),
+        torch.randn(3, 300, 16, generator=g),
+    )
     scores = _head_bmm(cache, a, k, torch.empty(3, 768, 300), "keys", transposed=True)
     torch.testing.assert_close(scores, torch.bmm(a, k.transpose(1, 2)), rtol=1e-6, atol=1e-5)
     probs = torch.softmax(scores, -1)

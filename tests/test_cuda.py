@@ -58,8 +58,15 @@ def _spy_sdpa(monkeypatch) -> list[dict]:
     original = F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):
-        calls.append({"q_heads": q.shape[1], "k_heads": k.shape[1], "mask": attn_mask, "q_dtype": q.dtype,
-                      "enable_gqa": kw.get("enable_gqa", False)})
+        calls.append(
+            {
+                "q_heads": q.shape[1],
+                "k_heads": k.shape[1],
+                "mask": attn_mask,
+                "q_dtype": q.dtype,
+                "enable_gqa": kw.get("enable_gqa", False),
+            }
+        )
         return original(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -129,9 +136,18 @@ def _tiny_cohere():
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "CohereConfig"):
         pytest.skip("this transformers has no Cohere")
-    cfg = transformers.CohereConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = transformers.CohereConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -280,8 +296,9 @@ def test_cuda_blocks_of_the_default_ask_path_make_no_host_sync(tmp_path):
     """h2o with recall (an int8 archive on disk): evicting blocks make no sync; decoding with nothing streamed
     reads the answer back once per ``READ_EVERY`` tokens and before each lazy eviction, not once per token."""
     model = tiny_family("llama3").to("cuda", torch.bfloat16)
-    engine = make_engine(model, "h2o", 48, block_size=16, recall=32, archive_dtype=torch.int8,
-                         archive_dir=str(tmp_path))
+    engine = make_engine(
+        model, "h2o", 48, block_size=16, recall=32, archive_dtype=torch.int8, archive_dir=str(tmp_path)
+    )
     cache = engine.new_cache()
     ids = _ids(16 * 12, 7)
     for s in range(0, 16 * 6, 16):  # past the first evictions and the archive's first pages

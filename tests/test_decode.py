@@ -28,13 +28,19 @@ def decode(end: int | None, every: int, cite: bool = False, policy: str = "h2o")
     logits = engine.feed(cache, [ids], progress=False)
     if cite:
         cache.start_mass()
-    out, _ = engine.generate(cache, logits, NEW, set() if end is None else {end},
-                             Chooser(NEW, "cpu", no_repeat_ngram=2), read_every=every)
+    out, _ = engine.generate(
+        cache, logits, NEW, set() if end is None else {end}, Chooser(NEW, "cpu", no_repeat_ngram=2), read_every=every
+    )
     mass = None
     if cite:  # per group and head: position → mass received
-        mass = [[dict(zip(p.tolist(), m.tolist(), strict=True)) for p, m in
-                 zip(g.positions[:, : g.length], g.mass[:, : g.length], strict=True)]
-                for g in cache.groups() if g.mass is not None]
+        mass = [
+            [
+                dict(zip(p.tolist(), m.tolist(), strict=True))
+                for p, m in zip(g.positions[:, : g.length], g.mass[:, : g.length], strict=True)
+            ]
+            for g in cache.groups()
+            if g.mass is not None
+        ]
         cache.stop_mass()
     reads = sum(isinstance(e, DecodeProgress) for e in events)
     return out, cache.counters.evicted_tokens, mass, reads

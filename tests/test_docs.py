@@ -112,6 +112,19 @@ def test_profile_keys_documented_and_emitted(runs: dict[str, Any]) -> None:
     assert missing == set(), "profile keys docs/cli.md documents but the code does not emit"
 
 
+def test_models_keys_documented_and_emitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers import hf_cache_layout
+
+    hf_cache_layout(tmp_path / "hub", "acme/tiny", tiny_checkpoint(tmp_path / "tiny"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = CliRunner().invoke(app, ["models", "--json"])
+    assert result.exit_code == 0, result.output
+    listing = json.loads(result.stdout)
+    assert len(listing["models"]) == 2
+    emitted = set(listing) | {f"models.{key}" for row in listing["models"] for key in row}
+    assert _documented_keys(CLI_PAGE.read_text(encoding="utf-8"), "Models keys") == emitted
+
+
 def test_many_document_record_keys_documented_and_emitted(tmp_path: Path) -> None:
     """Every key of the records of ``ask``/``summarize``/``prefill`` over many documents (answers, citations,
     notes, error records) is in docs/cli.md's "Many documents" table, and every key there is emitted."""
@@ -125,8 +138,11 @@ def test_many_document_record_keys_documented_and_emitted(tmp_path: Path) -> Non
     folder = str(tmp_path / "docs")
     runner = CliRunner()
     emitted: set[str] = set()
-    for args in (["ask", folder, "--question", "q", "--cite", *answer], ["summarize", folder, *answer],
-                 ["prefill", folder, "-o", str(tmp_path / "caches") + "/"]):
+    for args in (
+        ["ask", folder, "--question", "q", "--cite", *answer],
+        ["summarize", folder, *answer],
+        ["prefill", folder, "-o", str(tmp_path / "caches") + "/"],
+    ):
         r = runner.invoke(app, [*args, *base])
         assert r.exit_code == 3, r.output
         for line in r.stdout.splitlines():
@@ -150,8 +166,9 @@ def test_readme_is_short_and_keeps_the_test_command() -> None:
     assert "--model" in text and "kvtool sample" in text
 
 
-@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
-                                                        for p in (ROOT / "docs").glob("*.md"))])
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+)
 def test_links_to_docs_resolve(page: str) -> None:
     text = (ROOT / page).read_text(encoding="utf-8")
     for target in re.findall(r"\]\(((?:docs/)?[\w.-]+\.md)(?:#[\w-]*)?\)", text):
@@ -162,7 +179,13 @@ def test_links_to_docs_resolve(page: str) -> None:
 
 
 def test_no_issue_numbers_in_the_face_pages() -> None:
-    for page in ("README.md", "docs/cli.md", "docs/policies.md", "docs/recall.md", "docs/models.md",
-                 "docs/evaluation.md"):
+    for page in (
+        "README.md",
+        "docs/cli.md",
+        "docs/policies.md",
+        "docs/recall.md",
+        "docs/models.md",
+        "docs/evaluation.md",
+    ):
         text = (ROOT / page).read_text(encoding="utf-8")
         assert not re.search(r"\bissue \d+|#\d{1,4}\b(?!\.)", text, re.I), page

@@ -30,21 +30,11 @@ from tests.doc_fixtures import (  # noqa: E402
     make_html,
     make_pdf,
 )
+from tests.helpers import WordTokenizer  # noqa: E402
 
 
 def norm(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
-
-
-class WordTokenizer:
-    """Words and the spaces before them, with exact offsets (what fast tokenizers give)."""
-
-    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
-        spans = [(m.start(), m.end()) for m in re.finditer(r"\s*\S+|\s+", text)]
-        out = {"input_ids": [hash(text[a:b]) % 1000 for a, b in spans]}
-        if return_offsets_mapping:
-            out["offset_mapping"] = spans
-        return out
 
 
 def read_all(path: Path, fmt: str | None = None) -> tuple[object, list]:
@@ -136,10 +126,13 @@ def test_eval_inputs_accept_documents(tmp_path):
 
 
 # -- the token → (page, character) map ---------------------------------------------------------------------
-@pytest.mark.parametrize("maker, items, key", [
-    (make_pdf, PAGES, "page"),
-    (make_epub, CHAPTERS, "chapter"),
-])
+@pytest.mark.parametrize(
+    "maker, items, key",
+    [
+        (make_pdf, PAGES, "page"),
+        (make_epub, CHAPTERS, "chapter"),
+    ],
+)
 def test_every_token_maps_back_to_its_page_and_characters(tmp_path, maker, items, key):
     path = maker(tmp_path / f"doc.{'pdf' if key == 'page' else 'epub'}", items)
     doc = open_document(str(path))
@@ -178,8 +171,7 @@ def test_source_map_prunes_evicted_tokens_and_round_trips(tmp_path):
 
 # -- bad input: one line, exit 2 -------------------------------------------------------------------------------
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtool.cli.app", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "kvtool.cli.app", *args], capture_output=True, text=True, timeout=120)
 
 
 BAD = [

@@ -210,17 +210,53 @@ def test_full_matches_dense_and_eviction_does_not() -> None:
 
 
 def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
-                    "--continuation", "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
-                    "--block-size", "32"], capsys)
+    rep = run_json(
+        [
+            "eval",
+            "ppl",
+            "--text",
+            str(text_file),
+            "--model",
+            str(tiny_dir),
+            "--context",
+            "64",
+            "--continuation",
+            "6",
+            "--samples",
+            "2",
+            "--policies",
+            "full,sink",
+            "--budgets",
+            "24",
+            "--block-size",
+            "32",
+        ],
+        capsys,
+    )
     assert rep["task"] == "ppl"
     s = rep["settings"]
     assert s["context"] == 64 and s["continuation"] == 6 and s["samples"] == 2 and len(s["windows"]) == 2
     assert s["model"] == "tiny-byte-llama" and s["budgets"] == [24] and s["policies"] == ["full", "sink"]
     assert rep["reference"]["ppl"] > 1
     full, sink = rep["results"]
-    keys = {"policy", "budget", "ppl", "dense_ppl", "ppl_gap", "ppl_gap_pct", "kl", "top1", "tokens", "seconds",
-            "samples", "window_gap_pct", "kl_interval", "top1_interval", "best", "significant"}
+    keys = {
+        "policy",
+        "budget",
+        "ppl",
+        "dense_ppl",
+        "ppl_gap",
+        "ppl_gap_pct",
+        "kl",
+        "top1",
+        "tokens",
+        "seconds",
+        "samples",
+        "window_gap_pct",
+        "kl_interval",
+        "top1_interval",
+        "best",
+        "significant",
+    }
     assert set(full) == keys and set(sink) == keys
     assert (full["policy"], full["budget"], sink["policy"], sink["budget"]) == ("full", None, "sink", 24)
     assert abs(full["ppl_gap"]) < 1e-3 * full["dense_ppl"] and abs(full["ppl_gap_pct"]) < 0.1
@@ -232,15 +268,54 @@ def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFix
     lo, hi = sink["window_gap_pct"]["low"], sink["window_gap_pct"]["high"]
     assert lo <= sink["window_gap_pct"]["value"] <= hi
     # deterministic under --seed
-    again = run_json(["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
-                      "--continuation", "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24",
-                      "--block-size", "32"], capsys)
+    again = run_json(
+        [
+            "eval",
+            "ppl",
+            "--text",
+            str(text_file),
+            "--model",
+            str(tiny_dir),
+            "--context",
+            "64",
+            "--continuation",
+            "6",
+            "--samples",
+            "2",
+            "--policies",
+            "full,sink",
+            "--budgets",
+            "24",
+            "--block-size",
+            "32",
+        ],
+        capsys,
+    )
     assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["windows"] == s["windows"]
 
 
 def test_cli_attn_error_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(["eval", "attn-error", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64",
-                    "--continuation", "6", "--samples", "1", "--policies", "full,sink", "--budgets", "16"], capsys)
+    rep = run_json(
+        [
+            "eval",
+            "attn-error",
+            "--text",
+            str(text_file),
+            "--model",
+            str(tiny_dir),
+            "--context",
+            "64",
+            "--continuation",
+            "6",
+            "--samples",
+            "1",
+            "--policies",
+            "full,sink",
+            "--budgets",
+            "16",
+        ],
+        capsys,
+    )
     assert rep["task"] == "attn-error"
     assert rep["settings"]["num_layers"] == 2 and rep["settings"]["num_heads"] == 4
     full, sink = rep["results"]
@@ -250,9 +325,29 @@ def test_cli_attn_error_json(tiny_dir: Path, text_file: Path, capsys: pytest.Cap
 
 
 def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
-                    "--lengths", "200,300", "--depths", "0,1", "--policies", "sink", "--budgets", "160",
-                    "--max-new-tokens", "3", "--trials", "2"], capsys)
+    rep = run_json(
+        [
+            "eval",
+            "needle",
+            "--haystack",
+            str(text_file.parent),
+            "--model",
+            str(tiny_dir),
+            "--lengths",
+            "200,300",
+            "--depths",
+            "0,1",
+            "--policies",
+            "sink",
+            "--budgets",
+            "160",
+            "--max-new-tokens",
+            "3",
+            "--trials",
+            "2",
+        ],
+        capsys,
+    )
     assert rep["task"] == "needle"
     s = rep["settings"]
     assert s["lengths"] == [200, 300] and s["depths"] == [0.0, 1.0] and s["trials"] == 2
@@ -282,17 +377,56 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
         assert 0 <= lo <= r["accuracy"] <= hi <= 1
 
 
-def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(tiny_dir: Path, text_file: Path,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
-                    "--lengths", "300", "--depths", "0.5", "--policies", "sink", "--budgets", "160",
-                    "--max-new-tokens", "3", "--recall", "0,64"], capsys)
+def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(
+    tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rep = run_json(
+        [
+            "eval",
+            "needle",
+            "--haystack",
+            str(text_file.parent),
+            "--model",
+            str(tiny_dir),
+            "--lengths",
+            "300",
+            "--depths",
+            "0.5",
+            "--policies",
+            "sink",
+            "--budgets",
+            "160",
+            "--max-new-tokens",
+            "3",
+            "--recall",
+            "0,64",
+        ],
+        capsys,
+    )
     assert rep["settings"]["recalls"] == [0, 64]
     assert {(c["policy"], c["recall"]) for c in rep["results"]} == {("full", 0), ("sink", 0), ("sink", 64)}
     # the eviction-only answers come from the read that also archived: the same as a run without recall
-    alone = run_json(["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir),
-                      "--lengths", "300", "--depths", "0.5", "--policies", "sink", "--budgets", "160",
-                      "--max-new-tokens", "3"], capsys)
+    alone = run_json(
+        [
+            "eval",
+            "needle",
+            "--haystack",
+            str(text_file.parent),
+            "--model",
+            str(tiny_dir),
+            "--lengths",
+            "300",
+            "--depths",
+            "0.5",
+            "--policies",
+            "sink",
+            "--budgets",
+            "160",
+            "--max-new-tokens",
+            "3",
+        ],
+        capsys,
+    )
     shared = next(c for c in rep["results"] if c["policy"] == "sink" and c["recall"] == 0)
     plain = next(c for c in alone["results"] if c["policy"] == "sink")
     assert shared["answers"] == plain["answers"]
@@ -306,10 +440,31 @@ def test_wilson_interval_matches_the_formula() -> None:
 
 
 def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["eval", "needle", "--haystack", str(text_file), "--model", str(tiny_dir), "--lengths", "200",
-                 "--depths", "0.5", "--policies", "full", "--max-new-tokens", "2", "--needle",
-                 "The code word is zebra.", "--question", "What is the code word?", "--answer", "zebra",
-                 "--quiet"])
+    code = main(
+        [
+            "eval",
+            "needle",
+            "--haystack",
+            str(text_file),
+            "--model",
+            str(tiny_dir),
+            "--lengths",
+            "200",
+            "--depths",
+            "0.5",
+            "--policies",
+            "full",
+            "--max-new-tokens",
+            "2",
+            "--needle",
+            "The code word is zebra.",
+            "--question",
+            "What is the code word?",
+            "--answer",
+            "zebra",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "needle found-rate" in out.out and "length \\ depth" in out.out and out.err == ""
@@ -329,8 +484,9 @@ def test_cli_needle_table(tiny_dir: Path, text_file: Path, capsys: pytest.Captur
         (["attn-error", "--samples", "0"], "--samples"),
     ],
 )
-def test_usage_errors_before_model_load(argv: list[str], message: str, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_before_model_load(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # the model path does not exist: the option error must come first (validated before loading)
     code = main(["eval", *argv, "--model", str(tmp_path / "no-model"), "--quiet"])
     err = capsys.readouterr().err
@@ -338,15 +494,34 @@ def test_usage_errors_before_model_load(argv: list[str], message: str, tmp_path:
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_needle_resume_continues_without_recomputing(tiny_dir: Path, text_file: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_needle_resume_continues_without_recomputing(
+    tiny_dir: Path, text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import kvtool.eval.needle as needle_mod
 
     log = tmp_path / "needle.jsonl"
-    argv = ["eval", "needle", "--haystack", str(text_file), "--model", str(tiny_dir), "--lengths", "200",
-            "--depths", "0.5", "--policies", "sink", "--budgets", "160", "--max-new-tokens", "2", "--trials", "3",
-            "--resume", str(log)]
+    argv = [
+        "eval",
+        "needle",
+        "--haystack",
+        str(text_file),
+        "--model",
+        str(tiny_dir),
+        "--lengths",
+        "200",
+        "--depths",
+        "0.5",
+        "--policies",
+        "sink",
+        "--budgets",
+        "160",
+        "--max-new-tokens",
+        "2",
+        "--trials",
+        "3",
+        "--resume",
+        str(log),
+    ]
     calls: list[int] = []
     real_trial = needle_mod.needle_trial
 
@@ -407,15 +582,36 @@ def test_harder_needle_kinds_are_seeded_and_scored_by_their_rules(text_file: Pat
     assert [text[a:b] for a, b in spans] == [role.text, deed.text, other.text]
 
 
-def test_cli_agreement_json(tiny_dir: Path, text_file: Path, tmp_path: Path,
-                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_agreement_json(
+    tiny_dir: Path, text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     qfile = tmp_path / "q.txt"
     qfile.write_text("What is the story about?\n\nWho speaks first?\n", encoding="utf-8")
     doc = tmp_path / "doc.txt"
     doc.write_text(text_file.read_text(encoding="utf-8")[:1200], encoding="utf-8")
-    rep = run_json(["eval", "agreement", "--doc", str(doc), "--questions-file", str(qfile), "--model", str(tiny_dir),
-                    "--policies", "full,sink", "--budgets", "160,2k", "--max-new-tokens", "4", "--first-tokens", "3",
-                    "--block-size", "32"], capsys)
+    rep = run_json(
+        [
+            "eval",
+            "agreement",
+            "--doc",
+            str(doc),
+            "--questions-file",
+            str(qfile),
+            "--model",
+            str(tiny_dir),
+            "--policies",
+            "full,sink",
+            "--budgets",
+            "160,2k",
+            "--max-new-tokens",
+            "4",
+            "--first-tokens",
+            "3",
+            "--block-size",
+            "32",
+        ],
+        capsys,
+    )
     assert rep["task"] == "agreement" and rep["settings"]["questions"] == 2
     small, big = rep["results"]
     assert (small["policy"], small["budget"], big["budget"]) == ("sink", 160, 2048)
@@ -426,32 +622,57 @@ def test_cli_agreement_json(tiny_dir: Path, text_file: Path, tmp_path: Path,
     assert [a["dense"] for a in small["answers"]] == [r["answer"] for r in rep["reference"]]
 
 
-def test_cli_agreement_empty_questions_file_is_named(tiny_dir: Path, text_file: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_agreement_empty_questions_file_is_named(
+    tiny_dir: Path, text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n", encoding="utf-8")
-    code = main(["eval", "agreement", "--doc", str(text_file), "--questions-file", str(empty), "--model",
-                 str(tiny_dir), "--quiet"])
+    code = main(
+        [
+            "eval",
+            "agreement",
+            "--doc",
+            str(text_file),
+            "--questions-file",
+            str(empty),
+            "--model",
+            str(tiny_dir),
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and str(empty) in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize(("positions", "lengths", "recalls", "expected"), [
-    ("auto", [1024, 4096], [0, 256], False),  # inside the model's range: placement never acts
-    ("auto", [1024, 8192], [0, 256], True),  # 8K of haystack and the chat prefix pass it: the answers depend on it
-    ("auto", [32768], [0, 256], True),
-    ("auto", [32768], [0], False),  # nothing recalled
-    ("compact", [1024], [0, 256], True),  # compact from the first token
-    ("absolute", [32768], [0, 256], False),
-])
+@pytest.mark.parametrize(
+    ("positions", "lengths", "recalls", "expected"),
+    [
+        ("auto", [1024, 4096], [0, 256], False),  # inside the model's range: placement never acts
+        ("auto", [1024, 8192], [0, 256], True),  # 8K of haystack and the chat prefix pass it: the answers depend on it
+        ("auto", [32768], [0, 256], True),
+        ("auto", [32768], [0], False),  # nothing recalled
+        ("compact", [1024], [0, 256], True),  # compact from the first token
+        ("absolute", [32768], [0, 256], False),
+    ],
+)
 def test_recall_placement_enters_a_needle_fingerprint_only_where_it_can_act(
-        positions: str, lengths: list[int], recalls: list[int], expected: bool) -> None:
+    positions: str, lengths: list[int], recalls: list[int], expected: bool
+) -> None:
     from kvtool.eval.needle import NeedleTask
 
     def fingerprint_settings(placement: str) -> dict:
         grid = make_grid("h2o", "256", recall_placement=placement, positions=positions)
-        task = NeedleTask(grid=grid, haystack_path=Path("hay"), haystack="", lengths=lengths, depths=[0.5],
-                          trials=1, needle=None, max_new_tokens=4, recalls=recalls)
+        task = NeedleTask(
+            grid=grid,
+            haystack_path=Path("hay"),
+            haystack="",
+            lengths=lengths,
+            depths=[0.5],
+            trials=1,
+            needle=None,
+            max_new_tokens=4,
+            recalls=recalls,
+        )
         return task.settings(max_positions=8192)
 
     relevance, document = fingerprint_settings("relevance"), fingerprint_settings("document")
@@ -460,8 +681,7 @@ def test_recall_placement_enters_a_needle_fingerprint_only_where_it_can_act(
     assert (relevance == document) is not expected  # logs resume across placements only where it cannot act
 
 
-def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_past_the_range(
-        tmp_path: Path) -> None:
+def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_past_the_range(tmp_path: Path) -> None:
     from kvtool.eval.agreement import PROMPT_MARGIN, AgreementTask, document_tokens
 
     doc = tmp_path / "doc.txt"
@@ -483,6 +703,7 @@ def test_model_range_reads_the_text_models_range() -> None:
 
     plain = SimpleNamespace(model=SimpleNamespace(config=transformers.LlamaConfig(max_position_embeddings=8192)))
     assert model_range(plain) == 8192
-    multimodal = SimpleNamespace(model=SimpleNamespace(config=transformers.Gemma3Config(
-        text_config={"max_position_embeddings": 4096})))
+    multimodal = SimpleNamespace(
+        model=SimpleNamespace(config=transformers.Gemma3Config(text_config={"max_position_embeddings": 4096}))
+    )
     assert model_range(multimodal) == 4096

@@ -127,12 +127,14 @@ def test_best_in_group_compares_rows_within_their_budget() -> None:
 def test_needle_summary_marks_significance_per_budget_and_against_full() -> None:
     from kvtool.eval.needle import summarize
 
-    cells = [{"policy": "full", "budget": None, "correct": 30, "trials": 30},
-             {"policy": "sink", "budget": 256, "correct": 10, "trials": 30},
-             {"policy": "h2o", "budget": 256, "correct": 5, "trials": 30},
-             {"policy": "tova", "budget": 256, "correct": 0, "trials": 30},
-             {"policy": "tova", "budget": 256, "recall": 256, "correct": 28, "trials": 30},
-             {"policy": "sink", "budget": 256, "recall": 256, "correct": 12, "trials": 30}]
+    cells = [
+        {"policy": "full", "budget": None, "correct": 30, "trials": 30},
+        {"policy": "sink", "budget": 256, "correct": 10, "trials": 30},
+        {"policy": "h2o", "budget": 256, "correct": 5, "trials": 30},
+        {"policy": "tova", "budget": 256, "correct": 0, "trials": 30},
+        {"policy": "tova", "budget": 256, "recall": 256, "correct": 28, "trials": 30},
+        {"policy": "sink", "budget": 256, "recall": 256, "correct": 12, "trials": 30},
+    ]
     summary = summarize(cells)
     recalled = {r["policy"]: r for r in summary if r["recall"]}
     rows = {r["policy"]: r for r in summary if not r["recall"]}

@@ -24,8 +24,16 @@ ANSWER = "Irene Adler is the woman."
 
 
 def _prefill(done: int) -> PrefillProgress:
-    return PrefillProgress(tokens_done=done, tokens_total=1000, seconds=0.1 * done / 100, cache_min=10,
-                           cache_mean=10.0, cache_max=10, evicted_total=0, memory=MemorySample(1, 1))
+    return PrefillProgress(
+        tokens_done=done,
+        tokens_total=1000,
+        seconds=0.1 * done / 100,
+        cache_min=10,
+        cache_mean=10.0,
+        cache_max=10,
+        evicted_total=0,
+        memory=MemorySample(1, 1),
+    )
 
 
 def _terminal() -> tuple[Console, io.StringIO]:
@@ -57,7 +65,7 @@ def test_live_view_stops_before_the_answer_streams_and_the_answer_stays_whole() 
             dash(DecodeProgress(tokens=i + 1, seconds=0.01 * (i + 1)))
             time.sleep(0.005)
         screen.write("\n")
-    after = screen.getvalue()[len(before):]
+    after = screen.getvalue()[len(before) :]
     assert after.startswith(ANSWER + "\n")  # intact, in order, no cursor movement or erase inside it
     assert "prefill" not in after and after.count("done ·") == 0  # no frame redrawn after the answer
     assert "decode: 25 tokens" in after  # the rate comes as a plain line after the answer
@@ -100,8 +108,10 @@ def test_session_announces_decoding_before_the_first_token_is_written(model_dir,
         screen.write(piece)
 
     with dash:
-        s = Session(resolve_settings(None, {"model": model_dir, "budget": "160", "block_size": 32,
-                                            "max_new_tokens": 6}), listener=dash)
+        s = Session(
+            resolve_settings(None, {"model": model_dir, "budget": "160", "block_size": 32, "max_new_tokens": 6}),
+            listener=dash,
+        )
         doc = tmp_path / "doc.txt"
         doc.write_text("the cache is small and the pass key is 12345 hello world. " * 20, encoding="utf-8")
         read = s.read(open_document(str(doc)))
@@ -110,7 +120,7 @@ def test_session_announces_decoding_before_the_first_token_is_written(model_dir,
     assert live_at_write and not any(live_at_write)
     answer = "".join(pieces)
     assert answer.strip() == ans.answer
-    assert screen.getvalue()[first[0]:].startswith(answer)  # nothing drawn inside the answer
+    assert screen.getvalue()[first[0] :].startswith(answer)  # nothing drawn inside the answer
 
 
 # -- 2. progress for the slow steps outside prefill ----------------------------------------------------------------
@@ -169,8 +179,7 @@ def test_kvc_save_and_load_report_bytes_in_order(model_dir, tmp_path) -> None:
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    settings = {"model": model_dir, "policy": "h2o", "budget": "160", "block_size": 32, "device": "cpu",
-                "recall": "64"}
+    settings = {"model": model_dir, "policy": "h2o", "budget": "160", "block_size": 32, "device": "cpu", "recall": "64"}
     events: list[PhaseProgress] = []
 
     def listen(e: object) -> None:

@@ -200,8 +200,12 @@ def test_softcapping_matters_in_the_gemma2_test_model():
 
 def test_layer_kinds_for_memory_plans():
     gemma3 = tiny_family("gemma3").config
-    assert layer_kinds(gemma3, 40) == {"global_layers": 1, "sliding_layers": 2, "sliding_window": FAMILY_WINDOW,
-                                       "sliding_capacity": FAMILY_WINDOW - 1}
+    assert layer_kinds(gemma3, 40) == {
+        "global_layers": 1,
+        "sliding_layers": 2,
+        "sliding_window": FAMILY_WINDOW,
+        "sliding_capacity": FAMILY_WINDOW - 1,
+    }
     assert layer_kinds(gemma3, 10)["sliding_capacity"] == 10
     assert layer_kinds(tiny_family("llama3").config, 40)["sliding_layers"] == 0
 
@@ -209,9 +213,19 @@ def test_layer_kinds_for_memory_plans():
 def test_attention_sink_logits_are_refused_with_one_line():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=16, max_position_embeddings=256)
+    cfg = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=16,
+        max_position_embeddings=256,
+    )
     model = GptOssForCausalLM(cfg).eval()
     with pytest.raises(UsageError, match="attention-sink logits") as err:
         make_engine(model, "sink", 64)
@@ -237,6 +251,7 @@ def test_chunked_and_bidirectional_attention_are_refused():
 
 # -- the command line: memory plans and stats split by layer kind; refusals are one line, exit 2 -------------------
 
+
 def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     import json
 
@@ -248,8 +263,27 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     doc = tmp_path / "doc.txt"
     doc.write_text("the cache is small and the pass key is 12345 hello world " * 30, encoding="utf-8")
     # 3 layers (2 sliding, window 24) x 2 KV heads x 16 dims x K+V x 4 bytes = 256 bytes per token and layer
-    code = main(["profile", "--model", str(model_dir), "--budget", "24KiB", "--block-size", "16", "--device", "cpu",
-                 "--policy", "h2o", "--recall", "off", "--doc", str(doc), "--json", "--quiet"])
+    code = main(
+        [
+            "profile",
+            "--model",
+            str(model_dir),
+            "--budget",
+            "24KiB",
+            "--block-size",
+            "16",
+            "--device",
+            "cpu",
+            "--policy",
+            "h2o",
+            "--recall",
+            "off",
+            "--doc",
+            str(doc),
+            "--json",
+            "--quiet",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     p = json.loads(out)
@@ -261,16 +295,46 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     assert kinds["global"]["promised"] + kinds["sliding"]["promised"] <= 24 * 1024  # the byte budget holds
     assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]  # formula == real buffers
     assert f"slide over a {FAMILY_WINDOW}-token window" in p["budget_conversion"]
-    code = main(["profile", "--model", str(model_dir), "--budget", "120", "--block-size", "16", "--device", "cpu",
-                 "--recall", "24", "--json", "--quiet"])
+    code = main(
+        [
+            "profile",
+            "--model",
+            str(model_dir),
+            "--budget",
+            "120",
+            "--block-size",
+            "16",
+            "--device",
+            "cpu",
+            "--recall",
+            "24",
+            "--json",
+            "--quiet",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     # the global layer's slots only, as the ask below: K+V (256 bytes a token) and h2o's one float32 of state per
     # KV head (2 heads), none in the sliding layers
     assert json.loads(out)["recall_slots_bytes"] == 24 * (256 + 2 * 4)
 
-    code = main(["ask", str(doc), "what is the pass key?", "--model", str(model_dir), "--budget", "120",
-                 "--block-size", "16", "--max-new-tokens", "3", "--json", "--quiet"])
+    code = main(
+        [
+            "ask",
+            str(doc),
+            "what is the pass key?",
+            "--model",
+            str(model_dir),
+            "--budget",
+            "120",
+            "--block-size",
+            "16",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "--quiet",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     stats = json.loads(out)["stats"]
@@ -287,9 +351,19 @@ def test_cli_refuses_attention_sink_models_in_one_line(tmp_path, capsys):
     from tests.helpers import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    cfg = GptOssConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=16, max_position_embeddings=256)
+    cfg = GptOssConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=16,
+        max_position_embeddings=256,
+    )
     GptOssForCausalLM(cfg).save_pretrained(str(tmp_path / "oss"))
     tok.save_pretrained(str(tmp_path / "oss"))
     doc = tmp_path / "doc.txt"
@@ -302,11 +376,14 @@ def test_cli_refuses_attention_sink_models_in_one_line(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize(("rope", "positions"), [
-    ({"rope_type": "linear", "factor": 4.0}, "compact"),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "compact"),
-    ({"rope_type": "dynamic", "factor": 2.0}, "absolute"),  # length-dependent: absolute positions only
-])
+@pytest.mark.parametrize(
+    ("rope", "positions"),
+    [
+        ({"rope_type": "linear", "factor": 4.0}, "compact"),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "compact"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "absolute"),  # length-dependent: absolute positions only
+    ],
+)
 def test_rope_scaling_variants_reproduce_transformers_logits(rope, positions):
     from tests.helpers import tiny_llama
 

@@ -72,8 +72,9 @@ def _raw_header(src: Path, dst: Path, header: bytes) -> Path:
 
 
 def _nested(src: Path, dst: Path) -> Path:
-    return _raw_header(src, dst, b'{"__metadata__":{"format":"kvtool-kvc","x":' + b"[" * 200_000 + b"]" * 200_000
-                       + b"}}")
+    return _raw_header(
+        src, dst, b'{"__metadata__":{"format":"kvtool-kvc","x":' + b"[" * 200_000 + b"]" * 200_000 + b"}}"
+    )
 
 
 def _set(section: str, key: str | None, value):
@@ -82,6 +83,7 @@ def _set(section: str, key: str | None, value):
             meta[section] = value
         else:
             meta[section][key] = value
+
     return edit
 
 
@@ -120,42 +122,102 @@ def _bad_profile(root: Path) -> Path:
 CASES = [
     ("missing file", lambda e, t: ["ask", t / "missing.txt", "q"], ["no such file"]),
     ("spec +caote", lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "+caote"], ["empty component"]),
-    ("spec snapkv++caote", lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "snapkv++caote"],
-     ["empty component"]),
-    ("spec duplicate modifier", lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "tova+caote+caote"],
-     ["'caote' appears twice"]),
-    ("spec two bases", lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "snapkv+snapkv"],
-     ["one base per policy"]),
+    (
+        "spec snapkv++caote",
+        lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "snapkv++caote"],
+        ["empty component"],
+    ),
+    (
+        "spec duplicate modifier",
+        lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "tova+caote+caote"],
+        ["'caote' appears twice"],
+    ),
+    (
+        "spec two bases",
+        lambda e, t: ["ask", e.doc, "q", "--model", e.model, "--policy", "snapkv+snapkv"],
+        ["one base per policy"],
+    ),
     ("pickle checkpoint", lambda e, t: ["ask", e.doc, "q", "--model", _pickle_dir(t)], ["pytorch_model.bin", "pickle"]),
-    ("garbage config.json", lambda e, t: ["ask", e.doc, "q", "--model", _garbage_config(t)],
-     ["config.json is not a valid JSON config"]),
-    ("empty questions file", lambda e, t: ["ask", e.doc, "--questions-file", _empty_questions(t), "--model", e.model],
-     ["empty-questions.txt has no questions"]),
-    ("profile unknown keys", lambda e, t: ["ask", e.doc, "q", "--profile", _bad_profile(t), "--model", e.model],
-     ["'budgett'", "'blok_size'"]),
-    ("kvc nested header (ask)", lambda e, t: ["ask", _nested(e.kvc, t / "n.kvc"), "q", "--model", e.model],
-     ["corrupted"]),
+    (
+        "garbage config.json",
+        lambda e, t: ["ask", e.doc, "q", "--model", _garbage_config(t)],
+        ["config.json is not a valid JSON config"],
+    ),
+    (
+        "empty questions file",
+        lambda e, t: ["ask", e.doc, "--questions-file", _empty_questions(t), "--model", e.model],
+        ["empty-questions.txt has no questions"],
+    ),
+    (
+        "profile unknown keys",
+        lambda e, t: ["ask", e.doc, "q", "--profile", _bad_profile(t), "--model", e.model],
+        ["'budgett'", "'blok_size'"],
+    ),
+    (
+        "kvc nested header (ask)",
+        lambda e, t: ["ask", _nested(e.kvc, t / "n.kvc"), "q", "--model", e.model],
+        ["corrupted"],
+    ),
     ("kvc nested header (inspect)", lambda e, t: ["inspect", _nested(e.kvc, t / "n.kvc")], ["corrupted"]),
-    ("kvc layout 5 (inspect)", lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "l.kvc", _set("layout", None, 5))],
-     ["corrupted", "layout"]),
-    ("kvc settings 'x' (inspect)",
-     lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "s.kvc", _set("settings", None, "x"))], ["corrupted"]),
-    ("kvc settings 'x' (ask)",
-     lambda e, t: ["ask", _rewrite_meta(e.kvc, t / "s.kvc", _set("settings", None, "x")), "q", "--model", e.model],
-     ["corrupted"]),
-    ("kvc budget edited, checksum stale",
-     lambda e, t: ["ask", _rewrite_meta(e.kvc, t / "b.kvc", _set("settings", "budget_tokens", 3_000_000),
-                                        rehash=False), "q", "--model", e.model], ["metadata does not match"]),
-    ("kvc absurd budget",
-     lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "a.kvc", _set("settings", "block_size", 10**20))],
-     ["corrupted", "settings.block_size"]),
-    ("kvc layout vs tensor shapes",
-     lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "m.kvc", _layout_length)], ["corrupted", "tensors are"]),
-    ("kvc seen vs document length",
-     lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "d.kvc", _set("document", "tokens", 5))], ["corrupted", "seen"]),
-    ("question cannot be pinned", lambda e, t: ["ask", e.doc, " ".join(["the king"] * 20), "--model", e.model,
-                                                "--policy", "h2o", "--budget", "40", "--max-new-tokens", "30", "-q"],
-     ["does not fit the budget", "raise --budget to at least"]),
+    (
+        "kvc layout 5 (inspect)",
+        lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "l.kvc", _set("layout", None, 5))],
+        ["corrupted", "layout"],
+    ),
+    (
+        "kvc settings 'x' (inspect)",
+        lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "s.kvc", _set("settings", None, "x"))],
+        ["corrupted"],
+    ),
+    (
+        "kvc settings 'x' (ask)",
+        lambda e, t: ["ask", _rewrite_meta(e.kvc, t / "s.kvc", _set("settings", None, "x")), "q", "--model", e.model],
+        ["corrupted"],
+    ),
+    (
+        "kvc budget edited, checksum stale",
+        lambda e, t: [
+            "ask",
+            _rewrite_meta(e.kvc, t / "b.kvc", _set("settings", "budget_tokens", 3_000_000), rehash=False),
+            "q",
+            "--model",
+            e.model,
+        ],
+        ["metadata does not match"],
+    ),
+    (
+        "kvc absurd budget",
+        lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "a.kvc", _set("settings", "block_size", 10**20))],
+        ["corrupted", "settings.block_size"],
+    ),
+    (
+        "kvc layout vs tensor shapes",
+        lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "m.kvc", _layout_length)],
+        ["corrupted", "tensors are"],
+    ),
+    (
+        "kvc seen vs document length",
+        lambda e, t: ["inspect", _rewrite_meta(e.kvc, t / "d.kvc", _set("document", "tokens", 5))],
+        ["corrupted", "seen"],
+    ),
+    (
+        "question cannot be pinned",
+        lambda e, t: [
+            "ask",
+            e.doc,
+            " ".join(["the king"] * 20),
+            "--model",
+            e.model,
+            "--policy",
+            "h2o",
+            "--budget",
+            "40",
+            "--max-new-tokens",
+            "30",
+            "-q",
+        ],
+        ["does not fit the budget", "raise --budget to at least"],
+    ),
 ]
 
 
@@ -243,8 +305,9 @@ def test_fifo_says_it_waits_and_reads_like_stdin(env, tmp_path, capsys):
 
     t = threading.Thread(target=writer)
     t.start()
-    rc = main(["ask", str(fifo), "q", "--model", env.model, "--device", "cpu", "--budget", "200",
-               "--max-new-tokens", "4"])
+    rc = main(
+        ["ask", str(fifo), "q", "--model", env.model, "--device", "cpu", "--budget", "200", "--max-new-tokens", "4"]
+    )
     t.join(timeout=10)
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -252,8 +315,10 @@ def test_fifo_says_it_waits_and_reads_like_stdin(env, tmp_path, capsys):
 
 
 def test_errors_that_need_no_model_do_not_import_torch(tmp_path):
-    code = ("import sys; from kvtool.cli.app import main; rc = main(['ask', 'missing.txt', 'q']); "
-            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys; from kvtool.cli.app import main; rc = main(['ask', 'missing.txt', 'q']); "
+        "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr
@@ -263,8 +328,9 @@ def test_errors_that_need_no_model_do_not_import_torch(tmp_path):
 # -- huge budgets and blocks ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("flags", [["--budget", "999999999999"], ["--budget", "1m"], ["--block-size", "999999999999"]])
 def test_huge_budget_or_block_allocates_what_the_document_needs(env, capsys, flags):
-    rc = main(["ask", str(env.doc), "q", "--model", env.model, "--device", "cpu", "--max-new-tokens", "4", "-q",
-               *flags])
+    rc = main(
+        ["ask", str(env.doc), "q", "--model", env.model, "--device", "cpu", "--max-new-tokens", "4", "-q", *flags]
+    )
     assert rc == 0, capsys.readouterr().err
 
 
@@ -314,11 +380,14 @@ def test_question_is_never_evicted_while_a_long_answer_is_generated(policy):
 
 
 # -- each policy's own protected window ----------------------------------------------------------------------------
-@pytest.mark.parametrize(("policy", "options", "window"), [
-    ("h2o", None, 20),  # half of the 40-token budget
-    ("snapkv", {"window": "12"}, 12),  # the observation window
-    ("scissorhands", {"local": "10"}, 10),  # the local window
-])
+@pytest.mark.parametrize(
+    ("policy", "options", "window"),
+    [
+        ("h2o", None, 20),  # half of the 40-token budget
+        ("snapkv", {"window": "12"}, 12),  # the observation window
+        ("scissorhands", {"local": "10"}, 10),  # the local window
+    ],
+)
 def test_each_policy_keeps_its_own_window(policy, options, window):
     model = tiny_llama()
     engine = make_engine(model, policy, 40, block_size=4, sinks=0, recent=0, options=options)
@@ -358,7 +427,7 @@ def test_decode_after_eviction_equals_masking_reference(monkeypatch, policy):
         tok = int(step[-1].argmax())
     assert cache.counters.evicted_tokens > 0
     ref = masking_reference_logits(model, torch.tensor(seq), visibility)
-    torch.testing.assert_close(torch.stack(got), ref[len(ids):], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(got), ref[len(ids) :], atol=2e-5, rtol=1e-4)
 
 
 # -- small correctness fixes (case 14) ------------------------------------------------------------------------------
@@ -368,9 +437,15 @@ def test_compensation_sums_the_dropped_tokens_without_cancellation():
     from kvtool.policies import build_policy
 
     env = PolicyEnv(num_layers=1, num_kv_heads=2, num_attention_heads=2, head_dim=4, budget=62)
-    g = HeadGroup(GroupSpec(heads=[0, 1], capacity=62, policy=build_policy("sink", {}, env), compensation=True),
-                  num_kv_heads=2, q_per_kv=1, head_dim=4, block_size=64, dtype=torch.float32,
-                  device=torch.device("cpu"))
+    g = HeadGroup(
+        GroupSpec(heads=[0, 1], capacity=62, policy=build_policy("sink", {}, env), compensation=True),
+        num_kv_heads=2,
+        q_per_kv=1,
+        head_dim=4,
+        block_size=64,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     gen = torch.Generator().manual_seed(7)
     keys = 1e6 + torch.rand(1, 2, 64, 4, generator=gen) * 100  # large common offset: "all − kept" cancels
     values = -1e6 + torch.rand(1, 2, 64, 4, generator=gen) * 100
@@ -403,11 +478,13 @@ def test_any_metadata_value_is_corrupted_or_fine_never_an_internal_error(env, tm
     meta = json.loads(__import__("safetensors").safe_open(str(env.kvc), "pt").metadata()["kvtool"])
     paths = [(k,) for k in meta] + [(k, kk) for k, v in meta.items() if isinstance(v, dict) for kk in v]
     for path in paths:
+
         def edit(m, path=path):
             d = m
             for key in path[:-1]:
                 d = d[key]
             d[path[-1]] = value
+
         f = _rewrite_meta(env.kvc, tmp_path / "z.kvc", edit)
         rc = main(["inspect", str(f)])
         err = capsys.readouterr().err

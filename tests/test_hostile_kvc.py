@@ -96,8 +96,9 @@ def copy_pair(env, tmp_path: Path, name: str = "c.kvc") -> tuple[Path, Path]:
 
 
 def ask(env, capsys, kvc: Path, *extra) -> tuple[int, dict | None, str]:
-    rc, out, err = cli(capsys, "ask", kvc, "what is the castle", "--model", env.model, "--max-new-tokens", "4",
-                       "--json", *extra)
+    rc, out, err = cli(
+        capsys, "ask", kvc, "what is the castle", "--model", env.model, "--max-new-tokens", "4", "--json", *extra
+    )
     return rc, (json.loads(out) if rc == 0 and out.strip() else None), err
 
 
@@ -180,8 +181,12 @@ def test_archive_that_is_a_fifo_does_not_hang(env, tmp_path, capsys):
     kvc, arch = copy_pair(env, tmp_path)
     arch.unlink()
     os.mkfifo(arch)
-    session = Session(resolve_settings(None, {"model": env.model, "policy": "h2o", "budget": "40", "block_size": 16,
-                                              "device": "cpu", "recall": "64"}))
+    session = Session(
+        resolve_settings(
+            None,
+            {"model": env.model, "policy": "h2o", "budget": "40", "block_size": 16, "device": "cpu", "recall": "64"},
+        )
+    )
     done: list[object] = []
     worker = threading.Thread(target=lambda: done.append(store.load_cache(kvc, session)), daemon=True)
     worker.start()
@@ -201,8 +206,7 @@ def test_concurrent_prefills_to_one_output_keep_the_pair_together(env, tmp_path,
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    settings = {"model": env.model, "policy": "h2o", "budget": "40", "block_size": 16, "device": "cpu",
-                "recall": "64"}
+    settings = {"model": env.model, "policy": "h2o", "budget": "40", "block_size": 16, "device": "cpu", "recall": "64"}
     reads = []
     for doc in env.docs:  # two documents: two different archives
         s = Session(resolve_settings(None, settings))
@@ -280,8 +284,12 @@ def test_replacing_a_cache_removes_its_old_archive_only(env, tmp_path, capsys):
 # -- d. leftovers of a kill -9 are cleaned by the next write into the directory -----------------------------------
 def test_stale_temporaries_and_orphan_archives_are_cleaned(env, tmp_path, capsys):
     old = time.time() - 2 * 3600
-    stale = [".out.kvc.kvtool-abcd1234.tmp", ".out.kvc.0123456789abcdef.archive.kvtool-wxyz9876.tmp",
-             "out.kvc.0123456789abcdef.archive", "gone.kvc.fedcba9876543210.archive"]
+    stale = [
+        ".out.kvc.kvtool-abcd1234.tmp",
+        ".out.kvc.0123456789abcdef.archive.kvtool-wxyz9876.tmp",
+        "out.kvc.0123456789abcdef.archive",
+        "gone.kvc.fedcba9876543210.archive",
+    ]
     keep = [".young.kvc.kvtool-abcd1234.tmp", ".notes.txt.12345678.tmp", "mine.txt", "out.kvc.archive"]
     for name in stale + keep:
         (tmp_path / name).write_bytes(b"left behind")
@@ -308,8 +316,18 @@ def test_metadata_without_its_checksum_is_refused(env, tmp_path, capsys):
 
 
 # -- f. invalid archive settings: a warning, never a crash -----------------------------------------------------------
-@pytest.mark.parametrize("edit", [{"page_size": 0}, {"page_size": -3}, {"page_size": "32"}, {"page_size": 2**40},
-                                  {"dtype": "int4"}, {"file": 7}, {"recall": 2**40}])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"page_size": 0},
+        {"page_size": -3},
+        {"page_size": "32"},
+        {"page_size": 2**40},
+        {"dtype": "int4"},
+        {"file": 7},
+        {"recall": 2**40},
+    ],
+)
 def test_invalid_archive_settings_answer_without_recall(env, tmp_path, capsys, edit):
     kvc, _ = copy_pair(env, tmp_path)
     bad = rewrite(kvc, tmp_path / "bad.kvc", lambda m: m["archive"].update(edit))
@@ -330,8 +348,20 @@ def test_failed_archive_load_detaches_and_answers_keep_evicting(env, tmp_path, c
     from kvtool.runtime.session import Session
     from kvtool.runtime.settings import resolve_settings
 
-    session = Session(resolve_settings(None, {"model": env.model, "policy": "h2o", "budget": "40", "block_size": 16,
-                                              "device": "cpu", "recall": "64", "max_new_tokens": 4}))
+    session = Session(
+        resolve_settings(
+            None,
+            {
+                "model": env.model,
+                "policy": "h2o",
+                "budget": "40",
+                "block_size": 16,
+                "device": "cpu",
+                "recall": "64",
+                "max_new_tokens": 4,
+            },
+        )
+    )
     read = store.load_cache(kvc, session)
     assert all(g.archive is None for g in read.cache.groups())  # detached, not closed and left attached
     answer = session.ask(read, "castle")
@@ -402,7 +432,7 @@ def test_archive_save_and_load_stream_in_chunks(tmp_path, monkeypatch):
     assert info is not None and 0 < max(s.most_read for s in saved[::FILES_PER_GROUP]) <= chunk_rows  # key parts
     loaded = with_archive()
     loaded.load(*cache.snapshot())  # the kept tokens and counters, as load_into restores them before the archive
-    fresh = counting[len(saved):]
+    fresh = counting[len(saved) :]
     assert kvc_archive.load_archive(str(tmp_path / "c.kvc"), {"archive": info}, loaded) is None
     assert 0 < max(s.most_appended for s in fresh[::FILES_PER_GROUP]) <= chunk_rows
     for ga, gb in zip(cache.groups(), loaded.groups(), strict=True):  # the oracle: an exact round trip
@@ -414,8 +444,26 @@ def test_archive_save_and_load_stream_in_chunks(tmp_path, monkeypatch):
 # -- i. a .kvc remembers its archive settings -----------------------------------------------------------------------
 def test_kvc_archive_settings_are_the_defaults_when_asking(env, tmp_path, capsys):
     out = tmp_path / "b.kvc"
-    assert cli(capsys, "prefill", env.docs[0], "-o", out, "--model", env.model, *KV, "--recall", "64",
-               "--archive-dtype", "int8", "--recall-page", "16", "-q")[0] == 0
+    assert (
+        cli(
+            capsys,
+            "prefill",
+            env.docs[0],
+            "-o",
+            out,
+            "--model",
+            env.model,
+            *KV,
+            "--recall",
+            "64",
+            "--archive-dtype",
+            "int8",
+            "--recall-page",
+            "16",
+            "-q",
+        )[0]
+        == 0
+    )
     for extra in ((), ("--recall", "64")):
         rc, data, err = ask(env, capsys, out, *extra)
         assert rc == 0 and "without recall" not in err, err

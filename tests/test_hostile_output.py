@@ -50,8 +50,9 @@ def test_printable_shows_bidi_and_separator_characters(char):
 
 
 def test_citations_show_a_headings_bidi_override_escaped(env, capsys):
-    rc, out, err = run(capsys, "ask", env.doc, "What is small?", "--cite", "--model", env.model, *READ,
-                       "--max-new-tokens", "4", "-q")
+    rc, out, err = run(
+        capsys, "ask", env.doc, "What is small?", "--cite", "--model", env.model, *READ, "--max-new-tokens", "4", "-q"
+    )
     assert rc == 0, err
     cited = [line for line in out.splitlines() if line.startswith("  ")]
     assert cited and all(RLO not in line for line in cited) and any("\\u202e" in line for line in cited), out
@@ -104,12 +105,15 @@ def _with_version(src, dst, version, writer=None):
     return dst
 
 
-@pytest.mark.parametrize("version, writer", [
-    ("9" * 4000, None),  # a number of 4,000 digits: an unknown version, shown by its start
-    ("x" * 5000, None),
-    ([["nested"] * 1000] * 10, None),
-    ("99", "v" * 5000),
-])
+@pytest.mark.parametrize(
+    "version, writer",
+    [
+        ("9" * 4000, None),  # a number of 4,000 digits: an unknown version, shown by its start
+        ("x" * 5000, None),
+        ([["nested"] * 1000] * 10, None),
+        ("99", "v" * 5000),
+    ],
+)
 def test_a_long_value_in_a_kvc_gives_a_short_error_line(env, tmp_path, capsys, version, writer):
     kvc = _with_version(env.kvc, tmp_path / "v.kvc", version, writer)
     rc, out, err = run(capsys, "inspect", kvc)
@@ -129,3 +133,162 @@ def test_any_long_message_is_capped_at_the_cli(capsys, monkeypatch):
     rc, out, err = run(capsys, "inspect", __file__)
     assert rc == 2 and err.count("\n") == 1 and len(err) <= len("kvtool: error: ") + error_lines.MAX_ERROR_CHARS + 1
     assert err.rstrip().endswith("…")
+
+
+# -- every string printed: JSON escapes controls too, rich never reads a name as markup -------------------------------
+#: what a terminal obeys or reorders: ESC (C0), U+009B (an 8-bit CSI, C1), DEL, the bidi overrides and isolates, the
+#: marks and the separators; in a file name they must reach stdout escaped, and come back from the JSON unchanged
+HOSTILE_NAME_CHARS = "\x1b\x9b\x85\x7f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028"
+OBEYED = set(HOSTILE_NAME_CHARS) | {chr(c) for c in range(0x80, 0xA0)}
+
+
+def test_json_records_of_many_documents_escape_every_control_and_round_trip(env, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    names = [f"a{HOSTILE_NAME_CHARS}.txt", "b\x9b31mred.txt", f"report{RLO}txt.md"]
+    for name in names:
+        (docs / name).write_text("the cache is small and the river is long. " * 30, encoding="utf-8")
+    log = tmp_path / "log.jsonl"
+    for out_file in (None, log):
+        args = ["ask", docs, "--question", "What is small?", "--model", env.model, *READ, "--max-new-tokens", "2", "-q"]
+        rc, out, err = run(capsys, *args, *(["-o", out_file] if out_file else []))
+        text = out if out_file is None else log.read_text(encoding="utf-8")
+        assert rc == 0, err
+        assert not OBEYED & set(text), [c for c in text if c in OBEYED]
+        paths = sorted(json.loads(line)["path"] for line in text.splitlines())
+        assert paths == sorted(str(docs / n) for n in names)  # the escapes read back to the names themselves
+
+
+def test_emit_json_escapes_controls_and_reads_back_the_same(capsys):
+    from kvtool.cli.output import emit_json
+
+    value = {"path": f"x{HOSTILE_NAME_CHARS}y\udcff", "answer": "\x1b]0;pwned\x07 é 中"}
+    emit_json(value)
+    out = capsys.readouterr().out
+    assert out.isascii() or not OBEYED & set(out)
+    assert "\\u009b" in out and "\\u202e" in out and json.loads(out) == value
+    out.encode("utf-8")  # a path's undecodable byte (a lone surrogate) is an escape too, never unencodable text
+
+
+def test_an_answer_streamed_as_text_shows_its_controls(capsys):
+    from kvtool.cli.output import write_text
+
+    write_text("line one\n\x1b[2Jcleared\x9b31m\u202etxt.exe\tend")
+    out = capsys.readouterr().out
+    assert not OBEYED & set(out) and "\\x1b[2J" in out and "\\u202e" in out and "\n" in out and "\t" in out
+
+
+MARKUP_NAMES = ["a[/]b.txt", "[bold]x[/bold].txt", "[link=file:///etc]y[/link].md", "[/red]\x1b[2J\u202e.txt"]
+
+
+@pytest.mark.parametrize("name", MARKUP_NAMES)
+def test_a_file_name_with_markup_draws_in_the_live_view_of_many_documents(name):
+    import io
+
+    from rich.console import Console
+
+    from kvtool.cli.many_view import ManyView
+    from kvtool.runtime.many import DocumentFinished, DocumentStarted, RunStarted
+
+    console = Console(file=io.StringIO(), record=True, width=200, force_terminal=True)
+    with ManyView("live", console) as view:
+        view(RunStarted(total=2, complete=0))
+        view(DocumentStarted(name))
+        view._progress.refresh()  # what the refresh thread does: it raised MarkupError for "[/]"
+        drawn = console.export_text()  # the bar names the document in flight as it is ("[bold]" not eaten)
+        view(DocumentFinished(name, seconds=0.5, records=1, tokens=64))
+    assert printable(name, one_line=True) in drawn and "\x1b[2J" not in drawn and RLO not in drawn
+
+
+@pytest.mark.parametrize("name", MARKUP_NAMES)
+def test_a_model_or_step_name_with_markup_draws_in_the_dashboard_and_the_plan(name):
+    import io
+
+    from rich.console import Console
+
+    from kvtool.cli.dashboard import Dashboard
+    from kvtool.cli.plan_view import render_plan
+    from kvtool.runtime.events import PhaseProgress
+
+    console = Console(file=io.StringIO(), record=True, width=200, force_terminal=True)
+    dash = Dashboard("live", console)
+    dash(PhaseProgress(f"loading {name}", 0, 1))
+    console.print(dash.render())
+    assert printable(f"loading {name}", one_line=True) in console.export_text()
+    from kvtool.runtime import profiling
+    from kvtool.runtime.settings import Settings
+
+    info = profiling.ModelInfo(
+        name=name,
+        dims={
+            "num_layers": 2,
+            "num_kv_heads": 2,
+            "num_attention_heads": 4,
+            "head_dim": 16,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        },
+        num_params=1000,
+        dtype="float32",
+        device="cpu",
+        quantize="none",
+        policy="h2o",
+        rows=16,
+        n_fields=1,
+        budget_tokens=64,
+        resolved=True,
+    )
+    render_plan(profiling.plan(info, Settings(budget="64"), runtime_baseline=0), console)
+    shown = console.export_text()
+    assert printable(name) in shown and "\x1b[2J" not in shown and RLO not in shown
+
+
+def test_a_run_over_a_file_named_with_markup_on_a_terminal_draws_its_live_view(env, tmp_path):
+    """The whole path on a real terminal (a pseudo-terminal on stderr): the live view's refresh thread used to die
+    of a MarkupError traceback for a file named "[/]" while the run went on to exit 0."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    docs = tmp_path / "docs"
+    (docs / "a[").mkdir(parents=True)  # a path holding "[/]": the directory "a[" and its file "]b.txt"
+    for name in ("a[/]b.txt", "c[bold].txt"):
+        (docs / name).write_text("the cache is small and the river is long. " * 30, encoding="utf-8")
+    master, slave = pty.openpty()
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "KVTOOL_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from kvtool.cli.app import entry; entry()",
+            "ask",
+            str(docs),
+            "--question",
+            "What is small?",
+            "--model",
+            env.model,
+            *READ,
+            "--max-new-tokens",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=run_env,
+    )
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the run is over
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = proc.communicate(timeout=300)
+    os.close(master)
+    text = drawn.decode("utf-8", "replace")
+    assert proc.returncode == 0 and "Traceback" not in text and "MarkupError" not in text, text[-2000:]
+    assert "a[/]b.txt" in text and len(out.splitlines()) == 2, text[-2000:]

@@ -5,6 +5,7 @@ left to the garbage collector. Each is one line and exit 2, or a bounded read.""
 from __future__ import annotations
 
 import gc
+import html
 import os
 import subprocess
 import sys
@@ -20,7 +21,16 @@ from kvtool.cli.app import main
 from kvtool.documents import iter_parts, open_document
 from kvtool.errors import UsageError
 from tests import test_hostile_documents as hd
-from tests.doc_fixtures import ARTICLE, CHAPTERS, make_docx, make_epub, make_html
+from tests.doc_fixtures import (
+    ARTICLE,
+    CHAPTERS,
+    make_bomb_docx,
+    make_bomb_epub,
+    make_docx,
+    make_epub,
+    make_html,
+    novel_sections,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NO_MODEL = ["--model", "/nonexistent-model-dir"]
@@ -50,9 +60,11 @@ def rezip(src: Path, dst: Path, member: str, edit) -> Path:
 
 def declare(encoding: str):
     """An edit that makes a member's XML declare ``encoding`` (adding a declaration where there is none)."""
+
     def edit(data: bytes) -> bytes:
         body = data.split(b"?>", 1)[1] if data.startswith(b"<?xml") else data
         return f'<?xml version="1.0" encoding="{encoding}"?>'.encode() + body
+
     return edit
 
 
@@ -110,9 +122,20 @@ def _encrypted(raw: bytes, path: Path, encrypt: bytes) -> Path:
 
 
 ZEROS = b"<" + b"00" * 48 + b">"
-AES256 = (b"<< /Filter /Standard /V 5 /R 6 /Length 256 /O " + ZEROS + b" /U " + ZEROS + b" /OE <" + b"00" * 32
-          + b"> /UE <" + b"00" * 32 + b"> /P -4 /Perms <" + b"00" * 16 + b"> /CF << /StdCF << /CFM /AESV3 "
-          b"/AuthEvent /DocOpen /Length 32 >> >> /StmF /StdCF /StrF /StdCF >>")
+AES256 = (
+    b"<< /Filter /Standard /V 5 /R 6 /Length 256 /O "
+    + ZEROS
+    + b" /U "
+    + ZEROS
+    + b" /OE <"
+    + b"00" * 32
+    + b"> /UE <"
+    + b"00" * 32
+    + b"> /P -4 /Perms <"
+    + b"00" * 16
+    + b"> /CF << /StdCF << /CFM /AESV3 "
+    b"/AuthEvent /DocOpen /Length 32 >> >> /StmF /StdCF /StrF /StdCF >>"
+)
 
 
 def test_aes_pdf_without_the_cryptography_package_says_what_to_install(tmp_path, capsys, monkeypatch):
@@ -126,8 +149,9 @@ def test_aes_pdf_without_the_cryptography_package_says_what_to_install(tmp_path,
     assert "encrypted with AES" in line and "pip install cryptography" in line and "qpdf --decrypt" in line, line
 
 
-@pytest.mark.parametrize("handler", [b"/Adobe.PubSec /SubFilter /adbe.pkcs7.s5 /Recipients [<00>]",
-                                     b"/Klingon.Security"])
+@pytest.mark.parametrize(
+    "handler", [b"/Adobe.PubSec /SubFilter /adbe.pkcs7.s5 /Recipients [<00>]", b"/Klingon.Security"]
+)
 def test_pdf_with_a_non_standard_security_handler_is_one_line(tmp_path, capsys, handler):
     pdf = _encrypted(_plain_pdf(tmp_path), tmp_path / "h.pdf", b"<< /Filter " + handler + b" /V 2 /R 3 /Length 128 >>")
     line = one_line(capsys, ["ask", pdf, "q", *NO_MODEL])
@@ -159,9 +183,11 @@ def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProces
 def test_html_without_lxml_html_clean_says_what_to_install(tmp_path):
     pytest.importorskip("trafilatura")
     page = make_html(tmp_path / "p.html", ARTICLE)
-    r = _run("import sys; sys.modules['lxml_html_clean'] = None\n"  # as if not installed: lxml's stub then refuses
-             "from kvtool.cli.app import main\n"
-             f"sys.exit(main(['ask', {str(page)!r}, 'q', '--model', '/nonexistent-model-dir']))")
+    r = _run(
+        "import sys; sys.modules['lxml_html_clean'] = None\n"  # as if not installed: lxml's stub then refuses
+        "from kvtool.cli.app import main\n"
+        f"sys.exit(main(['ask', {str(page)!r}, 'q', '--model', '/nonexistent-model-dir']))"
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "installed but does not import" in r.stderr and "pip install lxml_html_clean" in r.stderr, r.stderr
 
@@ -172,9 +198,11 @@ def test_a_broken_pdf_library_is_named_not_an_internal_error(tmp_path):
     (fake / "__init__.py").write_text("raise AttributeError(\"module 'zlib' has no attribute 'inflate'\")\n")
     pdf = tmp_path / "p.pdf"
     pdf.write_bytes(b"%PDF-1.4\n" + b"0" * 100)
-    r = _run("import sys\nfrom kvtool.cli.app import main\n"
-             f"sys.exit(main(['ask', {str(pdf)!r}, 'q', '--model', '/nonexistent-model-dir']))",
-             {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"})
+    r = _run(
+        "import sys\nfrom kvtool.cli.app import main\n"
+        f"sys.exit(main(['ask', {str(pdf)!r}, 'q', '--model', '/nonexistent-model-dir']))",
+        {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}"},
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "pypdf, which is installed but does not import (AttributeError" in r.stderr, r.stderr
 
@@ -191,8 +219,13 @@ def test_a_whitespace_only_file_is_refused_up_front(tmp_path, capsys):
 
 
 def test_whitespace_on_stdin_is_refused_and_late_text_is_kept(tmp_path):
-    blank = subprocess.run([sys.executable, "-c", "from kvtool.cli.app import entry; entry()", "ask", "-", "q",
-                            *NO_MODEL], input=b" \n" * 200_000, capture_output=True, cwd=REPO, timeout=120)
+    blank = subprocess.run(
+        [sys.executable, "-c", "from kvtool.cli.app import entry; entry()", "ask", "-", "q", *NO_MODEL],
+        input=b" \n" * 200_000,
+        capture_output=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert blank.returncode == 2 and blank.stderr.decode().strip() == "kvtool: error: <stdin> is empty", blank.stderr
     late = tmp_path / "late.md"
     text = " \n" * 20_000 + "# Heading\n\nthe word\n"
@@ -247,33 +280,76 @@ def test_a_markdown_line_of_200000_nested_quotes_reaches_its_first_block_fast(tm
     assert time.monotonic() - started < 10
 
 
-def _repeated(total: int):
-    sentence = b"The same sentence, again and again, fills this chapter to the brim. "
-    return hd.streamed_chapter(sentence, total)
+# -- decompression bombs: refused when the document is opened, before the model reads a token of them -------------
+BOMBS = {"epub": make_bomb_epub, "docx": make_bomb_docx}
 
 
-def test_an_epub_bomb_is_refused_within_its_first_mibs(tmp_path):
-    book = hd.epub(tmp_path / "bomb.epub", [hd.xhtml("<p>start</p>"), _repeated(256 * 2**20)])
-    assert book.stat().st_size < 2 * 2**20  # 256 MiB of text in a small file: ratio ~250
+@pytest.mark.parametrize("kind", sorted(BOMBS))
+@pytest.mark.parametrize(
+    "inflated, prose",
+    [
+        (64 * 2**20, 0),  # one sentence from the first byte
+        (900 * 1024, 0),  # under a MiB: a few KiB of file that hands out ~200K tokens
+        (200 * 2**20, 2 * 2**20),  # 2 MiB of prose first: "so far" stays under the cap for the first ~70 MiB
+    ],
+)
+def test_a_bomb_is_refused_when_opened_before_any_part(tmp_path, kind, inflated, prose):
+    bomb = BOMBS[kind](tmp_path / f"bomb.{kind}", inflated, hd.words(prose).encode())
+    assert bomb.stat().st_size < 2 * 2**20
     started = time.monotonic()
-    with pytest.raises(UsageError, match="times the compressed bytes read so far") as e:
-        read_all(book)
-    inflated = str(e.value).split("(")[1].split(" from ")[0]
-    assert inflated == "1 MiB", str(e.value)  # refused at the 1 MiB floor, not after 100x the member's size
+    with pytest.raises(UsageError, match="decompression bomb"):
+        open_document(str(bomb))  # no part handed out: the model has nothing to read
     assert time.monotonic() - started < 10
 
 
-def test_a_docx_bomb_is_refused_within_its_first_mibs(tmp_path):
-    pytest.importorskip("docx")
-    sentence = b"<w:p><w:r><w:t>The same sentence again.</w:t></w:r></w:p>"
+@pytest.mark.parametrize("kind", sorted(BOMBS))
+def test_kvtool_ask_on_a_bomb_ends_in_seconds_in_bounded_memory(tmp_path, kind):
+    """The embedded model and the default settings, as a user runs it: one line, exit 2, within 20 s, < 1.8 GB."""
+    bomb = BOMBS[kind](tmp_path / f"bomb.{kind}", 400 * 2**20)
+    assert bomb.stat().st_size < 2 * 2**20
+    # a wrapper whose only child is kvtool: its children's peak RSS is kvtool's
+    code = (
+        "import resource, subprocess, sys, time\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        f"    r = subprocess.run([sys.executable, '-c', 'from kvtool.cli.app import entry; entry()', 'ask', "
+        f"{str(bomb)!r}, 'How did revenue change?'], capture_output=True, text=True, timeout=20)\n"
+        "    code, err = r.returncode, r.stderr\n"
+        "except subprocess.TimeoutExpired:\n"
+        "    code, err = 'timeout', ''\n"
+        "print(code, round(time.monotonic() - t, 1), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "sys.stdout.write(err)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    first, _, err = r.stdout.partition("\n")
+    rc, seconds, peak_kib = first.split()
+    assert rc == "2" and float(seconds) < 20, (first, err)
+    assert int(peak_kib) < 1.8e9 / 1024, first
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "decompression bomb" in lines[0] and "internal error" not in err, err
 
-    def bomb(data: bytes) -> bytes:
-        head, tail = data.split(b"<w:body>", 1)
-        return head + b"<w:body>" + sentence * (64 * 2**20 // len(sentence)) + tail
 
-    doc = rezip(make_docx(tmp_path / "d.docx", CHAPTERS), tmp_path / "bomb.docx", "word/document.xml", bomb)
-    with pytest.raises(UsageError, match="compressed bytes read so far"):
-        read_all(doc)
+@pytest.mark.parametrize("kind", sorted(BOMBS))
+def test_a_whole_novel_still_reads(tmp_path, kind):
+    novel = Path("/work/shared/corpus/pride_and_prejudice.txt")
+    if not novel.is_file():
+        pytest.skip(f"corpus not found: {novel}")
+    sections = novel_sections(novel)
+    if kind == "epub":
+        book = make_epub(tmp_path / "novel.epub", [(t, html.escape(b, quote=False)) for t, b in sections])
+    else:
+        pytest.importorskip("docx")
+        book = make_docx(tmp_path / "novel.docx", sections)
+    words = read_all(book).split()
+    assert words == [w for title, body in sections for w in f"{title} {body}".split()]
+    assert len(words) > 120_000
 
 
 # -- files closed when their owner is done, not when the garbage collector finds them ------------------------------
@@ -292,8 +368,10 @@ def test_a_document_opened_but_never_read_is_closed(tmp_path, capsys):
         before = _open_fds()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for args in (["ask", doc, "q", "--profile", bad_profile], ["prefill", doc, "-o", tmp_path / "o.kvc",
-                                                                       "--profile", bad_profile]):
+            for args in (
+                ["ask", doc, "q", "--profile", bad_profile],
+                ["prefill", doc, "-o", tmp_path / "o.kvc", "--profile", bad_profile],
+            ):
                 assert main([str(a) for a in args]) == 2
             assert _open_fds() == before
             gc.enable()
@@ -330,8 +408,9 @@ def test_a_read_abandoned_partway_closes_its_file(tmp_path, fmt):
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
-@pytest.mark.parametrize("content", [b" \n" * 10_000, b"text then a \x00 NUL", b"caf\xe9 is not UTF-8 " * 10,
-                                     b"PK\x03\x04 a zip of nothing"])
+@pytest.mark.parametrize(
+    "content", [b" \n" * 10_000, b"text then a \x00 NUL", b"caf\xe9 is not UTF-8 " * 10, b"PK\x03\x04 a zip of nothing"]
+)
 def test_a_document_refused_when_opened_closes_its_file(tmp_path, content):
     path = tmp_path / "d.txt"
     path.write_bytes(content)

@@ -82,8 +82,25 @@ def _closed_early(args: list[str], read: int) -> tuple[int, str]:
 @pytest.mark.parametrize("read", [1, 0])
 def test_a_reader_that_closes_the_pipe_ends_the_run_quietly(env, read):
     _, model, doc = env
-    rc, err = _closed_early(["ask", str(doc), "What ran?", "--model", model, "--budget", "512", "--max-new-tokens",
-                             "200", "--temperature", "1", "--no-repeat-ngram", "0", "-q"], read)
+    rc, err = _closed_early(
+        [
+            "ask",
+            str(doc),
+            "What ran?",
+            "--model",
+            model,
+            "--budget",
+            "512",
+            "--max-new-tokens",
+            "200",
+            "--temperature",
+            "1",
+            "--no-repeat-ngram",
+            "0",
+            "-q",
+        ],
+        read,
+    )
     assert rc == EXIT_PIPE and err == "", err
 
 
@@ -91,15 +108,38 @@ def test_jsonl_to_a_closed_pipe_ends_quietly(env, tmp_path):
     _, model, doc = env
     questions = tmp_path / "q.txt"
     questions.write_text("What ran?\nWho slept?\nWhere?\n" * 3, encoding="utf-8")
-    rc, err = _closed_early(["ask", str(doc), "--questions-file", str(questions), "--jsonl", "--model", model,
-                             "--budget", "512", "--max-new-tokens", "40", "--temperature", "1", "-q"], 1)
+    rc, err = _closed_early(
+        [
+            "ask",
+            str(doc),
+            "--questions-file",
+            str(questions),
+            "--jsonl",
+            "--model",
+            model,
+            "--budget",
+            "512",
+            "--max-new-tokens",
+            "40",
+            "--temperature",
+            "1",
+            "-q",
+        ],
+        1,
+    )
     assert rc == EXIT_PIPE and err == "", err
 
 
 # -- closed standard streams ----------------------------------------------------------------------------------------
 def _sh(redirect: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", f'"$@" {redirect}', "sh", *KVTOOL, *args], capture_output=True, text=True,
-                          env=ENV, cwd=REPO, timeout=300)
+    return subprocess.run(
+        ["sh", "-c", f'"$@" {redirect}', "sh", *KVTOOL, *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 def test_with_stderr_closed_the_error_line_never_lands_on_stdout(tmp_path):
@@ -122,8 +162,24 @@ def test_a_fifo_questions_file_says_it_waits_then_reads(env, tmp_path):
     _, model, doc = env
     fifo = tmp_path / "questions"
     os.mkfifo(fifo)
-    p = subprocess.Popen([*KVTOOL, "ask", str(doc), "--questions-file", str(fifo), "--model", model, "--budget",
-                          "128", "--max-new-tokens", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    p = subprocess.Popen(
+        [
+            *KVTOOL,
+            "ask",
+            str(doc),
+            "--questions-file",
+            str(fifo),
+            "--model",
+            model,
+            "--budget",
+            "128",
+            "--max-new-tokens",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
     assert p.stderr is not None
     line = b""
     deadline = time.monotonic() + 120

@@ -19,8 +19,22 @@ from kvtool.core import attention
 from kvtool.core.cache import BoundedLayer
 from tests.helpers import VOCAB, make_engine, tiny_llama
 
-SYNCING = ("item", "tolist", "nonzero", "cpu", "numpy", "__int__", "__index__", "__float__", "__bool__",
-           "argwhere", "any", "all", "equal", "unique")
+SYNCING = (
+    "item",
+    "tolist",
+    "nonzero",
+    "cpu",
+    "numpy",
+    "__int__",
+    "__index__",
+    "__float__",
+    "__bool__",
+    "argwhere",
+    "any",
+    "all",
+    "equal",
+    "unique",
+)
 
 
 def _count_syncs(monkeypatch) -> tuple[dict[str, int], list[int]]:
@@ -60,8 +74,9 @@ def _count_syncs(monkeypatch) -> tuple[dict[str, int], list[int]]:
 
 
 @pytest.mark.parametrize("positions", ["absolute", "compact"])
-@pytest.mark.parametrize("policy", ["sink", "keydiff", "tova", "h2o", "scissorhands+vatp", "snapkv+caote",
-                                    "tova+fastcaote"])
+@pytest.mark.parametrize(
+    "policy", ["sink", "keydiff", "tova", "h2o", "scissorhands+vatp", "snapkv+caote", "tova+fastcaote"]
+)
 def test_per_layer_path_makes_no_host_sync(monkeypatch, policy, positions):
     model = tiny_llama()
     engine = make_engine(model, policy, 40, block_size=8, positions=positions)
@@ -90,9 +105,14 @@ def test_caote_greedy_select_makes_no_host_sync(monkeypatch):
     assert calls == {}
 
 
-@pytest.mark.parametrize("text", ["the cache is small and the pass key is 12345",
-                                  "héllo wörld — 日本語 🙂 the cache 🙂🙂 key",
-                                  " leading space, then\nnew lines\n\n and tabs\t."])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the cache is small and the pass key is 12345",
+        "héllo wörld — 日本語 🙂 the cache 🙂🙂 key",
+        " leading space, then\nnew lines\n\n and tabs\t.",
+    ],
+)
 def test_incremental_detokenizer_streams_the_full_text_with_short_windows(monkeypatch, text):
     from kvtool.runtime.detokenize import Detokenizer
     from tests.helpers import tiny_tokenizer
@@ -159,12 +179,15 @@ def test_core_share_divides_the_cores_among_live_kvtool_processes(tmp_path):
         share.rebalance()
         assert share.peers == 0 and share.threads == len(cores) == torch.get_num_threads()
         # Peers are real registrations (a locked entry each); "elsewhere" rewrites its cores to others.
-        code = ("import os, sys, time; from kvtool.runtime.cores import CoreShare; s = CoreShare(sys.argv[1]); "
-                "cores = sys.argv[2].encode(); os.ftruncate(s._entry_fd, 0) if cores else None; "
-                "os.pwrite(s._entry_fd, cores, 0) if cores else None; print('ready', flush=True); time.sleep(60)")
+        code = (
+            "import os, sys, time; from kvtool.runtime.cores import CoreShare; s = CoreShare(sys.argv[1]); "
+            "cores = sys.argv[2].encode(); os.ftruncate(s._entry_fd, 0) if cores else None; "
+            "os.pwrite(s._entry_fd, cores, 0) if cores else None; print('ready', flush=True); time.sleep(60)"
+        )
         peer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ""], stdout=subprocess.PIPE)
-        elsewhere = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(max(cores) + 1000)],
-                                     stdout=subprocess.PIPE)
+        elsewhere = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path), str(max(cores) + 1000)], stdout=subprocess.PIPE
+        )
         try:
             assert peer.stdout.readline() == b"ready\n" and elsewhere.stdout.readline() == b"ready\n"
             share.rebalance()

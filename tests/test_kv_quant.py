@@ -28,10 +28,19 @@ MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
 INTS = ["int8", "int4"]
 
 
-def kv_engine(model, policy: str, budget: int | None, kv_dtype: str, block_size: int = 16,
-              positions: str = "absolute", recall_tokens: int = 0, retrieval=None) -> Engine:
-    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, kv_dtype=kv_dtype,
-                       recall=recall_tokens, page_size=8)
+def kv_engine(
+    model,
+    policy: str,
+    budget: int | None,
+    kv_dtype: str,
+    block_size: int = 16,
+    positions: str = "absolute",
+    recall_tokens: int = 0,
+    retrieval=None,
+) -> Engine:
+    cfg = EngineConfig(
+        budget=budget, block_size=block_size, positions=positions, kv_dtype=kv_dtype, recall=recall_tokens, page_size=8
+    )
     env = model_env(model, cfg, retrieval_heads=retrieval)
     options = {"window": "8"} if policy.startswith("snapkv") else {}
     return Engine(model, build_policy(policy, options, env), cfg, env=env)
@@ -258,19 +267,22 @@ def test_the_window_follows_eviction_and_re_packs(positions, monkeypatch):
         fresh = (pos > newest - w).unsqueeze(-1)
         assert fresh.any() and not fresh.all()
         v_codes = codec.decode(*codec.encode(v_model), torch.empty_like(v_model))
-        torch.testing.assert_close(g.stored_values(), torch.where(fresh, v_model.bfloat16().float(), v_codes),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(
+            g.stored_values(), torch.where(fresh, v_model.bfloat16().float(), v_codes), atol=0, rtol=0
+        )
         if positions == "absolute":
             assert torch.equal(g.rotary[:, :n], pos)
             k_codes = codec.decode(*codec.encode(k_model), torch.empty_like(k_model))
-            torch.testing.assert_close(g.stored_keys(), torch.where(fresh, k_model.bfloat16().float(), k_codes),
-                                       atol=0, rtol=0)
+            torch.testing.assert_close(
+                g.stored_keys(), torch.where(fresh, k_model.bfloat16().float(), k_codes), atol=0, rtol=0
+            )
         else:
             assert not torch.equal(g.rotary[:, :n], pos)  # re-packed: keys read at compact positions
             turned = g.rotator.rotate(k_model, g.rotary[:, :n] - pos)
             stored = g.stored_keys()
-            torch.testing.assert_close(stored[fresh.expand_as(stored)], turned[fresh.expand_as(turned)],
-                                       atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(
+                stored[fresh.expand_as(stored)], turned[fresh.expand_as(turned)], atol=2e-2, rtol=1e-2
+            )
 
 
 def test_a_saved_int4_cache_brings_its_window_back():
@@ -314,8 +326,9 @@ def test_nothing_evicted_stays_within_a_measured_tolerance_of_dense(family, kv_d
 @pytest.mark.parametrize("kv_dtype", INTS)
 @pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "full"] + ["razor"])
 @pytest.mark.parametrize("positions", ["absolute", "compact"])
-def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(kv_dtype, policy, positions,
-                                                                               monkeypatch):
+def test_every_policy_runs_on_a_quantized_cache_and_scores_what_attention_reads(
+    kv_dtype, policy, positions, monkeypatch
+):
     model = tiny_llama()
     contexts = []
     real = BoundedLayer.context
@@ -423,8 +436,10 @@ def test_the_plan_counts_the_scratch_a_read_uses(kv, budget):
     block = 32
     engine = kv_engine(model, "h2o", budget, kv, block_size=block)
     _, cache = stream_logits(engine, ids_of(budget + 3 * block + 9, 0))
-    dims = {"num_kv_heads": model.config.num_key_value_heads,
-            "head_dim": model.config.hidden_size // model.config.num_attention_heads}
+    dims = {
+        "num_kv_heads": model.config.num_key_value_heads,
+        "head_dim": model.config.hidden_size // model.config.num_attention_heads,
+    }
     assert cache.kv_scratch.nbytes() == decode_scratch_bytes(dims, torch.float32, budget, block, kv)
 
 
@@ -462,14 +477,31 @@ def test_ask_with_int8_holds_more_tokens_in_the_same_bytes(qenv, capsys):
     budget = 20480
     stats = {}
     for kv in ("auto", "bfloat16", "int8", "int4"):
-        rc, out, err = run_cli(capsys, "ask", qenv["doc"], "what is it", "--model", qenv["model"], *SETTINGS,
-                               "--budget", f"{budget}B", "--kv-dtype", kv, "--json", "-q")
+        rc, out, err = run_cli(
+            capsys,
+            "ask",
+            qenv["doc"],
+            "what is it",
+            "--model",
+            qenv["model"],
+            *SETTINGS,
+            "--budget",
+            f"{budget}B",
+            "--kv-dtype",
+            kv,
+            "--json",
+            "-q",
+        )
         assert rc == 0, err
         stats[kv] = json.loads(out)["stats"]
     per_token = {kv: s["kv_bytes_per_token"] for kv, s in stats.items()}
     assert per_token == {"auto": 256, "bfloat16": 128, "int8": 80, "int4": 48}
-    assert {kv: s["kv_dtype"] for kv, s in stats.items()} == {"auto": "float32", "bfloat16": "bfloat16",
-                                                             "int8": "int8", "int4": "int4"}
+    assert {kv: s["kv_dtype"] for kv, s in stats.items()} == {
+        "auto": "float32",
+        "bfloat16": "bfloat16",
+        "int8": "int8",
+        "int4": "int4",
+    }
     window = {"int4": 16384}
     for kv, s in stats.items():  # recall (on by default) holds half of the tokens the bytes buy, inside them
         whole = (budget - window.get(kv, 0)) // per_token[kv]
@@ -500,8 +532,9 @@ def test_profile_plans_the_quantized_cache(qenv, capsys):
     assert int8["kv_decode_scratch_bytes"] == 3 * (64 + 16) * 2 * 8 * 4 + encode
     # int4: the nibbles split, its window reads over the 80 tokens a read holds (one K or V in bfloat16,
     # two int64 indices and a flag per row), and the encoder's unpacked codes and high nibbles
-    assert plans["int4"]["kv_decode_scratch_bytes"] == (3 * (64 + 16) * 2 * 8 * 4 + (64 + 16) * 2 * 8
-                                                        + 2 * 80 * (8 * 2 + 17) + encode + 2 * 16 * (8 + 4))
+    assert plans["int4"]["kv_decode_scratch_bytes"] == (
+        3 * (64 + 16) * 2 * 8 * 4 + (64 + 16) * 2 * 8 + 2 * 80 * (8 * 2 + 17) + encode + 2 * 16 * (8 + 4)
+    )
     # recall (on by default: 256 slots) grows every slot-sized buffer, and int4's window is matched over the
     # recalled tokens too (a relevance placement puts them after the kept ones)
     recalled = {}
@@ -511,8 +544,9 @@ def test_profile_plans_the_quantized_cache(qenv, capsys):
         recalled[kv] = json.loads(out)["kv_decode_scratch_bytes"]
     slots = 64 + 16 + 256
     assert recalled["int8"] == 3 * slots * 2 * 8 * 4 + encode
-    assert recalled["int4"] == (3 * slots * 2 * 8 * 4 + slots * 2 * 8 + 2 * slots * (8 * 2 + 17) + encode
-                                + 2 * 16 * (8 + 4))
+    assert recalled["int4"] == (
+        3 * slots * 2 * 8 * 4 + slots * 2 * 8 + 2 * slots * (8 * 2 + 17) + encode + 2 * 16 * (8 + 4)
+    )
 
 
 def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):
@@ -529,19 +563,20 @@ def test_kvc_round_trip_of_a_quantized_cache(qenv, tmp_path, capsys):
     rc, info, _ = run_cli(capsys, "inspect", out, "--json")
     desc = json.loads(info)
     meta = desc["metadata"]
-    assert meta["format_version"] == 2 and meta["required_features"] == ["kv_dtype"]
+    assert meta["format_version"] == 3 and meta["required_features"] == ["kv_dtype"]
     assert meta["settings"]["kv_dtype"] == "int8"
     rc, pinfo, _ = run_cli(capsys, "inspect", plain, "--json")
     pdesc = json.loads(pinfo)
-    assert pdesc["metadata"]["format_version"] == 1 and "required_features" not in pdesc["metadata"]
+    assert pdesc["metadata"]["format_version"] == 3 and "required_features" not in pdesc["metadata"]
     assert desc["kv_bytes"] == 2 * 2 * 40 * 2 * (8 + 2) and pdesc["kv_bytes"] == 2 * 2 * 40 * 2 * 8 * 4
     assert out.stat().st_size < plain.stat().st_size
 
     q = ["what is the castle", "where is the ship"]
     rc, from_doc, err = run_cli(capsys, "ask", qenv["doc"], *q, *base, "--kv-dtype", "int8", "--json", "-q")
     assert rc == 0, err
-    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6",
-                                "--json", "-q")
+    rc, from_kvc, err = run_cli(
+        capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6", "--json", "-q"
+    )
     assert rc == 0, err
     assert json.loads(from_doc)["answers"] == json.loads(from_kvc)["answers"]
     assert json.loads(from_kvc)["stats"]["kv_dtype"] == "int8"
@@ -564,8 +599,9 @@ def test_an_int4_kvc_answers_as_the_document_does(qenv, tmp_path, capsys):
     q = ["what is the castle", "where is the ship"]
     rc, from_doc, err = run_cli(capsys, "ask", qenv["doc"], *q, *read, *SETTINGS[-2:], "--json", "-q")
     assert rc == 0, err
-    rc, from_kvc, err = run_cli(capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6",
-                                "--json", "-q")
+    rc, from_kvc, err = run_cli(
+        capsys, "ask", out, *q, "--model", qenv["model"], "--max-new-tokens", "6", "--json", "-q"
+    )
     assert rc == 0, err
     assert json.loads(from_doc)["answers"] == json.loads(from_kvc)["answers"]
 
@@ -579,8 +615,21 @@ def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qe
     from kvtool.kvc import format as kvc_format
 
     src = tmp_path / "q.kvc"
-    rc, _, err = run_cli(capsys, "prefill", qenv["doc"], "-o", src, "--model", qenv["model"], *SETTINGS[:-2],
-                         "--budget", "40", "--kv-dtype", "int4", "-q")
+    rc, _, err = run_cli(
+        capsys,
+        "prefill",
+        qenv["doc"],
+        "-o",
+        src,
+        "--model",
+        qenv["model"],
+        *SETTINGS[:-2],
+        "--budget",
+        "40",
+        "--kv-dtype",
+        "int4",
+        "-q",
+    )
     assert rc == 0, err
     with safe_open(str(src), "pt") as f:
         md = dict(f.metadata())
@@ -588,9 +637,10 @@ def test_kvc_with_an_unknown_feature_or_a_newer_format_is_refused_in_one_line(qe
     meta["required_features"] = ["kv_dtype", "kv_magic"]
     bad = tmp_path / "magic.kvc"
     save_file(load_file(str(src)), str(bad), metadata={**md, "kvtool": json.dumps(meta)})
-    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 2")):
-        if path == src:  # a kvtool that reads format 1 only (what a release before --kv-dtype does)
-            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 1)
+    for path, needle in ((bad, "needs kv_magic"), (src, "kvc format 3")):
+        if path == src:  # a kvtool that reads formats 1-2 only (what a release before plain-text documents does)
+            monkeypatch.setattr(kvc_format, "READ_FORMAT_VERSION", 2)
+            monkeypatch.setattr(kvc_format, "MIN_FORMAT_VERSION", 1)
         for args in (["ask", path, "q", "--model", qenv["model"], "-q"], ["inspect", path]):
             rc, _, err = run_cli(capsys, *args)
             lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -631,8 +681,28 @@ def test_kv_dtype_is_a_validated_setting_and_profile_key(tmp_path):
 def test_eval_grids_take_kv_dtype(qenv, capsys):
     import json
 
-    base = ["eval", "ppl", "--text", qenv["doc"], "--model", qenv["model"], "--context", "64", "--continuation", "6",
-            "--samples", "1", "--policies", "full", "--block-size", "32", "--device", "cpu", "--json", "-q"]
+    base = [
+        "eval",
+        "ppl",
+        "--text",
+        qenv["doc"],
+        "--model",
+        qenv["model"],
+        "--context",
+        "64",
+        "--continuation",
+        "6",
+        "--samples",
+        "1",
+        "--policies",
+        "full",
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--json",
+        "-q",
+    ]
     reports = {}
     for kv in ("auto", "int8"):
         rc, out, err = run_cli(capsys, *base, "--kv-dtype", kv)
@@ -651,9 +721,30 @@ def test_agreement_compares_a_quantized_cache_with_the_unquantized_reference(qen
 
     qfile = tmp_path / "q.txt"
     qfile.write_text("What is it about?\n", encoding="utf-8")
-    base = ["eval", "agreement", "--doc", qenv["doc"], "--questions-file", qfile, "--model", qenv["model"],
-            "--policies", "sink", "--budgets", "2k", "--max-new-tokens", "4", "--first-tokens", "3",
-            "--block-size", "32", "--device", "cpu", "--json", "-q"]
+    base = [
+        "eval",
+        "agreement",
+        "--doc",
+        qenv["doc"],
+        "--questions-file",
+        qfile,
+        "--model",
+        qenv["model"],
+        "--policies",
+        "sink",
+        "--budgets",
+        "2k",
+        "--max-new-tokens",
+        "4",
+        "--first-tokens",
+        "3",
+        "--block-size",
+        "32",
+        "--device",
+        "cpu",
+        "--json",
+        "-q",
+    ]
     reports, kl = {}, {}
     for kv in ("auto", "int4"):
         log = tmp_path / f"{kv}.jsonl"  # its records keep the KL unrounded

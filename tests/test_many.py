@@ -36,8 +36,9 @@ def records(text: str) -> list[dict]:
 
 def answers(text: str) -> list[tuple]:
     """(path, question, answer, tokens) of every record, in order: what two runs must agree on (not timings)."""
-    return [(x["path"], x.get("question"), x.get("answer"), x.get("stats", {}).get("decode_tokens"))
-            for x in records(text)]
+    return [
+        (x["path"], x.get("question"), x.get("answer"), x.get("stats", {}).get("decode_tokens")) for x in records(text)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def base(model_dir: str, *extra: str) -> list[str]:
     """Small, greedy, one thread (the same float sums in every run), recall on (a file archive per document)."""
-    return ["--model", model_dir, "--budget", "160", "--block-size", "32", "--max-new-tokens", "6", "--threads", "1",
-            "--recall", "64", *extra]
+    return [
+        "--model",
+        model_dir,
+        "--budget",
+        "160",
+        "--block-size",
+        "32",
+        "--max-new-tokens",
+        "6",
+        "--threads",
+        "1",
+        "--recall",
+        "64",
+        *extra,
+    ]
 
 
 def write_docs(folder: Path, n: int = 3) -> list[str]:
@@ -58,18 +72,26 @@ def write_docs(folder: Path, n: int = 3) -> list[str]:
     paths = []
     for i in range(n):
         where = folder / ("sub" if i % 2 else "") / f"doc{i}.txt"
-        words = " ".join(f"The cat number {i * 7 + j} sat on mat {j}; the door was {('red', 'blue')[j % 2]}."
-                         for j in range(25 + 30 * i))
+        words = " ".join(
+            f"The cat number {i * 7 + j} sat on mat {j}; the door was {('red', 'blue')[j % 2]}."
+            for j in range(25 + 30 * i)
+        )
         where.write_text(words, encoding="utf-8")
         paths.append(str(where))
     return sorted(paths)
 
 
 # --------------------------------------------------------------------------------------------- the reused cache
-@pytest.mark.parametrize("policy, positions, kv_dtype, recall_tokens", [
-    ("h2o", "absolute", None, 0), ("tova", "compact", None, 64), ("snapkv", "absolute", "int8", 64),
-    ("keydiff", "compact", "int4", 0), ("scissorhands", "absolute", None, 32),
-])
+@pytest.mark.parametrize(
+    "policy, positions, kv_dtype, recall_tokens",
+    [
+        ("h2o", "absolute", None, 0),
+        ("tova", "compact", None, 64),
+        ("snapkv", "absolute", "int8", 64),
+        ("keydiff", "compact", "int4", 0),
+        ("scissorhands", "absolute", None, 32),
+    ],
+)
 def test_a_reused_cache_gives_the_logits_of_a_new_one(policy, positions, kv_dtype, recall_tokens):
     """The second document read into an emptied cache (its buffers kept) gives exactly the logits of a new cache."""
     kw = {"recall": recall_tokens} if recall_tokens else {}
@@ -140,12 +162,14 @@ def test_result_log_resumes_cuts_a_torn_line_and_is_locked(tmp_path):
     answer = {"path": "a.txt", "question": "q", "answer": "x", "stats": {}, "settings": "fp"}
     other = {**answer, "question": "q2", "settings": "old"}
     error = {"path": "b.txt", "error": "bad", "exit_code": 2, "settings": "fp"}
-    path.write_text("\n".join(record_line(r) for r in (answer, other, error)) + '\n{"path": "c.txt", "quest',
-                    encoding="utf-8")
+    path.write_text(
+        "\n".join(record_line(r) for r in (answer, other, error)) + '\n{"path": "c.txt", "quest', encoding="utf-8"
+    )
     log = ResultLog(str(path))
     resumed = log.open("fp")
     try:
-        assert resumed.done == {("a.txt", "q")} and resumed.other_settings == 1 and resumed.errors == 1
+        assert resumed.done == {(os.path.realpath("a.txt"), "q")}  # keyed by the resolved path
+        assert resumed.other_settings == 1 and resumed.errors == 1
         assert resumed.torn_bytes == len('{"path": "c.txt", "quest')
         assert path.read_bytes().endswith(b"}\n")  # cut at the last complete line
         with pytest.raises(UsageError, match="another kvtool run"):
@@ -156,7 +180,7 @@ def test_result_log_resumes_cuts_a_torn_line_and_is_locked(tmp_path):
     lines = path.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["path"] == "é\udcff.txt"
     again = ResultLog(str(path))
-    assert ("é\udcff.txt", "q") in again.open("fp").done
+    assert (os.path.realpath("é\udcff.txt"), "q") in again.open("fp").done
     again.close()
     path.write_text('{"path": "a"}\nnot json\n{"path": "b"}\n', encoding="utf-8")
     with pytest.raises(UsageError, match="line 2 is not a kvtool record"):
@@ -246,7 +270,7 @@ def test_prefill_many_then_ask_the_caches(model_dir, docs, tmp_path):
     twin.write_text(Path(docs[1]).read_text(encoding="utf-8"), encoding="utf-8")
     caches = tmp_path / "caches"
     flags = base(model_dir)
-    prefill_flags = [f for i, f in enumerate(flags) if "--max-new-tokens" not in flags[max(0, i - 1): i + 1]]
+    prefill_flags = [f for i, f in enumerate(flags) if "--max-new-tokens" not in flags[max(0, i - 1) : i + 1]]
     r = run("prefill", *docs, twin, "-o", f"{caches}{os.sep}", *prefill_flags)
     assert r.exit_code == 0, r.output
     written = records(r.stdout)
@@ -257,8 +281,9 @@ def test_prefill_many_then_ask_the_caches(model_dir, docs, tmp_path):
     asked = records(run("ask", caches, "--question", QUESTIONS[0], *flags).stdout)
     from_docs = records(run("ask", *docs, twin, "--question", QUESTIONS[0], *flags).stdout)
     source = {x["output"]: x["path"] for x in written}
-    assert sorted((source[x["path"]], x["answer"]) for x in asked) == sorted((x["path"], x["answer"])
-                                                                            for x in from_docs)
+    assert sorted((source[x["path"]], x["answer"]) for x in asked) == sorted(
+        (x["path"], x["answer"]) for x in from_docs
+    )
 
 
 def test_summarize_many(model_dir, docs):
@@ -280,19 +305,22 @@ def test_one_document_keeps_its_single_document_output(model_dir, docs):
     assert r.exit_code == 0 and [a["question"] for a in json.loads(r.stdout)["answers"]] == ["q"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["ask", "{doc}", "q", "-o", "{tmp}/o.jsonl"], "--output take(s) the many-document form"),
-    (["ask", "{doc}", "q", "--files-from", "{doc}"], "--files-from take(s) the many-document form"),
-    (["ask", "{doc}", "{doc}", "--question", "q", "--workers", "2"], "--workers sets the size of a Ray pool"),
-    (["ask", "{doc}", "{doc}", "--question", "q", "-o", "{tmp}"], "is a directory"),
-    (["ask", "{doc}", "Who signs?", "--questions-file", "{doc}"], "is not a file: with --question"),
-    (["ask", "{empty}", "--question", "q"], "no documents to read"),
-    (["ask", "{doc}", "{doc}", "--question", ""], "question 1 is empty"),
-    (["prefill", "{doc}", "{doc}"], "-o DIR/"),
-    (["prefill", "{doc}", "{tmp}/x.txt", "-o", "{tmp}/out.kvc"], "many documents need a directory"),
-    (["summarize", "{doc}", "{tmp}/x.txt", "-o", "{doc}"], "is one of the documents"),
-    (["summarize", "{doc}", "{doc}", "-o", "{tmp}/notes.txt"], "line 1 is not a kvtool record"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ask", "{doc}", "q", "-o", "{tmp}/o.jsonl"], "--output take(s) the many-document form"),
+        (["ask", "{doc}", "q", "--files-from", "{doc}"], "--files-from take(s) the many-document form"),
+        (["ask", "{doc}", "{doc}", "--question", "q", "--workers", "2"], "--workers sets the size of a Ray pool"),
+        (["ask", "{doc}", "{doc}", "--question", "q", "-o", "{tmp}"], "is a directory"),
+        (["ask", "{doc}", "Who signs?", "--questions-file", "{doc}"], "is not a file: with --question"),
+        (["ask", "{empty}", "--question", "q"], "no documents to read"),
+        (["ask", "{doc}", "{doc}", "--question", ""], "question 1 is empty"),
+        (["prefill", "{doc}", "{doc}"], "-o DIR/"),
+        (["prefill", "{doc}", "{tmp}/x.txt", "-o", "{tmp}/out.kvc"], "many documents need a directory"),
+        (["summarize", "{doc}", "{tmp}/x.txt", "-o", "{doc}"], "is one of the documents"),
+        (["summarize", "{doc}", "{doc}", "-o", "{tmp}/notes.txt"], "line 1 is not a kvtool record"),
+    ],
+)
 def test_bad_options_of_the_many_form_are_one_line_and_exit_2(model_dir, docs, tmp_path, args, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.odt").write_text("x", encoding="utf-8")
@@ -306,14 +334,21 @@ def test_bad_options_of_the_many_form_are_one_line_and_exit_2(model_dir, docs, t
 
 
 def test_ray_without_the_extra_is_one_line_and_exit_2(docs):
-    script = ("import sys; sys.modules['ray'] = None\n"  # what an environment without Ray gives
-              "from kvtool.cli.app import main\n"
-              f"sys.exit(main(['ask', *{docs!r}, '--question', 'q', '--ray', 'local']))")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    script = (
+        "import sys; sys.modules['ray'] = None\n"  # what an environment without Ray gives
+        "from kvtool.cli.app import main\n"
+        f"sys.exit(main(['ask', *{docs!r}, '--question', 'q', '--ray', 'local']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 2 and r.stdout == "", r.stderr
-    assert r.stderr.strip() == ("kvtool: error: --ray needs Ray, which is not installed: "
-                                "pip install 'kvtool[cluster]'")
+    assert r.stderr.strip() == ("kvtool: error: --ray needs Ray, which is not installed: pip install 'kvtool[cluster]'")
 
 
 def test_a_run_closes_every_file_it_opens(model_dir, tmp_path):
@@ -340,10 +375,19 @@ def test_ray_is_imported_by_the_cluster_module_only():
     import re
 
     package = Path(ROOT) / "kvtool"
-    importers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
-                       if re.search(r"^\s*(import ray\b|from ray\b)", p.read_text(encoding="utf-8"), re.M))
+    importers = sorted(
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if re.search(r"^\s*(import ray\b|from ray\b)", p.read_text(encoding="utf-8"), re.M)
+    )
     assert importers == [os.path.join("runtime", "cluster.py")]
     probe = "import sys, kvtool.cli.app; print('ray' in sys.modules, 'torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.stdout.split() == ["False", "False"], r.stderr

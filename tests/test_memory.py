@@ -288,8 +288,9 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
 
     def run(dtype: str, positions: str, doc: int, max_positions: int | None = 64) -> dict[str, Any]:
         info = ModelInfo(name="hand", dims=dict(TINY), num_params=1000, dtype=dtype, max_positions=max_positions)
-        settings = resolve_settings(None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions,
-                                           "recall": "off"})
+        settings = resolve_settings(
+            None, {"block_size": 16, "budget": "64", "policy": "h2o", "positions": positions, "recall": "off"}
+        )
         return plan(info, settings, doc_tokens=doc, memory=10_000_000)
 
     base = run("bfloat16", "absolute", 1000)
@@ -306,19 +307,107 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
     assert not run("float32", "compact", 10)["original_keys"]
 
 
-def test_profile_measured_allocation_matches_plan_bf16_compact(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                               tiny_dir: Path) -> None:  # noqa: F811
+def test_profile_measured_allocation_matches_plan_bf16_compact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_dir: Path  # noqa: F811
+) -> None:
     """``kvtool profile --doc`` with a bf16 cache at compact positions: the real buffers (the original keys'
     copy included) are exactly the plan's allocated K/V, which counts the copy."""
     from tests.test_profile import _run, _tiny_doc
 
     doc = _tiny_doc(tmp_path, 300)
-    code, out, err = _run(capsys, "--model", str(tiny_dir), "--budget", "32", "--block-size", "16", "--device",
-                          "cpu", "--dtype", "bfloat16", "--positions", "compact", "--policy", "h2o", "--doc",
-                          str(doc), "--json", "--quiet")
+    code, out, err = _run(
+        capsys,
+        "--model",
+        str(tiny_dir),
+        "--budget",
+        "32",
+        "--block-size",
+        "16",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--positions",
+        "compact",
+        "--policy",
+        "h2o",
+        "--doc",
+        str(doc),
+        "--json",
+        "--quiet",
+    )
     assert code == 0, err
     p = json.loads(out)
     assert p["original_keys"]
     per_token = p["kv_bytes_per_token"]["total"]
     assert p["kv_bytes_at_budget"]["allocated"] == (32 + 16) * per_token * 3 // 2
     assert p["measured"]["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
+
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
+#: the profiles of the models people run on one workstation GPU: (published config, the cards each is for)
+MODEL_PROFILES = {
+    "llama-3.1-8b-24gb": ("llama-3.1-8b-instruct", ["23GiB"]),
+    "llama-3.1-8b-80gb": ("llama-3.1-8b-instruct", ["79GiB"]),
+    "mistral-7b-v0.3-24gb": ("mistral-7b-instruct-v0.3", ["23GiB"]),
+    "mistral-7b-v0.3-80gb": ("mistral-7b-instruct-v0.3", ["79GiB"]),
+    "qwen2.5-7b": ("qwen2.5-7b-instruct", ["23GiB", "79GiB"]),
+    "gemma-2-9b": ("gemma-2-9b-it", ["23GiB", "79GiB"]),
+}
+#: tokens of the trained range a profile's budget leaves free (recall, the question, the answer, two blocks)
+RANGE_SLACK = 4096
+
+
+@pytest.mark.parametrize("profile", sorted(MODEL_PROFILES))
+def test_model_profiles_are_the_plan_of_their_published_config(profile: str) -> None:
+    """Every number a model's profile embeds is what ``kvtool profile`` plans from the model's config.json alone,
+    and its budget is the rule's: the largest multiple of 4k each card it is for holds, leaving 4k of the
+    trained range free."""
+    from kvtool.runtime.budget import parse_size
+    from kvtool.runtime.profiling import plan_from_config
+    from kvtool.runtime.settings import load_profile, resolve_settings
+
+    config_name, cards = MODEL_PROFILES[profile]
+    directory = CONFIGS / config_name
+    path = PROFILES / f"{profile}.yaml"
+    data = load_profile(path)
+    settings = resolve_settings(str(path), {})
+    trained = json.loads((directory / "config.json").read_text())["max_position_embeddings"]
+    for card in cards:
+        largest = plan_from_config(directory, settings, None, parse_size(card))["memory"]["largest_budget_tokens"]
+        assert settings.parsed_budget.tokens == min(largest, trained - RANGE_SLACK) // 4096 * 4096, card
+    expected = data["expected_memory"]
+    plan = plan_from_config(directory, settings, None, parse_size(expected["planned_memory"]))
+    assert plan["memory"]["fits"] and plan["memory"]["largest_budget_tokens"] == expected["largest_budget_tokens"]
+    assert expected["assumed_dtype"] == plan["dtype"] == data["dtype"]
+    computed = {
+        **plan,
+        "kv_promised_bytes": plan["kv_bytes_at_budget"]["promised"],
+        "kv_allocated_bytes": plan["kv_bytes_at_budget"]["allocated"],
+    }
+    for key, value in expected.items():
+        if key not in ("assumed_dtype", "planned_memory", "largest_budget_tokens", "predicted_peak"):
+            assert computed[key] == value, key
+    assert expected["predicted_peak"] == format_bytes(plan["predicted_peak_bytes"])
+    table = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
+    assert f" | {data['budget']} | {expected['predicted_peak']} |" in next(
+        line for line in table.splitlines() if line.startswith(f"| `{profile}` |")
+    ), "docs/models.md's table"
+
+
+def test_the_published_configs_count_their_published_parameters() -> None:
+    """The configs the profiles are planned from are the published ones: their sizes (model cards, up to the
+    norms and biases the Llama-style count leaves out) come out of the memory plan's count."""
+    import transformers
+
+    published = {
+        "llama-3.1-8b-instruct": 8_030_261_248,
+        "qwen2.5-7b-instruct": 7_615_616_512,
+        "mistral-7b-instruct-v0.3": 7_248_023_552,
+        "gemma-2-9b-it": 9_241_705_984,
+    }
+    for name, params in published.items():
+        config = transformers.AutoConfig.from_pretrained(str(CONFIGS / name))
+        text = config.get_text_config()
+        counted = llama_param_count(dims_from_config(config), bool(getattr(text, "tie_word_embeddings", False)))
+        assert abs(counted - params) / params < 1e-4, name

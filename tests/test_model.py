@@ -12,6 +12,7 @@ import transformers
 
 from kvtool.errors import KvtoolError, UsageError
 from kvtool.runtime import model as km
+from kvtool.runtime import prompt
 from kvtool.runtime.model import convert as kconv
 
 # --------------------------------------------------------------------------------------------------------------
@@ -155,9 +156,11 @@ def test_missing_path_rejected(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("spec", ["meta-llama/Llama-3.2-1B-Instruct", "gpt2", "HuggingFaceTB/SmolLM2-135M"])
-def test_hub_id_rejected(spec: str) -> None:
-    with pytest.raises(UsageError, match="never downloads"):
+def test_hub_id_not_in_the_cache_rejected(spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, whatever this machine holds
+    with pytest.raises(UsageError, match="nor in the Hugging Face cache .*never downloads") as info:
         km.load_model(spec, device="cpu")
+    assert f"`hf download {spec}`" in str(info.value) and str(tmp_path) in str(info.value)
 
 
 def test_directory_without_config_rejected(tmp_path: Path) -> None:
@@ -208,12 +211,10 @@ def test_load_tiny_checkpoint(tiny_dir: Path) -> None:
     assert loaded.model.config._attn_implementation == "sdpa"
     assert len(loaded.identity) == 64 and int(loaded.identity, 16) >= 0
     assert messages and "tiny-llama" in messages[0]
-    # The tiny tokenizer has no template of its own: kvtool installs ChatML.
-    assert loaded.tokenizer.chat_template == km.CHATML_TEMPLATE
-    text = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello world"}], tokenize=False, add_generation_prompt=True
-    )
-    assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    # The tiny tokenizer has no template of its own: a base model, asked with a plain prompt (no chat markup).
+    assert not loaded.tokenizer.chat_template
+    assert prompt.document_prefix(loaded.tokenizer) == ""
+    assert prompt.question_suffix(loaded.tokenizer, "hello world") == "\n\nQuestion: hello world\nAnswer:"
     ids = loaded.tokenizer("hello world", return_tensors="pt").input_ids
     with torch.no_grad():
         assert loaded.model(ids).logits.shape == (1, ids.shape[1], 32)

@@ -39,8 +39,13 @@ class StubBase(Policy):
         return self.scores
 
 
-def make_ctx(values: Tensor, capacity: int | None = None, protected: Tensor | None = None, first_pos: int = 0,
-             policy: Policy | None = None):
+def make_ctx(
+    values: Tensor,
+    capacity: int | None = None,
+    protected: Tensor | None = None,
+    first_pos: int = 0,
+    policy: Policy | None = None,
+):
     """A context over ``values``; with ``policy``, its per-token constants in the state, as the cache has them."""
     h, n, d = values.shape
     positions = (torch.arange(n) + first_pos).expand(h, n).clone()

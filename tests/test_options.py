@@ -72,8 +72,16 @@ def test_every_reading_command_has_every_reading_option(path: tuple[str, ...]) -
 
 def test_profile_takes_what_a_run_it_reproduces_takes() -> None:
     opts = _options(_command(("profile",)))
-    for flag in ("--sinks", "--recent", "--positions", "--threads", "--recall", "--recall-page", "--recall-placement",
-                 "--archive-dtype"):
+    for flag in (
+        "--sinks",
+        "--recent",
+        "--positions",
+        "--threads",
+        "--recall",
+        "--recall-page",
+        "--recall-placement",
+        "--archive-dtype",
+    ):
         assert flag in opts
     assert "--threads" in _options(_command(("eval", "needle")))
 
@@ -81,8 +89,11 @@ def test_profile_takes_what_a_run_it_reproduces_takes() -> None:
 def test_help_texts_say_what_the_code_does() -> None:
     threads = _declared("threads").help
     assert "divided" in threads and "1 when running several" not in threads
-    for path, flag in ((("eval", "ppl"), "--text"), (("eval", "needle"), "--haystack"),
-                       (("eval", "agreement"), "--doc")):
+    for path, flag in (
+        (("eval", "ppl"), "--text"),
+        (("eval", "needle"), "--haystack"),
+        (("eval", "agreement"), "--doc"),
+    ):
         help_text = _options(_command(path))[flag].help or ""
         assert ".txt" not in help_text and "any format" in help_text, (path, flag)
     for path, flag in ((("eval", "needle"), "--needle"), (("eval", "needle"), "--seed")):
@@ -124,12 +135,16 @@ def test_policy_names_known_without_torch_are_the_registry() -> None:
 def test_summary_line() -> None:
     from kvtool.cli.ask import summary_line
 
-    stats = {"document_tokens": 5000, "prefix_tokens": 30, "prefill_tokens_per_second": 412.3,
-             "peak_memory_bytes": 1024**3, "recall_tokens": 0}
+    stats = {
+        "document_tokens": 5000,
+        "prefix_tokens": 30,
+        "prefill_tokens_per_second": 412.3,
+        "peak_memory_bytes": 1024**3,
+        "recall_tokens": 0,
+    }
     line = summary_line(stats, 14.26)
     assert line.startswith("answered in 14.3 s · 5,030 tokens read at 412 tok/s · peak 1.00 GiB · recall off")
-    stats.update(recall_tokens=256, recalled_pages=40, recall_seconds=0.5, loaded_from="x.kvc",
-                 cache_load_seconds=0.25)
+    stats.update(recall_tokens=256, recalled_pages=40, recall_seconds=0.5, loaded_from="x.kvc", cache_load_seconds=0.25)
     line = summary_line(stats, 2.0, "summarized")
     assert "summarized in 2.0 s" in line and "loaded in 0.2 s" in line and "recall 256 tokens/head" in line
 
@@ -145,8 +160,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_end_of_run_is_one_line_unless_stats(model_dir: str, tmp_path: Path) -> None:
     doc = tmp_path / "doc.txt"
     doc.write_text("The cache is small. " * 40, encoding="utf-8")
-    base = ["ask", str(doc), "q", "--model", model_dir, "--budget", "160", "--block-size", "32",
-            "--max-new-tokens", "3"]
+    base = [
+        "ask",
+        str(doc),
+        "q",
+        "--model",
+        model_dir,
+        "--budget",
+        "160",
+        "--block-size",
+        "32",
+        "--max-new-tokens",
+        "3",
+    ]
     short = CliRunner().invoke(app, base)
     assert short.exit_code == 0, short.output
     assert "answered in" in short.stderr and "tokens read at" in short.stderr
@@ -174,10 +200,18 @@ def big_doc(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run_without_model(argv: list[str], cwd: Path) -> tuple[int, str, bool, float]:
     """Run the CLI in a fresh interpreter: exit code, stderr, whether torch got imported, seconds in main()."""
-    code = ("import json, sys, time; from kvtool.cli.app import main; t = time.perf_counter(); "
-            f"rc = main({argv!r}); print(json.dumps([rc, 'torch' in sys.modules, time.perf_counter() - t]))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import json, sys, time; from kvtool.cli.app import main; t = time.perf_counter(); "
+        f"rc = main({argv!r}); print(json.dumps([rc, 'torch' in sys.modules, time.perf_counter() - t]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     rc, torch_loaded, seconds = json.loads(r.stdout.strip().splitlines()[-1])
     return rc, r.stderr, torch_loaded, seconds
 
@@ -207,8 +241,7 @@ def _run_without_model(argv: list[str], cwd: Path) -> tuple[int, str, bool, floa
         (["eval", "attn-error", "--samples", "0"], "--samples"),
     ],
 )
-def test_bad_input_fails_before_torch_and_reading(big_doc: Path, tmp_path: Path, args: list[str],
-                                                  message: str) -> None:
+def test_bad_input_fails_before_torch_and_reading(big_doc: Path, tmp_path: Path, args: list[str], message: str) -> None:
     bad_profile = tmp_path / "bad.yaml"
     bad_profile.write_text("bogus_key: 1\n", encoding="utf-8")
     paths = {"doc": big_doc, "out": tmp_path / "out.kvc", "bad_profile": bad_profile}

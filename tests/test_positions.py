@@ -24,8 +24,15 @@ def test_compact_without_eviction_equals_dense(make, mode):
 
 
 def test_compact_with_scaled_rope_equals_dense():
-    model = tiny_llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    model = tiny_llama(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    )
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(1))
     dense = dense_logits(model, ids)
     got, _ = stream_logits(make_engine(model, "sink", 128, block_size=16, positions="compact"), ids)
@@ -179,6 +186,8 @@ def test_compact_reads_rotate_in_buffers_the_plan_counts_and_never_grow_them_per
     assert engine.rotator.calls > 0
     assert all(x == seen[-1] for x in seen[len(seen) // 2 :])  # the second half of the read allocates nothing
     assert {key: b.data_ptr() for key, b in engine.rotator.work.buffers.items()} == seen[-1]  # nor decoding
-    dims = {"num_kv_heads": model.config.num_key_value_heads,
-            "head_dim": model.config.hidden_size // model.config.num_attention_heads}
+    dims = {
+        "num_kv_heads": model.config.num_key_value_heads,
+        "head_dim": model.config.hidden_size // model.config.num_attention_heads,
+    }
     assert 0 < engine.rotator.work.nbytes() <= rotation_scratch_bytes(dims, torch.float32, budget + block)

@@ -74,8 +74,11 @@ def test_profile_counts_the_weights_as_stored_and_the_plan_formula_is_within_5_p
     params, counted = parameter_bytes(model)
     stored = _stored_bytes(model)
     assert abs(counted - stored) <= 0.01 * stored, (counted, stored)
-    linear = sum(math.prod(m.weight.quant_state.shape) if quantize == "4bit" else m.weight.numel()
-                 for m in model.modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt"))
+    linear = sum(
+        math.prod(m.weight.quant_state.shape) if quantize == "4bit" else m.weight.numel()
+        for m in model.modules()
+        if type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+    )
     assert params == sum(p.numel() for p in load_model(loaded.source, device="cpu").model.parameters())
     formula = weights_bytes(params, 4, quantize, params - linear)  # float32 on CPU; embeddings unquantized
     assert abs(formula - stored) <= 0.05 * stored, (formula, stored, QUANT_BYTES_PER_PARAM[quantize])
@@ -85,9 +88,27 @@ def test_profile_counts_the_weights_as_stored_and_the_plan_formula_is_within_5_p
 def test_ask_with_quantized_weights_end_to_end(checkpoint, tmp_path, quantize):
     doc = tmp_path / "d.txt"
     doc.write_text("the cache is small and the pass key is 12345. " * 30)
-    r = CliRunner().invoke(app, ["ask", str(doc), "What is the pass key?", "--model", str(checkpoint),
-                                 "--quantize", quantize, "--device", "cpu", "--budget", "96", "--block-size", "16",
-                                 "--max-new-tokens", "4", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "ask",
+            str(doc),
+            "What is the pass key?",
+            "--model",
+            str(checkpoint),
+            "--quantize",
+            quantize,
+            "--device",
+            "cpu",
+            "--budget",
+            "96",
+            "--block-size",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["stats"]["quantize"] == quantize and out["stats"]["evicted_tokens"] > 0

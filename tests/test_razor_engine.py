@@ -17,8 +17,15 @@ HEADS = {0: [1], 1: [0]}  # layer -> retrieval KV heads (tiny models have 2 KV h
 
 
 def razor(model, budget, block_size=8, positions="absolute", heads=HEADS, **opts):
-    return make_engine(model, "razor", budget, block_size=block_size, positions=positions,
-                       options={k: str(v) for k, v in opts.items()}, retrieval=lambda **_: heads)
+    return make_engine(
+        model,
+        "razor",
+        budget,
+        block_size=block_size,
+        positions=positions,
+        options={k: str(v) for k, v in opts.items()},
+        retrieval=lambda **_: heads,
+    )
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2])
@@ -61,8 +68,9 @@ def test_per_head_capacities_hold_and_allocated_bytes_match_the_promise():
 
 def _comp_group(h=2, d=8, cap=6):
     spec = GroupSpec(heads=list(range(h)), capacity=cap, policy=Sink(), compensation=True)
-    return HeadGroup(spec, num_kv_heads=h, q_per_kv=2, head_dim=d, block_size=4, dtype=torch.float64,
-                     device=torch.device("cpu"))
+    return HeadGroup(
+        spec, num_kv_heads=h, q_per_kv=2, head_dim=d, block_size=4, dtype=torch.float64, device=torch.device("cpu")
+    )
 
 
 def test_compensation_attention_equals_eq5_by_brute_force():

@@ -50,8 +50,20 @@ def test_passkey_in_recent_window_is_answered(loaded, policy, budget):
         assert read.cache.counters.evicted_tokens > 0
 
 
-POLICIES = ["sink", "h2o", "tova", "snapkv", "scissorhands", "keydiff", "h2o+vatp", "scissorhands+vatp",
-            "tova+caote", "snapkv+fastcaote", "h2o+vatp+caote", "razor"]
+POLICIES = [
+    "sink",
+    "h2o",
+    "tova",
+    "snapkv",
+    "scissorhands",
+    "keydiff",
+    "h2o+vatp",
+    "scissorhands+vatp",
+    "tova+caote",
+    "snapkv+fastcaote",
+    "h2o+vatp+caote",
+    "razor",
+]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -99,8 +111,21 @@ def test_cli_ask_json_real_model(tmp_path, capsys):
 
     doc = tmp_path / "doc.txt"
     doc.write_text(essay_text(load_model(None).tokenizer, 950) + NEEDLE, encoding="utf-8")
-    rc = main(["ask", str(doc), "What is the pass key?", "--budget", "512", "--policy", "sink", "--json",
-               "--quiet", "--max-new-tokens", "24"])
+    rc = main(
+        [
+            "ask",
+            str(doc),
+            "What is the pass key?",
+            "--budget",
+            "512",
+            "--policy",
+            "sink",
+            "--json",
+            "--quiet",
+            "--max-new-tokens",
+            "24",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     result = json.loads(out.out)

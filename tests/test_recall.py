@@ -27,12 +27,28 @@ from kvtool.policies import build_policy
 from tests.helpers import VOCAB, dense_logits, tiny_llama, tiny_qwen2
 
 
-def recall_engine(model, policy: str, budget: int, recall_tokens: int, positions: str = "absolute",
-                  block_size: int = 16, page_size: int = 8, archive_dir: str | None = None,
-                  archive_dtype: torch.dtype | None = None, placement: str = "relevance") -> Engine:
-    cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=recall_tokens,
-                       page_size=page_size, archive_dir=archive_dir, archive_dtype=archive_dtype,
-                       recall_placement=placement)
+def recall_engine(
+    model,
+    policy: str,
+    budget: int,
+    recall_tokens: int,
+    positions: str = "absolute",
+    block_size: int = 16,
+    page_size: int = 8,
+    archive_dir: str | None = None,
+    archive_dtype: torch.dtype | None = None,
+    placement: str = "relevance",
+) -> Engine:
+    cfg = EngineConfig(
+        budget=budget,
+        block_size=block_size,
+        positions=positions,
+        recall=recall_tokens,
+        page_size=page_size,
+        archive_dir=archive_dir,
+        archive_dtype=archive_dtype,
+        recall_placement=placement,
+    )
     env = model_env(model, cfg)
     # SnapKV's observation window (32 by default) is always kept: at the tests' budget of 40 it would leave
     # no room for the pinned question (the engine refuses that), so these tests observe 8 queries.
@@ -70,7 +86,8 @@ def test_archive_appends_in_order_and_page_bounds_hold():
     kmin, kmax = arch.page_summaries()
     assert kmin.shape == (h, arch.pages, d) and arch.summaries.rows == arch.length // P  # the open page: in memory
     bound = torch.bmm(q.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(
-        q.clamp(max=0), kmin.float().transpose(1, 2))  # [h, r, pages]
+        q.clamp(max=0), kmin.float().transpose(1, 2)
+    )  # [h, r, pages]
     assert torch.equal(arch.page_scores(q), bound.amax(1))
     exact = torch.bmm(q, K.transpose(1, 2))  # [h, r, n]
     page_of = torch.arange(arch.length) // P
@@ -126,7 +143,8 @@ def test_candidates_are_scored_exactly_whole_or_by_the_bound_beyond_the_scan(mon
     idx, scores = _scored(arch, q, 2 * P)  # two pages of five
     kmin, kmax = arch.page_summaries()
     bound = torch.bmm(q.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(
-        q.clamp(max=0), kmin.float().transpose(1, 2))
+        q.clamp(max=0), kmin.float().transpose(1, 2)
+    )
     for head in range(h):
         want = sorted(torch.topk(bound[head].amax(0), 2).indices.tolist())
         assert sorted(set((idx[head] // P).tolist())) == want
@@ -389,8 +407,15 @@ def test_recalled_kv_equal_what_was_evicted(positions, monkeypatch):
     assert all(g.stack is not None for g in cache.groups())  # every eviction waits for the block's end
 
     def spy(self):
-        before = [(g.keys[0, :, g.off : g.off + g.length].clone(), g.values[0, :, g.off : g.off + g.length].clone(),
-                   g.positions[:, : g.length].clone(), g.rotary[:, : g.length].clone()) for g in self.groups()]
+        before = [
+            (
+                g.keys[0, :, g.off : g.off + g.length].clone(),
+                g.values[0, :, g.off : g.off + g.length].clone(),
+                g.positions[:, : g.length].clone(),
+                g.rotary[:, : g.length].clone(),
+            )
+            for g in self.groups()
+        ]
         real(self)
         for li, (g, (k_all, v_all, p_all, r_all)) in enumerate(zip(self.groups(), before, strict=True)):
             kept = g.positions[:, : g.length]
@@ -542,8 +567,7 @@ def test_focus_ranks_by_the_question_rows_only():
 
     recall.insert = spy
     try:
-        for entries, focus in ((log, slice(4, 9)), ([(li, x[:, :, 4:9], s) for li, x, s in log], None),
-                               (log, None)):
+        for entries, focus in ((log, slice(4, 9)), ([(li, x[:, :, 4:9], s) for li, x, s in log], None), (log, None)):
             cache.restore(snap)
             chosen.append([])
             recall.recall(cache, entries, 16, focus)
@@ -614,8 +638,9 @@ def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
     assert doc_stats["archive_path"].startswith(str(tmp_path))
 
     out = tmp_path / "doc.kvc"
-    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
-                         "--recall", "64", "-q")
+    rc, _, err = run_cli(
+        capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8], "--recall", "64", "-q"
+    )
     assert rc == 0, err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtool-archive-")] == []  # temp: unlinked
     rc, info, _ = run_cli(capsys, "inspect", out, "--json")
@@ -652,12 +677,14 @@ def test_kvc_round_trip_keeps_the_archive(kvenv, tmp_path, capsys, monkeypatch):
 def test_kvc_without_archive_answers_with_a_note(kvenv, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
     out = tmp_path / "plain.kvc"
-    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
-                         "--recall", "off", "-q")
+    rc, _, err = run_cli(
+        capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8], "--recall", "off", "-q"
+    )
     assert rc == 0, err
     assert not list(tmp_path.glob("plain.kvc*.archive"))
-    rc, stdout, err = run_cli(capsys, "ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64",
-                              "--max-new-tokens", "4")
+    rc, stdout, err = run_cli(
+        capsys, "ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "4"
+    )
     assert rc == 0 and stdout.strip()
     assert "no archive of evicted tokens" in err
 
@@ -670,8 +697,9 @@ def test_bad_recall_value_is_a_usage_error(kvenv, capsys, flag):
 
 def test_unwritable_archive_dir_exits_2(kvenv, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path / "nope"))
-    rc, _, err = run_cli(capsys, "ask", kvenv["doc"], "what", "--model", kvenv["model"], *KV_SETTINGS, "--recall",
-                         "64", "-q")
+    rc, _, err = run_cli(
+        capsys, "ask", kvenv["doc"], "what", "--model", kvenv["model"], *KV_SETTINGS, "--recall", "64", "-q"
+    )
     assert rc == 2 and "cannot create the recall archive" in err and "Traceback" not in err
 
 
@@ -695,8 +723,19 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     import json
 
     monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
-    args = ["profile", "--model", kvenv["model"], "--budget", "40", "--block-size", "16", "--device", "cpu", "--json",
-            "-q"]
+    args = [
+        "profile",
+        "--model",
+        kvenv["model"],
+        "--budget",
+        "40",
+        "--block-size",
+        "16",
+        "--device",
+        "cpu",
+        "--json",
+        "-q",
+    ]
     rc, plain, err = run_cli(capsys, *args, "--recall", "0")
     assert rc == 0, err
     rc, with_recall, err = run_cli(capsys, *args, "--recall", "24", "--archive-dtype", "auto")
@@ -746,13 +785,36 @@ def test_kvc_archive_in_another_dtype_answers_without_recall(kvenv, tmp_path, ca
     monkeypatch.setenv("KVTOOL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
     out = tmp_path / "half.kvc"
-    rc, _, err = run_cli(capsys, "prefill", kvenv["doc"], "-o", out, "--model", kvenv["model"], *KV_SETTINGS[:8],
-                         "--recall", "64", "--archive-dtype", "float16", "-q")
+    rc, _, err = run_cli(
+        capsys,
+        "prefill",
+        kvenv["doc"],
+        "-o",
+        out,
+        "--model",
+        kvenv["model"],
+        *KV_SETTINGS[:8],
+        "--recall",
+        "64",
+        "--archive-dtype",
+        "float16",
+        "-q",
+    )
     assert rc == 0, err
     rc, info, _ = run_cli(capsys, "inspect", out, "--json")
     assert json.loads(info)["archive"]["dtype"] == "float16"
-    ask = ["ask", out, "what is the castle", "--model", kvenv["model"], "--recall", "64", "--max-new-tokens", "4",
-           "--json"]
+    ask = [
+        "ask",
+        out,
+        "what is the castle",
+        "--model",
+        kvenv["model"],
+        "--recall",
+        "64",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    ]
     rc, same, err = run_cli(capsys, *ask, "--archive-dtype", "float16")
     assert rc == 0 and "answering without recall" not in err, err
     assert json.loads(same)["stats"]["recalled_pages"] > 0 and json.loads(same)["stats"]["archive_dtype"] == "float16"
@@ -771,9 +833,20 @@ def test_a_question_the_template_rewrites_is_ranked_by_every_row_and_said(kvenv,
 
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
     notes: list[str] = []
-    s = Session(resolve_settings(None, {"model": kvenv["model"], "policy": "h2o", "budget": "40", "block_size": 16,
-                                        "recall": "64", "max_new_tokens": 2}),
-                listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None)
+    s = Session(
+        resolve_settings(
+            None,
+            {
+                "model": kvenv["model"],
+                "policy": "h2o",
+                "budget": "40",
+                "block_size": 16,
+                "recall": "64",
+                "max_new_tokens": 2,
+            },
+        ),
+        listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None,
+    )
     read = s.read(open_document(str(kvenv["doc"])))
     s.ask(read, "where is the ship")
     assert not any("not verbatim" in n for n in notes)
@@ -794,8 +867,20 @@ def test_a_session_and_its_last_read_go_with_the_last_reference(kvenv, tmp_path,
     from kvtool.runtime.settings import resolve_settings
 
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
-    s = Session(resolve_settings(None, {"model": kvenv["model"], "policy": "h2o", "budget": "40", "block_size": 16,
-                                        "recall": "64", "max_new_tokens": 2}), listener=lambda e: None)
+    s = Session(
+        resolve_settings(
+            None,
+            {
+                "model": kvenv["model"],
+                "policy": "h2o",
+                "budget": "40",
+                "block_size": 16,
+                "recall": "64",
+                "max_new_tokens": 2,
+            },
+        ),
+        listener=lambda e: None,
+    )
     s.ask(s.read(open_document(str(kvenv["doc"]))), "where is the ship")
     session, cache = weakref.ref(s), weakref.ref(s.last_read.cache)
     gc.disable()

@@ -42,8 +42,9 @@ def session_for(model_dir: str, notes: list[str], **overrides):
     from kvtool.runtime.session import Session
 
     flags = {"model": model_dir, "policy": "h2o", "budget": "160", "block_size": 16, "max_new_tokens": 3, **overrides}
-    return Session(resolve_settings(None, flags),
-                   listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None)
+    return Session(
+        resolve_settings(None, flags), listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None
+    )
 
 
 # -- the repeat guard ----------------------------------------------------------------------------------
@@ -222,8 +223,20 @@ def test_fits_keeps_a_reserve_and_a_margin(monkeypatch):
 
 
 def cli(model_dir, *args, answer: bool = True):
-    return runner.invoke(app, [*map(str, args), "--model", model_dir, "--budget", "160", "--block-size", "16",
-                               *(["--max-new-tokens", "3", "--json"] if answer else []), "--quiet"])
+    return runner.invoke(
+        app,
+        [
+            *map(str, args),
+            "--model",
+            model_dir,
+            "--budget",
+            "160",
+            "--block-size",
+            "16",
+            *(["--max-new-tokens", "3", "--json"] if answer else []),
+            "--quiet",
+        ],
+    )
 
 
 def test_ask_json_says_recall_is_the_default_and_summarize_keeps_it_off(model_dir, doc, tmp_path, monkeypatch):

@@ -20,8 +20,16 @@ from tests.helpers import VOCAB, dense_logits, tiny_family, tiny_llama
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def recall_engine(model, policy: str, budget: int | None, rec: int, positions: str = "absolute",
-                  block_size: int = 16, archive_dir: str | None = None, retrieval=None) -> Engine:
+def recall_engine(
+    model,
+    policy: str,
+    budget: int | None,
+    rec: int,
+    positions: str = "absolute",
+    block_size: int = 16,
+    archive_dir: str | None = None,
+    retrieval=None,
+) -> Engine:
     cfg = EngineConfig(budget=budget, block_size=block_size, positions=positions, recall=rec, archive_dir=archive_dir)
     env = model_env(model, cfg, retrieval_heads=retrieval)
     return Engine(model, build_policy(policy, {}, env), cfg, env=env)

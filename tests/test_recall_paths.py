@@ -206,8 +206,9 @@ def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(m
     """Oracle: recall adds tokens and moves none of the kept ones' K/V codes or window rows, so every kept token
     reads bit-identical values after the recall — the document's newest ones from their 16-bit window, though
     the recalled selection now sits after them (compact positions place it by relevance)."""
-    engine = make_engine(tiny_llama(), "h2o", 160, block_size=16, positions="compact", recall=128, page_size=8,
-                         kv_dtype="int4")
+    engine = make_engine(
+        tiny_llama(), "h2o", 160, block_size=16, positions="compact", recall=128, page_size=8, kv_dtype="int4"
+    )
     cache, snap = _read(engine, 400, 7)
     before: list[dict[int, torch.Tensor]] = []
     after: list[dict[int, torch.Tensor]] = []
@@ -217,8 +218,9 @@ def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(m
         out = []
         for g in c.groups():
             values, pos = g.stored_values(), g.positions[:, : g.length]
-            out.append({(h, int(p)): values[h, i].clone() for h in range(g.num_heads)
-                        for i, p in enumerate(pos[h].tolist())})
+            out.append(
+                {(h, int(p)): values[h, i].clone() for h in range(g.num_heads) for i, p in enumerate(pos[h].tolist())}
+            )
         return out
 
     def spy(c, *args, **kw):
@@ -230,8 +232,11 @@ def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(m
     monkeypatch.setattr(recall, "recall", spy)
     placed: list[bool] = []
     real_insert = recall.insert
-    monkeypatch.setattr(recall, "insert", lambda g, k, v, p, ranking=None: (placed.append(ranking is not None),
-                                                                          real_insert(g, k, v, p, ranking)))
+    monkeypatch.setattr(
+        recall,
+        "insert",
+        lambda g, k, v, p, ranking=None: (placed.append(ranking is not None), real_insert(g, k, v, p, ranking)),
+    )
     engine.feed_question(cache, _ids(10, 8), lambda: cache.restore(snap))
     assert placed == [True, True]
     window = cache.groups()[0].recent
@@ -250,8 +255,9 @@ def test_int4_kept_tokens_read_the_same_values_after_a_relevance_placed_recall(m
 def test_a_restore_keeps_the_original_keys_copy_bit_identical(kv_dtype):
     """Oracle: after questions (each restores the post-document cache twice and re-packs it), a restore gives
     back exactly the original-position keys the document left, so every question starts from them."""
-    engine = make_engine(tiny_llama(), "h2o", 64, block_size=16, positions="compact", recall=16, page_size=8,
-                         kv_dtype=kv_dtype)
+    engine = make_engine(
+        tiny_llama(), "h2o", 64, block_size=16, positions="compact", recall=16, page_size=8, kv_dtype=kv_dtype
+    )
     cache, snap = _read(engine, 250, 9)
 
     def originals() -> list[torch.Tensor]:
@@ -332,13 +338,21 @@ def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
     doc = tmp_path / "doc.md"
     doc.write_text(f"# Intro\n\n{filler}\n\n# Secret\n\nThe pass key is 12345.\n\n# Outro\n\n{filler}\n")
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
-    s = Session(resolve_settings(None, {"model": str(model_dir), "budget": "160", "block_size": 16, "recall": "32",
-                                        "max_new_tokens": 6}))
+    s = Session(
+        resolve_settings(
+            None, {"model": str(model_dir), "budget": "160", "block_size": 16, "recall": "32", "max_new_tokens": 6}
+        )
+    )
     read = s.read(open_document(str(doc)))
     source = read.source
     first = source.first_position
-    secret = torch.tensor([int(p) for p, (a, _) in zip(source.positions, source.spans, strict=True)
-                           if source.section_at(int(a)).title == "Secret"])
+    secret = torch.tensor(
+        [
+            int(p)
+            for p, (a, _) in zip(source.positions, source.spans, strict=True)
+            if source.section_at(int(a)).title == "Secret"
+        ]
+    )
     held = torch.cat([g.positions[:, : g.length].reshape(-1) for g in read.cache.groups()])
     assert secret.numel(), "the source map forgot the evicted needle's section"
     assert not torch.isin(secret, held).any()  # the needle's section was evicted everywhere
@@ -358,7 +372,7 @@ def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
 
     monkeypatch.setattr(BoundedCache, "stop_mass", spy)
     s.ask(read, "what is the pass key?", cite_spans=True)
-    (positions, mass), = attended
+    ((positions, mass),) = attended
     recalled = torch.isin(positions, secret)
     assert recalled.any() and float(mass[recalled].sum()) > 0  # the answer attended to the recalled passage
     document = (positions >= first) & (positions < first + source.count)
@@ -370,8 +384,15 @@ def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
 
 
 # -- a byte budget is a ceiling with recall on; the plan suggests a budget that fits ----------------------------
-HAND = {"num_layers": 4, "num_kv_heads": 2, "num_attention_heads": 4, "head_dim": 16, "hidden_size": 64,
-        "intermediate_size": 96, "vocab_size": 100}
+HAND = {
+    "num_layers": 4,
+    "num_kv_heads": 2,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "vocab_size": 100,
+}
 
 
 @pytest.mark.parametrize("dims", [HAND, {**HAND, "sliding_layers": 2, "sliding_window": 33}], ids=["plain", "hybrid"])
@@ -419,20 +440,27 @@ def test_a_recall_larger_than_the_byte_budget_is_refused_with_the_figures():
         plan(info, resolve_settings(None, {"budget": "64KiB", "recall": "64"}))
 
 
-@pytest.mark.parametrize("settings", [{"recall": "auto"}, {"recall": "512", "positions": "compact"},
-                                      {"recall": "auto", "kv_dtype": "int8", "policy": "keydiff"}])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"recall": "auto"},
+        {"recall": "512", "positions": "compact"},
+        {"recall": "auto", "kv_dtype": "int8", "policy": "keydiff"},
+    ],
+)
 def test_the_largest_budget_of_a_memory_limit_fits_with_recall_on(settings):
     """``profile --memory``: the budget it suggests, planned with recall on, fits the limit; one more does not."""
     from kvtool.runtime.profiling import ModelInfo, plan
     from kvtool.runtime.settings import resolve_settings
 
-    info = ModelInfo(name="hand", dims=HAND, num_params=1000, dtype="bfloat16", rows=16, n_fields=1,
-                     weights_bytes=5000)
+    info = ModelInfo(name="hand", dims=HAND, num_params=1000, dtype="bfloat16", rows=16, n_fields=1, weights_bytes=5000)
     limit = 6_000_000
     base = {"block_size": 16, "budget": "64", "policy": "h2o", **settings}
     best = plan(info, resolve_settings(None, base), doc_tokens=20_000, memory=limit)["memory"]["largest_budget_tokens"]
-    at, over = (plan(info, resolve_settings(None, {**base, "budget": str(b)}), doc_tokens=20_000, memory=limit)
-                for b in (best, best + 1))
+    at, over = (
+        plan(info, resolve_settings(None, {**base, "budget": str(b)}), doc_tokens=20_000, memory=limit)
+        for b in (best, best + 1)
+    )
     assert at["memory"]["fits"] is True and at["predicted_peak_bytes"] <= limit < over["predicted_peak_bytes"]
     assert at["recall_tokens"] and at["recall_slots_bytes"] and at["recall_scratch_bytes"]
 
@@ -448,8 +476,11 @@ def test_a_session_with_a_byte_budget_holds_kept_and_recalled_tokens_inside_it(t
     doc = tmp_path / "doc.txt"
     doc.write_text("the cache is small and hello world. " * 80)
     monkeypatch.setenv("KVTOOL_ARCHIVE_DIR", str(tmp_path))
-    s = Session(resolve_settings(None, {"model": str(model_dir), "budget": "128KiB", "block_size": 16,
-                                        "policy": "tova", "max_new_tokens": 4}))
+    s = Session(
+        resolve_settings(
+            None, {"model": str(model_dir), "budget": "128KiB", "block_size": 16, "policy": "tova", "max_new_tokens": 4}
+        )
+    )
     assert (s.budget_tokens, s.recall_tokens) == (128, 128)  # 256 tokens of 512 bytes: half kept, half recalled
     during: list[int] = []
     real = recall.recall
@@ -465,8 +496,9 @@ def test_a_session_with_a_byte_budget_holds_kept_and_recalled_tokens_inside_it(t
         stats = s.stats(read)
     assert during and during[0] == 128 << 10  # kept + recalled: the whole budget, not more
     assert stats["kv_budget_bytes"] + stats["recall_kv_bytes"] == 128 << 10
-    assert "128 tokens per KV head kept (64.0 KiB) + 128 recalled while answering (64.0 KiB" in \
-        stats["budget_conversion"]
+    assert (
+        "128 tokens per KV head kept (64.0 KiB) + 128 recalled while answering (64.0 KiB" in stats["budget_conversion"]
+    )
 
 
 def test_a_kvc_budget_in_bytes_matches_with_the_recall_it_was_split_for():

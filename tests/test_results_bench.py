@@ -36,9 +36,18 @@ from kvtool.policy_syntax import check_spec  # noqa: E402
 
 # --------------------------------------------------------------------------------------------- the grid
 def test_grid_lists_every_base_and_every_modifier_on_the_bases_it_applies_to():
-    expected = {"sink", "h2o", "tova", "snapkv", "scissorhands", "keydiff", "razor",
-                "h2o+vatp", "scissorhands+vatp",
-                *(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in ("caote", "fastcaote", "caote(greedy=true)"))}
+    expected = {
+        "sink",
+        "h2o",
+        "tova",
+        "snapkv",
+        "scissorhands",
+        "keydiff",
+        "razor",
+        "h2o+vatp",
+        "scissorhands+vatp",
+        *(f"{b}+{m}" for b in ("h2o", "tova", "snapkv") for m in ("caote", "fastcaote", "caote(greedy=true)")),
+    }
     got = evidence.grid_policies()
     assert set(got) == expected and len(got) == len(expected)
     for spec in got:
@@ -47,8 +56,15 @@ def test_grid_lists_every_base_and_every_modifier_on_the_bases_it_applies_to():
 
 def test_grid_tasks_scale_the_haystack_with_the_budget_and_read_every_document():
     tasks = evidence.grid_tasks(["h2o"], [256, 1024], trials=2, samples=3)
-    assert set(tasks) == {"needle", "needle-1024", "ppl", "ppl-1024", "agreement-aord", "agreement-pride",
-                          "agreement-langdes"}
+    assert set(tasks) == {
+        "needle",
+        "needle-1024",
+        "ppl",
+        "ppl-1024",
+        "agreement-aord",
+        "agreement-pride",
+        "agreement-langdes",
+    }
     assert tasks["needle"][tasks["needle"].index("--lengths") + 1] == "1k"
     assert tasks["needle-1024"][tasks["needle-1024"].index("--lengths") + 1] == "4k"
     assert tasks["ppl-1024"][tasks["ppl-1024"].index("--context") + 1] == "4k"
@@ -69,10 +85,19 @@ def test_agreement_documents_have_at_least_36_questions_over_three_kinds():
 
 # --------------------------------------------------------------------------------------------- pooling
 def _doc(f1s: dict[tuple[str, int], list[float]], name: str) -> dict:
-    rows = [{"policy": p, "budget": b, "answers": [{"f1": x, "exact": x == 1.0, "rouge_l": x, "kl": 1 - x,
-                                                      "top1": x} for x in xs]} for (p, b), xs in f1s.items()]
-    return {"command": f"kvtool eval agreement --doc {name}", "seconds": 1.0,
-            "result": {"task": "agreement", "settings": {"doc": name}, "results": rows}}
+    rows = [
+        {
+            "policy": p,
+            "budget": b,
+            "answers": [{"f1": x, "exact": x == 1.0, "rouge_l": x, "kl": 1 - x, "top1": x} for x in xs],
+        }
+        for (p, b), xs in f1s.items()
+    ]
+    return {
+        "command": f"kvtool eval agreement --doc {name}",
+        "seconds": 1.0,
+        "result": {"task": "agreement", "settings": {"doc": name}, "results": rows},
+    }
 
 
 def test_pool_agreement_concatenates_questions_and_flags_against_the_best_at_the_budget():
@@ -108,18 +133,21 @@ def test_merge_replaces_a_table_measured_under_other_settings():
 
 
 # --------------------------------------------------------------------------------------------- verdicts
-@pytest.mark.parametrize(("low", "high", "kind", "margin", "want"), [
-    (0.01, 0.2, "better", 0.0, claims.HOLDS),
-    (-0.2, -0.01, "better", 0.0, claims.FAILS),
-    (-0.1, 0.1, "better", 0.0, claims.NOISE),
-    (-0.04, 0.1, "competitive", 0.05, claims.HOLDS),
-    (-0.2, -0.06, "competitive", 0.05, claims.FAILS),
-    (-0.1, 0.0, "competitive", 0.05, claims.NOISE),
-    (-0.04, 0.04, "close", 0.05, claims.HOLDS),
-    (0.06, 0.2, "close", 0.05, claims.FAILS),
-    (-0.2, -0.06, "close", 0.05, claims.FAILS),
-    (0.0, 0.1, "close", 0.05, claims.NOISE),
-])
+@pytest.mark.parametrize(
+    ("low", "high", "kind", "margin", "want"),
+    [
+        (0.01, 0.2, "better", 0.0, claims.HOLDS),
+        (-0.2, -0.01, "better", 0.0, claims.FAILS),
+        (-0.1, 0.1, "better", 0.0, claims.NOISE),
+        (-0.04, 0.1, "competitive", 0.05, claims.HOLDS),
+        (-0.2, -0.06, "competitive", 0.05, claims.FAILS),
+        (-0.1, 0.0, "competitive", 0.05, claims.NOISE),
+        (-0.04, 0.04, "close", 0.05, claims.HOLDS),
+        (0.06, 0.2, "close", 0.05, claims.FAILS),
+        (-0.2, -0.06, "close", 0.05, claims.FAILS),
+        (0.0, 0.1, "close", 0.05, claims.NOISE),
+    ],
+)
 def test_cell_verdict_on_synthetic_intervals(low, high, kind, margin, want):
     assert claims.cell_verdict(low, high, kind, margin) == want
 
@@ -145,12 +173,22 @@ def test_paired_cells_compare_the_same_units_with_higher_better():
     trials = [{"trial": t, "correct": c} for t, c in enumerate([True, True, False, True])]
     base = [{"trial": t, "correct": False} for t in range(4)]
     data = {
-        "needle": {"result": {"results": [
-            {"policy": "h2o+vatp", "budget": 256, "recall": 0, "answers": trials},
-            {"policy": "h2o", "budget": 256, "recall": 0, "answers": base}]}},
-        "ppl": {"result": {"results": [
-            {"policy": "h2o+vatp", "budget": 256, "samples": [{"ppl": 11.0, "dense_ppl": 10.0}] * 3},
-            {"policy": "h2o", "budget": 256, "samples": [{"ppl": 12.0, "dense_ppl": 10.0}] * 3}]}},
+        "needle": {
+            "result": {
+                "results": [
+                    {"policy": "h2o+vatp", "budget": 256, "recall": 0, "answers": trials},
+                    {"policy": "h2o", "budget": 256, "recall": 0, "answers": base},
+                ]
+            }
+        },
+        "ppl": {
+            "result": {
+                "results": [
+                    {"policy": "h2o+vatp", "budget": 256, "samples": [{"ppl": 11.0, "dense_ppl": 10.0}] * 3},
+                    {"policy": "h2o", "budget": 256, "samples": [{"ppl": 12.0, "dense_ppl": 10.0}] * 3},
+                ]
+            }
+        },
     }
     cells = {c["table"]: c for c in claims.paired_cells(data, "h2o+vatp", "h2o", [256, 1024])}
     assert set(cells) == {"needle", "ppl"}  # no agreement table, no 1024 runs
@@ -231,8 +269,15 @@ def test_whole_budget_is_the_smallest_that_keeps_every_retrieval_head_whole():
 
     def capacity(budget: int) -> int:
         razor = Razor()
-        razor.env = PolicyEnv(num_layers=2, num_kv_heads=3, num_attention_heads=3, head_dim=2, budget=budget,
-                              sinks=4, retrieval_heads=lambda **_: {0: [1], 1: []})
+        razor.env = PolicyEnv(
+            num_layers=2,
+            num_kv_heads=3,
+            num_attention_heads=3,
+            head_dim=2,
+            budget=budget,
+            sinks=4,
+            retrieval_heads=lambda **_: {0: [1], 1: []},
+        )
         return razor.budget_split(razor.env)[0]["retrieval_capacity"]
 
     assert capacity(b) >= 1000 > capacity(b - 1)
@@ -243,14 +288,36 @@ def test_the_evidence_sections_render_from_synthetic_results():
     from distinctiveness import summarize
 
     windows = [[{"spearman": 0.1 * w + 0.2 * layer, "pearson": 0.5} for layer in range(3)] for w in range(4)]
-    razor_rows = [{"policy": p, "budget": b, "stored": s, "reduction_vs_dense": 1 - s / 1000,
-                   "equal_bytes_budget": None if b is None else b} for p, b, s in
-                  (("full", None, 1000), ("razor", 256, 130), ("h2o", 256, 130), ("sink", 256, 130))]
-    data = {"distinctiveness": {"command": "python bench/distinctiveness.py", "seconds": 1.0,
-                                "result": summarize(windows)},
-            "razor-bytes": {"command": "python bench/razor_bytes.py", "seconds": 2.0, "result": {"docs": [
-                {"doc": "a.txt", "tokens": 2000, "retrieval_kv_heads": 24, "kv_heads": 90, "whole_budget": 2000,
-                 "paper_layout_reduction": 0.59, "rows": razor_rows}]}}}
+    razor_rows = [
+        {
+            "policy": p,
+            "budget": b,
+            "stored": s,
+            "reduction_vs_dense": 1 - s / 1000,
+            "equal_bytes_budget": None if b is None else b,
+        }
+        for p, b, s in (("full", None, 1000), ("razor", 256, 130), ("h2o", 256, 130), ("sink", 256, 130))
+    ]
+    data = {
+        "distinctiveness": {"command": "python bench/distinctiveness.py", "seconds": 1.0, "result": summarize(windows)},
+        "razor-bytes": {
+            "command": "python bench/razor_bytes.py",
+            "seconds": 2.0,
+            "result": {
+                "docs": [
+                    {
+                        "doc": "a.txt",
+                        "tokens": 2000,
+                        "retrieval_kv_heads": 24,
+                        "kv_heads": 90,
+                        "whole_budget": 2000,
+                        "paper_layout_reduction": 0.59,
+                        "rows": razor_rows,
+                    }
+                ]
+            },
+        },
+    }
     text = "\n".join(evidence.evidence_sections(data, "h2o"))
     assert "## Do distinctive keys receive high attention?" in text and "## The memory RazorAttention holds" in text
     assert "≥ 70% KV reduction with retrieval heads kept whole" in text
@@ -268,16 +335,19 @@ def _needle(rows: list[tuple[str, int, int, int]]) -> dict:
 
 
 def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails():
-    data = {"default-number-1k": _needle([("h2o", 0, 23, 60), ("h2o", 256, 60, 60)]),
-            "default-number-1k-full": _needle([("full", 0, 30, 30)]),
-            "default-number-8k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
-            "default-number-8k-document": _needle([("full", 0, 5, 9)]),  # the same trials' `full` rows
-            "needle-32k-full": _needle([("full", 0, 0, 30)]),
-            "default-number-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
-            "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)]),
-            "default-number-128k": _needle([("h2o", 0, 0, 12), ("h2o", 256, 12, 12)])}
-    number_1k, name_1k, number_8k, name_8k, number_32k, name_32k, number_128k, _ = \
-        defaults.table_needles(data).splitlines()[2:]
+    data = {
+        "default-number-1k": _needle([("h2o", 0, 23, 60), ("h2o", 256, 60, 60)]),
+        "default-number-1k-full": _needle([("full", 0, 30, 30)]),
+        "default-number-8k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+        "default-number-8k-document": _needle([("full", 0, 5, 9)]),  # the same trials' `full` rows
+        "needle-32k-full": _needle([("full", 0, 0, 30)]),
+        "default-number-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 9, 9)]),
+        "default-name-32k": _needle([("h2o", 0, 0, 9), ("h2o", 256, 5, 9)]),
+        "default-number-128k": _needle([("h2o", 0, 0, 12), ("h2o", 256, 12, 12)]),
+    }
+    number_1k, name_1k, number_8k, name_8k, number_32k, name_32k, number_128k, _ = defaults.table_needles(
+        data
+    ).splitlines()[2:]
     assert "| 30/30 [89, 100] | 23/60 [27, 51] | **60/60** [94, 100] | 100% of `full`'s rate (+0 pp" in number_1k
     assert "| not run | not run | not run | – |" in name_1k  # its log is missing: nothing is made up
     assert "180% of `full`'s rate (+44 pp [+5, +73])" in number_8k and "noise" not in number_8k
@@ -288,8 +358,20 @@ def test_default_table_compares_with_full_and_holds_the_floor_where_full_fails()
 
 def _needle_trials(found: dict[tuple[float, int], bool]) -> dict:
     depths = sorted({d for d, _ in found})
-    return {"result": {"results": [{"policy": "h2o", "budget": 256, "recall": 256, "depth": d, "answers": [
-        {"trial": t, "correct": ok} for (dd, t), ok in sorted(found.items()) if dd == d]} for d in depths]}}
+    return {
+        "result": {
+            "results": [
+                {
+                    "policy": "h2o",
+                    "budget": 256,
+                    "recall": 256,
+                    "depth": d,
+                    "answers": [{"trial": t, "correct": ok} for (dd, t), ok in sorted(found.items()) if dd == d],
+                }
+                for d in depths
+            ]
+        }
+    }
 
 
 def test_placement_table_pairs_the_same_trials():
@@ -319,14 +401,21 @@ def test_a_loop_is_a_phrase_repeated_back_to_back():
 
 # --------------------------------------------------------------------------------------------- quantized K/V
 def _ppl_run(budgets: dict) -> dict:
-    return {"result": {"results": [{"policy": "h2o", "budget": b, "samples": [{"ppl": p, "dense_ppl": 10.0}
-                                                                              for p in ppls]}
-                                   for b, ppls in budgets.items()]}}
+    return {
+        "result": {
+            "results": [
+                {"policy": "h2o", "budget": b, "samples": [{"ppl": p, "dense_ppl": 10.0} for p in ppls]}
+                for b, ppls in budgets.items()
+            ]
+        }
+    }
 
 
 def test_kv_perplexity_rows_pair_windows_against_the_float32_cache():
-    data = {"kv-ppl-auto": _ppl_run({256: [10.0, 20.0], 113: [12.0, 24.0]}),
-            "kv-ppl-int8": _ppl_run({256: [10.1, 19.8], 441: [10.0, 20.0]})}
+    data = {
+        "kv-ppl-auto": _ppl_run({256: [10.0, 20.0], 113: [12.0, 24.0]}),
+        "kv-ppl-int8": _ppl_run({256: [10.1, 19.8], 441: [10.0, 20.0]}),
+    }
     tokens, gap, vs = kv_tables.ppl_rows(data)
     assert "| – | +0.00% [" in tokens and "(noise)" in tokens  # +1% and −1%: the paired mean is 0
     assert "| +80.00% [+20.00, +140.00] | +50.00% [+0.00, +100.00] | not run |" in gap  # each window against dense
@@ -337,11 +426,21 @@ def test_kv_speed_rows_take_each_dtype_from_the_newest_report(tmp_path):
     def report(name, dtypes):
         (tmp_path / name).write_text(json.dumps({"dtypes": dtypes}))
 
-    fig = {"prefill_tps": 100.0, "peak_rss_bytes": 1.1e9, "speed_ratio": 1.0, "speed_ratio_repeats": [1.0],
-           "peak_ratio": 1.0}
-    report("kv-dtype-8k.json", {"auto": {**fig, "prefill_tps": 84.0}, "int8": {**fig, "speed_ratio": 1.18,
-                                                                            "speed_ratio_repeats": [1.14, 1.22]},
-                                "int4": {**fig, "speed_ratio": 0.79}})
+    fig = {
+        "prefill_tps": 100.0,
+        "peak_rss_bytes": 1.1e9,
+        "speed_ratio": 1.0,
+        "speed_ratio_repeats": [1.0],
+        "peak_ratio": 1.0,
+    }
+    report(
+        "kv-dtype-8k.json",
+        {
+            "auto": {**fig, "prefill_tps": 84.0},
+            "int8": {**fig, "speed_ratio": 1.18, "speed_ratio_repeats": [1.14, 1.22]},
+            "int4": {**fig, "speed_ratio": 0.79},
+        },
+    )
     report("kv-dtype-8k-int4.json", {"auto": fig, "int4": {**fig, "speed_ratio": 0.88, "peak_ratio": 0.9}})
     speed, peak = kv_tables.speed_rows(tmp_path)
     assert "| 100 / 84 tok/s (one per run) | 1.18× (1.14, 1.22) | 0.88× (1.00) |" in speed  # int4: the newer run
@@ -349,8 +448,18 @@ def test_kv_speed_rows_take_each_dtype_from_the_newest_report(tmp_path):
 
 
 def test_citation_table_puts_intervals_on_its_counts():
-    row = {"policy": "h2o", "budget": "512", "trials": 6, "answered": 5, "top_is_needle": 5, "same_answer": 6,
-           "ms_per_token": 100.0, "ms_per_token_cite": 105.0, "overhead_pct": 5.0, "rank_overhead_pct": 0.3}
+    row = {
+        "policy": "h2o",
+        "budget": "512",
+        "trials": 6,
+        "answered": 5,
+        "top_is_needle": 5,
+        "same_answer": 6,
+        "ms_per_token": 100.0,
+        "ms_per_token_cite": 105.0,
+        "overhead_pct": 5.0,
+        "rank_overhead_pct": 0.3,
+    }
     line = cite_table.table({"rows": [row, {**row, "policy": "sink", "answered": 0, "top_is_needle": 0}]})
     assert "| `h2o` @ 512 | 5/6 [44, 97] | 5/5 [57, 100] | 100.0 → 105.0 (+5.0%) | 0.3% of decode |" in line
     assert "| `sink` @ 512 | 0/6 [0, 39] | – |" in line  # no right answer: nothing to cite
@@ -358,10 +467,27 @@ def test_citation_table_puts_intervals_on_its_counts():
 
 def _rule_data(needle: dict[str, int], f1: dict[str, list[float]], trials: int = 30) -> dict:
     """Tables as the rule reads them: needle trials (the first k of each policy found) and F1 per question."""
-    cells = [{"policy": p, "budget": 256, "recall": 0, "correct": k, "trials": trials,
-              "answers": [{"correct": i < k} for i in range(trials)]} for p, k in needle.items()]
-    rows = [{"policy": p, "budget": 256, "f1": {"value": sum(v) / len(v)}, "significant": False,
-             "answers": [{"f1": x} for x in v]} for p, v in f1.items()]
+    cells = [
+        {
+            "policy": p,
+            "budget": 256,
+            "recall": 0,
+            "correct": k,
+            "trials": trials,
+            "answers": [{"correct": i < k} for i in range(trials)],
+        }
+        for p, k in needle.items()
+    ]
+    rows = [
+        {
+            "policy": p,
+            "budget": 256,
+            "f1": {"value": sum(v) / len(v)},
+            "significant": False,
+            "answers": [{"f1": x} for x in v],
+        }
+        for p, v in f1.items()
+    ]
     return {"needle": {"result": {"results": cells}}, "agreement": {"result": {"results": rows}}}
 
 

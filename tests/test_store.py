@@ -23,6 +23,7 @@ from kvtool.kvc import format as kvc_format
 from kvtool.kvc import load as kvc_load
 from kvtool.kvc import write as kvc_write
 from kvtool.runtime import store
+from kvtool.runtime.model import CHATML_TEMPLATE
 from tests.helpers import VOCAB, make_engine, stream_logits, tiny_llama
 
 # ------------------------------------------------------------------------------------------------------------
@@ -185,17 +186,25 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     words = ["[UNK]", "<|im_start|>", "<|im_end|>", *WORDS]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
+    tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="[UNK]", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
     )
+    tok.chat_template = CHATML_TEMPLATE  # a chat model's (a checkpoint without a template is a base model)
+    return tok
 
 
 def _checkpoint(directory: Path, layers: int = 2) -> Path:
     tok = _tokenizer()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tok), max_position_embeddings=128, rope_theta=10000.0,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=128,
+        rope_theta=10000.0,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(str(directory))
     tok.save_pretrained(str(directory))
@@ -402,14 +411,18 @@ def test_cache_from_an_older_policy_state_layout(env, kvc, capsys, monkeypatch):
     from kvtool.policies.h2o import H2O
 
     monkeypatch.setattr(H2O, "state_fields", ("acc", "extra"))
-    assert_usage_error(cli(capsys, "ask", kvc, "q", "--model", env["model"], "-q", *GEN),
-                       "per-token policy state ['acc']", "prefill it again")
+    assert_usage_error(
+        cli(capsys, "ask", kvc, "q", "--model", env["model"], "-q", *GEN),
+        "per-token policy state ['acc']",
+        "prefill it again",
+    )
 
 
 def test_wrong_dtype(env, kvc, capsys):
     assert_usage_error(
         cli(capsys, "ask", kvc, "q", "--model", env["model"], "--dtype", "bfloat16", "-q"),
-        "prefilled with --dtype float32", "drop --dtype",
+        "prefilled with --dtype float32",
+        "drop --dtype",
     )
     rc, _, err = cli(capsys, "ask", kvc, "q", "--model", env["model"], "--dtype", "fp32", "-q", *GEN)
     assert rc == 0, err  # the same dtype spelled differently is fine
@@ -444,7 +457,9 @@ def test_incompatible_version(env, kvc, tmp_path, capsys):
     bad = tmp_path / "future.kvc"
     save_file(load_file(str(kvc)), str(bad), metadata=md)
     for args in (["ask", bad, "q", "--model", env["model"], "-q"], ["inspect", bad]):
-        line = assert_usage_error(cli(capsys, *args), "kvtool 9.9.0", "kvc format 99", "kvc format 1")
+        line = assert_usage_error(
+            cli(capsys, *args), "kvtool 9.9.0", "kvc format 99", f"kvc format {kvc_format.READ_FORMAT_VERSION}"
+        )
         assert f"this kvtool {kvc_format.__version__}" in line
 
 
@@ -470,8 +485,9 @@ def test_settings_overrides_fills_fixed_settings(kvc):
 
 
 def test_prefill_input_errors(env, kvc, tmp_path, capsys):
-    assert_usage_error(cli(capsys, "prefill", kvc, "-o", tmp_path / "x.kvc", "--model", env["model"]),
-                       "already a .kvc cache")
+    assert_usage_error(
+        cli(capsys, "prefill", kvc, "-o", tmp_path / "x.kvc", "--model", env["model"]), "already a .kvc cache"
+    )
     assert_usage_error(cli(capsys, "prefill", tmp_path / "nope.txt", "-o", tmp_path / "x.kvc"), "no such file")
     assert_usage_error(cli(capsys, "prefill", env["doc"], "-o", env["doc"], "--force"), "is the input document")
     assert_usage_error(cli(capsys, "prefill", env["doc"]), "--output")

@@ -20,7 +20,7 @@ from rich.console import Console
 from typer.exceptions import TyperException
 
 from kvtool import __version__
-from kvtool.cli import ask, cache, calibrate, eval, profile
+from kvtool.cli import ask, cache, calibrate, eval, models, profile
 from kvtool.cli.error_lines import error_line
 from kvtool.cli.options import JsonOpt
 from kvtool.cli.output import WRITE_ERRNOS, discard_stdout, emit_json, flush_stdout
@@ -34,7 +34,7 @@ from kvtool.errors import (
     interrupt_exit,
     printable,
 )
-from kvtool.stdio import guard_closed_streams, no_prompts
+from kvtool.stdio import guard_closed_streams, missing_cwd, no_prompts
 
 
 class _Group(typer.core.TyperGroup):
@@ -50,7 +50,7 @@ class _Group(typer.core.TyperGroup):
             print(f"kvtool: error: {error_line(e)}", file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt as e:
-            msg, code = interrupt_exit(e)
+            msg, code = _interrupt_exit(e)
             print(msg, file=sys.stderr)
             raise typer.Exit(code) from None
         except BrokenPipeError:
@@ -75,6 +75,7 @@ app.command("summarize")(ask.summarize)
 app.command("prefill")(cache.prefill)
 app.command("inspect")(cache.inspect)
 app.command("profile")(profile.profile)
+app.command("models")(models.models)
 app.command("calibrate")(calibrate.calibrate_cmd)
 app.add_typer(eval.eval_app, name="eval")
 
@@ -126,8 +127,22 @@ def sample() -> None:
     print(sample_path())
 
 
+#: the termination signal received, if any: a library may catch kvtool's ``Terminated`` and raise a plain
+#: ``KeyboardInterrupt`` in its place (Ray's ``ray.wait`` and ``ray.get`` do), which must still exit 143
+_signalled: list[str] = []
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _signalled.append(name)
+    raise Terminated(name)
+
+
+def _interrupt_exit(e: BaseException) -> tuple[str, int]:
+    """The line and exit code of an interrupt: a termination signal's (143) whatever became of its exception."""
+    if _signalled and not isinstance(e, Terminated):
+        e = Terminated(_signalled[0])
+    return interrupt_exit(e)
 
 
 @contextlib.contextmanager
@@ -138,6 +153,7 @@ def _termination_signals() -> Iterator[None]:
         return
     sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
     old = {s: signal.signal(s, _raise_terminated) for s in sigs}
+    _signalled.clear()
     try:
         yield
     finally:
@@ -156,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if stdout_closed:
         print("kvtool: error: stdout is closed: kvtool writes its output there (redirect it to /dev/null to "
               "discard it)", file=sys.stderr)
+        return EXIT_USAGE
+    gone = missing_cwd()
+    if gone is not None:
+        print(f"kvtool: error: {gone}", file=sys.stderr)
         return EXIT_USAGE
     with _termination_signals(), no_prompts():
         return _main(argv)
@@ -176,7 +196,7 @@ def _main(argv: list[str] | None) -> int:
     except typer.Exit as e:
         return int(e.exit_code or 0)
     except typer.Abort as e:  # click turns a KeyboardInterrupt (or Terminated) outside a command into Abort
-        msg, code = interrupt_exit(e.__cause__ or e)
+        msg, code = _interrupt_exit(e.__cause__ or e)
         print(msg, file=sys.stderr)
         return code
     except TyperException as e:  # usage errors from the command-line parser
@@ -186,7 +206,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"kvtool: error: {printable(msg, one_line=True)}", file=sys.stderr)
         return int(getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE)
     except KeyboardInterrupt as e:
-        msg, code = interrupt_exit(e)
+        msg, code = _interrupt_exit(e)
         print(msg, file=sys.stderr)
         return code
     except BrokenPipeError:

@@ -133,7 +133,8 @@ def _archive_rows(arch: Any) -> list[tuple[str, str]]:
 def _print_inspect(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
-    from rich.text import Text
+
+    from kvtool.cli.shown import shown_text
 
     meta = info["metadata"]
     model = meta.get("model") or {}
@@ -176,8 +177,8 @@ def _print_inspect(info: dict[str, Any]) -> None:
     table = Table(title="kvtool cache", show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value", overflow="fold")
-    for key, value in rows:  # Text: a name like "notes[/v2].txt" is shown as is, never parsed as markup
-        table.add_row(key, Text(printable(value)))
+    for key, value in rows:  # shown_text: a name like "notes[/v2].txt" is shown as is, never parsed as markup
+        table.add_row(key, shown_text(value))
     console.print(table)
 
     layers = Table(title="cache per layer (tokens per KV head)")
@@ -189,5 +190,5 @@ def _print_inspect(info: dict[str, Any]) -> None:
             cap = g.get("capacity")
             cap_text = "unbounded" if cap is None else str(cap) + (" + comp" if g.get("compensation") else "")
             layers.add_row(str(layer["layer"]), str(gi), ",".join(map(str, heads)) if heads else "?",
-                           str(g["length"]), Text(cap_text))
+                           str(g["length"]), shown_text(cap_text))
     console.print(layers)

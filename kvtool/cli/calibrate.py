@@ -8,18 +8,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvtool.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt
+from kvtool.cli.options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, capped_option
 from kvtool.cli.output import emit_json, sayer
+from kvtool.cli.shown import shown_text
 
 
 def calibrate_cmd(
     model: ModelOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    induction: Annotated[float, typer.Option("--induction", help="Share of heads kept by induction score.")] = 0.14,
-    echo: Annotated[float, typer.Option("--echo", help="Share of heads kept by echo score.")] = 0.01,
-    k: Annotated[int | None, typer.Option("--k", help="Random tokens per repeat (default: fits the range, "
-                                          "≤ 2048 probe tokens on CPU).")] = None,
+    induction: Annotated[float, capped_option("head_share", "--induction", help="Share of heads kept by induction "
+                                              "score.")] = 0.14,
+    echo: Annotated[float, capped_option("head_share", "--echo", help="Share of heads kept by echo score.")] = 0.01,
+    k: Annotated[int | None, capped_option("calibrate_k", "--k", help="Random tokens per repeat (default: fits the "
+                                           "range, ≤ 2048 probe tokens on CPU).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Recompute even if a calibration is saved.")] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -55,7 +57,7 @@ def calibrate_cmd(
             "echo": data["echo"], "induction": data["induction"],
         })
         return
-    table = Table(title=f"retrieval heads of {loaded.name} (induction {induction:.0%}, echo {echo:.0%})")
+    table = Table(title=shown_text(f"retrieval heads of {loaded.name} (induction {induction:.0%}, echo {echo:.0%})"))
     for col in ("layer", "query heads", "KV heads", "best induction", "best echo"):
         table.add_column(col)
     for layer in sorted(data["kv_heads"]):

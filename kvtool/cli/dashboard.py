@@ -27,8 +27,8 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
-from rich.text import Text
 
+from kvtool.cli.shown import shown_text
 from kvtool.core.events import DecodeProgress, Event, MemorySample, Note, PrefillProgress, RunSummary
 from kvtool.errors import printable
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting, PhaseProgress
@@ -412,7 +412,7 @@ class Dashboard:
         if self.mode == "plain":
             self._plain(line)
         else:
-            self.console.print(Text(printable(line), style=style), soft_wrap=True)
+            self.console.print(shown_text(line, style=style), soft_wrap=True)
 
     def render(self) -> RenderableType:
         """The live view for the latest state; called by rich's refresh thread, cheap and side-effect free."""
@@ -423,32 +423,32 @@ class Dashboard:
         calibration = self._calibration
         if calibration is not None:
             of = f" / {calibration.total:,}" if calibration.total else ""
-            grid.add_row("razor", Text(f"{calibration.what}: {calibration.done:,}{of}"))
+            grid.add_row("razor", shown_text(f"{calibration.what}: {calibration.done:,}{of}"))
         self._render_phases(grid)
         if prefill is None:
             running = any(ended is None for _, _, ended in list(self._phases.values()))
             if not (running or self._answering):
-                grid.add_row("prefill", Text("waiting for the first block…", style="dim"))
+                grid.add_row("prefill", shown_text("waiting for the first block…", style="dim"))
             return grid
         grid.add_row("prefill", self._render_progress(prefill, self._prefill_done))
         grid.add_row(
             "cache",
-            Text(
+            shown_text(
                 f"min {prefill.cache_min:,} · mean {prefill.cache_mean:,.1f} · max {prefill.cache_max:,} "
                 f"tokens per KV head · evicted {prefill.evicted_total:,} tokens"
             ),
         )
-        grid.add_row("memory", Text(_memory_text(prefill.memory)))
+        grid.add_row("memory", shown_text(_memory_text(prefill.memory)))
         share = _policy_share(prefill.time_split)
         if share is not None:
             grid.add_row(
                 "policy",
-                Text(f"{share[0]:.1f}% of block time (score {share[1]:.1f}% · evict {share[2]:.1f}%)"),
+                shown_text(f"{share[0]:.1f}% of block time (score {share[1]:.1f}% · evict {share[2]:.1f}%)"),
             )
         if decode is not None:
             grid.add_row(
                 "decode",
-                Text(f"{decode.tokens:,} tokens · {format_rate(_rate(decode.tokens, decode.seconds))}"),
+                shown_text(f"{decode.tokens:,} tokens · {format_rate(_rate(decode.tokens, decode.seconds))}"),
             )
         return grid
 
@@ -458,13 +458,13 @@ class Dashboard:
         for event, started, ended in list(self._phases.values()):  # a copy: the engine thread may add one
             elapsed = (ended if ended is not None else now) - started
             if ended is not None:
-                grid.add_row("step", Text(f"{event.name}: done in {elapsed:.1f} s", style="dim"))
+                grid.add_row("step", shown_text(f"{event.name}: done in {elapsed:.1f} s", style="dim"))
                 continue
             amount = _format_amount(event.done, event.unit)
             of = f" / {_format_amount(event.total, event.unit)}" if event.total is not None else ""
             detail = f"{event.name}: {amount}{of} · elapsed {format_duration(elapsed)}"
             if event.total is None or event.total <= 1:  # one opaque step: a bar would say nothing
-                grid.add_row("step", Text(f"{event.name}… elapsed {format_duration(elapsed)}"))
+                grid.add_row("step", shown_text(f"{event.name}… elapsed {format_duration(elapsed)}"))
             else:
                 grid.add_row("step", _bar_row(ProgressBar(total=event.total, completed=event.done,
                                                           width=_BAR_WIDTH), detail))
@@ -498,8 +498,8 @@ class Dashboard:
         table.add_column("figure", no_wrap=True)
         table.add_column("value", overflow="fold")
         for key, value in stats.items():
-            # Text, not str: a model name like "[org]/x" must not be parsed as rich markup.
-            table.add_row(Text(printable(key)), Text(printable(_format_stat(str(key), value))))
+            # Text, not str: a model name like "[org]/x" must not be parsed as rich markup (shown_text).
+            table.add_row(shown_text(key), shown_text(_format_stat(str(key), value)))
         return table
 
 
@@ -513,7 +513,7 @@ def _bar_row(bar: ProgressBar, detail: str) -> Table:
     row = Table.grid(padding=(0, 1))
     row.add_column(no_wrap=True)
     row.add_column()
-    row.add_row(bar, Text(detail))
+    row.add_row(bar, shown_text(detail))
     return row
 
 

@@ -13,7 +13,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from kvtool.cli.options import AGREEMENT_SETTINGS, EVAL_SETTINGS, NEEDLE_SETTINGS, JsonOpt, QuietOpt, with_settings
+from kvtool.cli.options import (
+    AGREEMENT_SETTINGS,
+    EVAL_SETTINGS,
+    NEEDLE_SETTINGS,
+    JsonOpt,
+    QuietOpt,
+    capped_option,
+    with_settings,
+)
 from kvtool.cli.output import emit_json, sayer, stderr_console
 from kvtool.data import sample_path
 
@@ -31,14 +39,17 @@ DEFAULT_INPUT = str(sample_path())
 
 PoliciesOpt = Annotated[str, typer.Option("--policies", help="Comma list of policies (base[+modifier...]).")]
 BudgetsOpt = Annotated[str, typer.Option("--budgets", help="Comma list of KV budgets per head: 256,512 or 1k.")]
-EvalSeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the secret numbers and the sample offsets.")]
+EvalSeedOpt = Annotated[int, capped_option("seed", "--seed", help="Seed for the secret numbers and the sample "
+                                           "offsets.")]
 TextOpt = Annotated[str | None, typer.Option("--text", help="Document(s) in any format kvtool reads, "
                                              "comma-separated (windows are spread over them), or a directory of "
                                              "documents (default: the packaged sample).")]
 ContextOpt = Annotated[str, typer.Option("--context", help="Context tokens N before the measured tokens (512, 2k).")]
 ContinuationOpt = Annotated[str, typer.Option("--continuation", help="Measured tokens M, fed one at a time.")]
-SamplesOpt = Annotated[int, typer.Option("--samples", help="Windows K taken from the text(s) at seeded offsets "
-                                         "(spread round-robin over the texts).")]
+SamplesOpt = Annotated[int, capped_option("samples", "--samples", help="Windows K taken from the text(s) at seeded "
+                                          "offsets (spread round-robin over the texts).")]
+EvalMaxNewOpt = Annotated[int, capped_option("max_new_tokens", "--max-new-tokens",
+                                             help="Longest answer in tokens.")]
 ResumeOpt = Annotated[str | None, typer.Option("--resume", help="A JSONL file: finished units are appended as they "
                                                "complete and reused when the same command runs again.")]
 
@@ -81,7 +92,7 @@ def needle(
                                                     "secret number per trial).")] = None,
     question: Annotated[str | None, typer.Option("--question", help="Question for a custom needle.")] = None,
     answer: Annotated[str | None, typer.Option("--answer", help="Expected answer for a custom needle.")] = None,
-    trials: Annotated[int, typer.Option("--trials", help="Trials per cell (new secret number each).")] = 10,
+    trials: Annotated[int, capped_option("trials", "--trials", help="Trials per cell (new secret number each).")] = 10,
     needles: Annotated[int, typer.Option("--needles", help="k > 1: k labelled secret numbers per document, the "
                                          "question asks for one (multi-needle).")] = 1,
     no_full: Annotated[bool, typer.Option("--no-full", help="Leave out the full-cache reference (a dense pass "
@@ -101,7 +112,7 @@ def needle(
                                            "which layers hold it and what the answer copied from (a `diagnose` "
                                            "entry in the --resume log and the --json answers; answers unchanged; "
                                            "a trial logged without one is read again).")] = False,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 24,
+    max_new_tokens: EvalMaxNewOpt = 24,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -109,13 +120,12 @@ def needle(
 ) -> None:
     """Needle in a haystack: accuracy per (policy, budget, length, depth); `full` is included unless --no-full."""
     build_grid = _grid(policies, budgets, not no_full, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
-    from kvtool.eval import load_text, parse_depths, parse_token_list, positive, resolve_input
+    from kvtool.eval import load_text, parse_depths, parse_token_list, resolve_input
 
     path = resolve_input(haystack or DEFAULT_INPUT, "", "--haystack")
     # the grid's numbers are checked before torch is imported (a typo fails in milliseconds)
     token_lengths = parse_token_list(lengths, "--lengths", minimum=32)
     depth_list = parse_depths(depths)
-    trial_count = positive(trials, "--trials")
     grid = build_grid()
     from kvtool.cli.eval_view import RichReporter, render_needle
     from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, parse_selects, run_needle
@@ -126,7 +136,7 @@ def needle(
         haystack="",
         lengths=token_lengths,
         depths=depth_list,
-        trials=trial_count,
+        trials=trials,
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
@@ -152,9 +162,9 @@ def _needle_kind(kind: str) -> str:
 def _needle_count(needles: int, custom: str | None, kind: str) -> int:
     from kvtool.errors import UsageError
     from kvtool.eval.needle import LABELS
+    from kvtool.numbers import Range, capped
 
-    if not 1 <= needles <= len(LABELS):
-        raise UsageError(f"--needles must be between 1 and {len(LABELS)} (got {needles})")
+    capped("--needles", needles, Range(1, len(LABELS)))  # one labelled secret number per label
     if needles > 1 and custom is not None:
         raise UsageError("--needles > 1 uses labelled pass keys; it cannot be combined with --needle")
     if needles > 1 and kind.strip().lower() != "number":
@@ -165,16 +175,15 @@ def _needle_count(needles: int, custom: str | None, kind: str) -> int:
 def _window_task(text: str | None, context: str, continuation: str, samples: int, grid: Callable[[], Any],
                  resume: str | None) -> Any:
     """The windows' task; the inputs are checked first, then the (torch-importing) grid is built."""
-    from kvtool.eval import load_text, parse_tokens, positive, resolve_input, split_list
+    from kvtool.eval import load_text, parse_tokens, resolve_input, split_list
 
     paths = [resolve_input(p, "", "--text") for p in split_list(text or DEFAULT_INPUT, "--text")]
     n = parse_tokens(context, "--context")
     m = parse_tokens(continuation, "--continuation")
-    k = positive(samples, "--samples")
     texts = [(p.name, load_text(p, "--text")) for p in paths]
     from kvtool.eval.ppl import WindowTask  # torch: only once the input is known to be good
 
-    return WindowTask(grid=grid(), texts=texts, context=n, continuation=m, samples=k, resume=resume)
+    return WindowTask(grid=grid(), texts=texts, context=n, continuation=m, samples=samples, resume=resume)
 
 
 def _window_command(name: str, summary: str, context_default: str, continuation_default: str,
@@ -235,9 +244,9 @@ def agreement(
     policies: PoliciesOpt = "sink,h2o,tova,snapkv,keydiff",
     budgets: BudgetsOpt = "256,512,1024",
     seed: EvalSeedOpt = 0,
-    first_tokens: Annotated[int, typer.Option("--first-tokens", help="Dense answer tokens teacher-forced for KL "
-                                              "and top-1.")] = 8,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Longest answer in tokens.")] = 48,
+    first_tokens: Annotated[int, capped_option("first_tokens", "--first-tokens", help="Dense answer tokens "
+                                               "teacher-forced for KL and top-1.")] = 8,
+    max_new_tokens: EvalMaxNewOpt = 48,
     resume: ResumeOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -248,7 +257,7 @@ def agreement(
 
     build_grid = _grid(policies, budgets, True, seed=seed, max_new_tokens=max_new_tokens, **(flags or {}))
     from kvtool.cli.eval_view import RichReporter, render_agreement
-    from kvtool.eval import positive, resolve_input
+    from kvtool.eval import resolve_input
     from kvtool.eval.agreement import AgreementTask, read_questions_file, run_agreement
 
     path = resolve_input(doc, "", "--doc")
@@ -258,6 +267,6 @@ def agreement(
         raise UsageError(f"--doc {path} is not a file")
     questions = read_questions_file(Path(questions_file), sayer(quiet))
     task = AgreementTask(grid=build_grid(), doc_path=path, questions=questions,
-                         first_tokens=positive(first_tokens, "--first-tokens"),
-                         max_new_tokens=positive(max_new_tokens, "--max-new-tokens"), resume=resume)
+                         first_tokens=first_tokens,
+                         max_new_tokens=max_new_tokens, resume=resume)
     _finish(run_agreement(task, RichReporter(quiet, "agreement", stderr_console())), json_out, render_agreement)

@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from kvtool.cli.shown import plain_column, shown_text
+from kvtool.errors import printable
 from kvtool.eval import Reporter
 
 
@@ -27,7 +29,7 @@ class RichReporter(Reporter):
         self.title = title
         self.console = console
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            plain_column("{task.description}", style="bold"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -45,13 +47,13 @@ class RichReporter(Reporter):
 
     @contextmanager
     def bar(self, total: int) -> Iterator[RichReporter]:
-        self.task = self.progress.add_task(self.title, total=total)
+        self.task = self.progress.add_task(printable(self.title, one_line=True), total=total)
         with self.progress:
             yield self
 
     def doing(self, what: str) -> None:
         if self.task is not None:
-            self.progress.update(self.task, description=f"{self.title}: {what}")
+            self.progress.update(self.task, description=printable(f"{self.title}: {what}", one_line=True))
 
     def advance(self, n: int = 1) -> None:
         if self.task is not None:
@@ -60,9 +62,10 @@ class RichReporter(Reporter):
 
 def render_ppl(rep: dict[str, Any], console: Any) -> None:
     s = rep["settings"]
-    t = Table(title=f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
-                    f"{s['samples']} window(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = KL(dense ‖ policy); "
-                    "[95% bootstrap over windows]; * = gap significantly above the best row's")
+    t = Table(title=shown_text(f"perplexity of {s['continuation']} tokens after {s['context']} ({s['model']}, "
+                               f"{s['samples']} window(s)); dense ppl {rep['reference']['ppl']:.4f}; KL = "
+                               "KL(dense ‖ policy); [95% bootstrap over windows]; * = gap significantly above the "
+                               "best row's"))
     for col in ("policy", "budget", "ppl", "gap %", "window gap % [95%]", "KL", "top-1", "seconds"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in rep["results"]:
@@ -77,8 +80,9 @@ def render_ppl(rep: dict[str, Any], console: Any) -> None:
 
 def render_attn_error(rep: dict[str, Any], console: Any) -> None:
     s = rep["settings"]
-    t = Table(title=f"attention-output error ‖o_dense − o‖/‖o_dense‖ per layer, mean over heads "
-                    f"({s['model']}, {s['continuation']} tokens after {s['context']}, {s['samples']} sample(s))")
+    t = Table(title=shown_text(f"attention-output error ‖o_dense − o‖/‖o_dense‖ per layer, mean over heads "
+                               f"({s['model']}, {s['continuation']} tokens after {s['context']}, {s['samples']} "
+                               "sample(s))"))
     t.add_column("layer", justify="right")
     results = rep["results"]
     for r in results:
@@ -95,9 +99,9 @@ def render_attn_error(rep: dict[str, Any], console: Any) -> None:
 
 def render_agreement(rep: dict[str, Any], console: Any) -> None:
     s = rep["settings"]
-    t = Table(title=f"agreement with the dense answer ({s['model']}, {s['questions']} question(s); 95% intervals; "
-                    f"KL/top-1 over the first {s['first_tokens']} dense answer tokens; * = F1 significantly "
-                    "below the best row)")
+    t = Table(title=shown_text(f"agreement with the dense answer ({s['model']}, {s['questions']} question(s); 95% "
+                               f"intervals; KL/top-1 over the first {s['first_tokens']} dense answer tokens; * = F1 "
+                               "significantly below the best row)"))
     for col in ("policy", "budget", "exact match", "token F1", "ROUGE-L", "KL(dense‖policy)", "top-1"):
         t.add_column(col, justify="left" if col == "policy" else "right")
 
@@ -146,8 +150,8 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
             t.add_row(str(L), *[Text(f"{acc[(L, d)]:.2f}", style=_heat(acc[(L, d)])) for d in depths])
         maps.append(t)
     console.print(Columns(maps, padding=(0, 2)))
-    summary = Table(title=f"needle found-rate ({s['model']}, {s['trials']} trial(s) per cell; 95% Wilson "
-                          "interval; * = significantly below the best row)")
+    summary = Table(title=shown_text(f"needle found-rate ({s['model']}, {s['trials']} trial(s) per cell; 95% Wilson "
+                                     "interval; * = significantly below the best row)"))
     for col in ("policy", "budget", "recall", "found", "95% interval", "correct"):
         summary.add_column(col, justify="left" if col == "policy" else "right")
     for row in rep["summary"]:

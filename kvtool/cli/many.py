@@ -18,8 +18,9 @@ from typing import Annotated, Any
 
 import typer
 
+from kvtool.cli.options import capped_option
 from kvtool.cli.output import stderr_console
-from kvtool.errors import KvtoolError, UsageError, printable
+from kvtool.errors import KvtoolError, UsageError, printable, short_path
 
 QuestionOpt = Annotated[list[str] | None, typer.Option(
     "--question", help="A question for every document (repeatable). With --question or --questions-file, every "
@@ -33,9 +34,9 @@ LogOpt = Annotated[str | None, typer.Option(
 RayOpt = Annotated[str | None, typer.Option(
     "--ray", help="Read the documents on a Ray cluster: local (start one here), auto or an address (join one). "
     "Needs the extra kvtool[cluster]; every path must be reachable from every node.")]
-WorkersOpt = Annotated[int | None, typer.Option(
-    "--workers", help="With --ray: how many workers, each a loaded model (default: one per GPU, else one per "
-    "2 CPU cores).")]
+WorkersOpt = Annotated[int | None, capped_option(
+    "workers", "--workers", help="With --ray: how many workers, each a loaded model on one node (default: one per GPU, "
+    "else one per 2 CPU cores of each node).")]
 
 #: the options only the many-document form takes, by their flags
 MANY_ONLY = ("--files-from", "--output", "--ray", "--workers")
@@ -88,12 +89,14 @@ def run_many(
     when some documents failed (3) or none could be answered."""
     from kvtool.cli.dashboard import choose_mode
     from kvtool.cli.many_view import ManyView
+    from kvtool.cli.output import sayer
     from kvtool.runtime.many import Task
     from kvtool.runtime.many_inputs import collect
 
     # options, paths, settings and the output file: all checked before torch is imported
     ray = _check_options(command, documents, output, ray, workers)
-    inputs = collect(documents, files_from, kvc=command != "prefill")
+    inputs = collect(documents, files_from, kvc=command != "prefill", output=output if command != "prefill" else None,
+                     notify=sayer(quiet))
     skipped = inputs.describe_skipped()
     if not inputs.paths:
         raise UsageError(f"no documents to read{f' ({skipped})' if skipped else ''}: kvtool reads "
@@ -112,9 +115,10 @@ def run_many(
     finally:
         out.close()
     if not quiet:
-        console.print(printable(view.summary(outcome, output)), markup=False, highlight=False, soft_wrap=True)
+        closing = view.summary(outcome, short_path(output) if output else None)
+        console.print(printable(closing), markup=False, highlight=False, soft_wrap=True)
     if outcome.exit_code:
-        where = f" (their records in {output} say why)" if out.log is not None else ""
+        where = f" (their records in {short_path(output)} say why)" if out.log is not None else ""
         raise KvtoolError(f"{outcome.failed} of {outcome.total} documents failed{where}", outcome.exit_code)
 
 
@@ -128,8 +132,6 @@ def _check_options(command: str, documents: list[str], output: str | None, ray: 
     """The many-document options that need no file: one line and exit 2 each; returns ``--ray`` checked."""
     if workers is not None and ray is None:
         raise UsageError("--workers sets the size of a Ray pool: add --ray local (or auto, or an address)")
-    if workers is not None and workers < 1:
-        raise UsageError(f"--workers must be at least 1 (got {workers})")
     if ray is not None:
         from kvtool.runtime import cluster  # imports Ray, when it is installed
 
@@ -159,6 +161,7 @@ class _Output:
         from kvtool.runtime.many_log import ResultLog
 
         output, view = self.output, self.view
+        shown = short_path(output or "")
         outputs, done = None, set()
         if self.command == "prefill":
             assert output is not None
@@ -170,13 +173,13 @@ class _Output:
             resumed = self.log.open(task.fingerprint)
             done = resumed.done
             if resumed.torn_bytes:
-                view.note(f"{output}: a torn last line ({resumed.torn_bytes} bytes) was cut off; its answer is redone")
+                view.note(f"{shown}: a torn last line ({resumed.torn_bytes} bytes) was cut off; its answer is redone")
             if resumed.other_settings:
-                view.note(f"{output} holds {resumed.other_settings} record(s) made with other settings; kept, and "
+                view.note(f"{shown} holds {resumed.other_settings} record(s) made with other settings; kept, and "
                           "their pairs are answered again with these")
         jobs, complete = plan(task, paths, done, outputs)
         if complete:
-            where = output if self.command != "prefill" else f"{output} (--force rewrites them)"
+            where = shown if self.command != "prefill" else f"{shown} (--force rewrites them)"
             view.note(f"{complete} of {len(paths)} documents already done in {where}")
         return jobs, complete
 
@@ -212,8 +215,8 @@ def _execute(task: Any, jobs: list[Any], complete: int, out: _Output, view: Any,
             return run_serial(task, jobs, driver, complete, engine_listener=view, say=say, describe=error_line)
     except KeyboardInterrupt:  # the live view has stopped: this line is not drawn over
         if out.log is not None and not quiet:
-            print(f"kvtool: {out.output} holds every answer completed so far ({out.log.written} this run); run "
-                  "the same command again to resume", file=sys.stderr)
+            print(f"kvtool: {short_path(out.output)} holds every answer completed so far ({out.log.written} this "
+                  "run); run the same command again to resume", file=sys.stderr)
         raise
 
 

@@ -17,12 +17,12 @@ from types import TracebackType
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
-from rich.text import Text
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID
 
 from kvtool.cli.dashboard import format_duration, format_rate
+from kvtool.cli.shown import plain_column, shown_text
 from kvtool.core.events import PrefillProgress
-from kvtool.errors import printable
+from kvtool.errors import printable, short_path
 from kvtool.runtime.events import PhaseProgress
 from kvtool.runtime.many import DocumentFinished, DocumentStarted, Outcome, RunStarted, WorkerLost
 
@@ -55,9 +55,10 @@ class ManyView:
     def __enter__(self) -> ManyView:
         if self.mode == "live":
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[failed]}"),
-                TextColumn("ETA {task.fields[eta]}"),
+                # the description names the documents in flight: drawn as text, never parsed as markup
+                plain_column("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                plain_column("{task.fields[rate]}"), plain_column("{task.fields[failed]}"),
+                plain_column("ETA {task.fields[eta]}"),
                 console=self.console, transient=False, redirect_stdout=False, redirect_stderr=False,
             )
             self._progress.start()
@@ -84,13 +85,13 @@ class ManyView:
                 self._task = self._progress.add_task("documents", total=event.total, completed=event.complete,
                                                      rate="", failed="", eta="?")
         elif isinstance(event, DocumentStarted):
-            self.current[event.path] = "reading" if event.attempt == 1 else f"retry {event.attempt}"
+            self.current[short_path(event.path)] = "reading" if event.attempt == 1 else f"retry {event.attempt}"
         elif isinstance(event, DocumentFinished):
             self._finished(event)
         elif isinstance(event, WorkerLost):
             then = "retried on another worker" if event.retried else "not retried"
-            self._line(f"worker lost while reading {event.path} (attempt {event.attempt}: {event.reason}); {then}",
-                       style="yellow", always=False)
+            self._line(f"worker lost while reading {short_path(event.path)} (attempt {event.attempt}: "
+                       f"{event.reason}); {then}", style="yellow", always=False)
         elif isinstance(event, PrefillProgress | PhaseProgress):
             self._engine(event)
         else:
@@ -107,7 +108,7 @@ class ManyView:
             self.current[path] = f"{event.tokens_done:,}{of} tokens"
 
     def _finished(self, event: DocumentFinished) -> None:
-        self.current.pop(event.path, None)
+        self.current.pop(short_path(event.path), None)
         self.done += 1
         self.records += event.records
         self.tokens += event.tokens
@@ -115,14 +116,14 @@ class ManyView:
         if event.error is not None:
             self.failed += 1
             quiet = self.mode == "quiet"  # the prefix says it is an error already
-            self._line(f"[{n}/{self.total}] {event.path}: {'' if quiet else 'error: '}{event.error}", style="red",
-                       always=True, prefix="kvtool: error: " if quiet else "")
+            self._line(f"[{n}/{self.total}] {short_path(event.path)}: {'' if quiet else 'error: '}{event.error}",
+                       style="red", always=True, prefix="kvtool: error: " if quiet else "")
             return
         what = f"{event.records} {self.unit}{'s' if event.records != 1 else ''}"
         rate = format_rate(event.tokens / event.seconds if event.seconds > 0 else None)
         notes = "".join(f" · note: {note}" for note in event.notes)
-        self._line(f"[{n}/{self.total}] {event.path}: {what}, {event.tokens:,} tokens in {event.seconds:.1f} s "
-                   f"({rate}){notes}", style="green")
+        self._line(f"[{n}/{self.total}] {short_path(event.path)}: {what}, {event.tokens:,} tokens in "
+                   f"{event.seconds:.1f} s ({rate}){notes}", style="green")
 
     # ------------------------------------------------------------------ figures
     def rate(self) -> float | None:
@@ -161,7 +162,7 @@ class ManyView:
         if self.mode == "quiet" and not always:
             return
         if self.mode == "live":
-            self.console.print(Text(printable(line), style=style), soft_wrap=True)
+            self.console.print(shown_text(line, style=style), soft_wrap=True)
         else:
             self._plain(prefix + line)
 

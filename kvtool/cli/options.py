@@ -17,9 +17,25 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.errors import UsageError
+from kvtool.numbers import LIMITS, capped
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Local HF checkpoint dir or .gguf file "
-                                              "(default: embedded SmolLM2-135M-Instruct).")]
+
+def capped_option(key: str, *flags: str, help: str) -> Any:  # noqa: A002 - Typer's own keyword
+    """A numeric option that only a command takes, checked against ``LIMITS[key]`` as Typer parses it: a
+    number out of range is one line (exit 2) before anything is read or imported. (The settings' options are
+    checked by the same parser when the settings are resolved: ``runtime/settings.py``.)"""
+    rng = LIMITS[key]
+
+    def check(value: Any) -> Any:
+        return value if value is None else capped(flags[0], value, rng)
+
+    return typer.Option(*flags, help=help, callback=check)
+
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="A local checkpoint dir or .gguf file, or a "
+                                              "Hugging Face id (ORG/NAME[@REVISION]) from the local Hugging Face "
+                                              "cache, never downloaded (default: the embedded "
+                                              "SmolLM2-135M-Instruct; see `kvtool models`).")]
 PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction policy: base[+modifier...], "
                                                "e.g. keydiff, h2o+vatp, snapkv+caote (see `kvtool policies`).")]
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]

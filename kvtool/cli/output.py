@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import math
 import os
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kvtool.errors import printable
+from kvtool.errors import json_text, printable
 
 
 def stderr_console() -> Console:
@@ -49,8 +48,9 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EFBIG, getattr(errno, "
 
 
 def emit_json(obj: Any) -> None:
-    """One JSON document on stdout: strict JSON (a NaN or infinity, which JSON cannot spell, becomes null)."""
-    sys.stdout.write(json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False) + "\n")
+    """One JSON document on stdout: strict JSON (a NaN or infinity, which JSON cannot spell, becomes null), every
+    control and bidi character in its strings a ``\\uXXXX`` escape (``json_text``)."""
+    sys.stdout.write(json_text(_finite(obj), allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
@@ -66,7 +66,9 @@ def _finite(obj: Any) -> Any:
 
 
 def write_text(piece: str) -> None:
-    sys.stdout.write(piece)
+    """A piece of the answer (or the text around it) on stdout: the model may copy a document's escape
+    sequences, so its controls are shown (``printable``: newlines and tabs stay), never obeyed."""
+    sys.stdout.write(printable(piece))
     sys.stdout.flush()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from kvtool.cli.shown import shown_text
 from kvtool.runtime.memory import format_bytes
 
 _F = format_bytes
@@ -90,14 +91,14 @@ def render_plan(p: Mapping[str, Any], console: Any) -> None:
         if p.get("block_auto") else ""
     head = f"{p['model']}  {p['dtype']} on {p['device']}  policy {p['policy']}  block {p['block_size']}{auto}  "
     head += f"budget {budget} tokens per KV head" if budget is not None else "no budget (full cache)"
-    console.print(head)
+    console.print(shown_text(head))  # the model's name is a directory's: drawn as text, controls escaped
     if p.get("budget_conversion"):
-        console.print(p["budget_conversion"])
+        console.print(shown_text(p["budget_conversion"]))
     table = Table(title="predicted memory plan")
     for col, justify in (("component", "left"), ("bytes", "right"), ("how", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in component_rows(p):
-        table.add_row(*row)
+        table.add_row(*(shown_text(cell) for cell in row))
     console.print(table)
     m = p.get("measured")
     if m:

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import gc
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, with_settings
+from kvtool.cli.options import READ_SETTINGS, FormatOpt, JsonOpt, ProfileOpt, QuietOpt, capped_option, with_settings
 from kvtool.cli.output import dashboard, emit_json, sayer
 from kvtool.errors import UsageError
 
 DocOpt = Annotated[str | None, typer.Option("--doc", help="Also read this document ('-' = stdin) and report the "
                                             "measured peak against the prediction.")]
-DocTokensOpt = Annotated[int | None, typer.Option("--doc-tokens", help="Document length in tokens for the dense "
-                                                  "(no eviction) comparison.")]
+DocTokensOpt = Annotated[int | None, capped_option("doc_tokens", "--doc-tokens", help="Document length in tokens for "
+                                                   "the dense (no eviction) comparison.")]
 MemoryOpt = Annotated[str | None, typer.Option("--memory", help="Memory available (8GiB, 512MiB, 2GB): largest "
                                                "budget that fits and longest document dense transformers holds.")]
 
@@ -66,8 +65,6 @@ def run_profile(
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before torch is imported and before seconds are spent loading the model.
-    if doc_tokens is not None and doc_tokens < 1:
-        raise UsageError(f"--doc-tokens must be at least 1: got {doc_tokens}")
     limit = parse_size(memory) if memory is not None else None
     settings = resolve_settings(profile, overrides)
     document = open_document(doc, doc_format) if doc is not None else None
@@ -88,14 +85,16 @@ def _plan_and_measure(settings: Any, document: Any, doc_tokens: int | None, limi
 
     from kvtool.cli import plan_view  # noqa: F401
     from kvtool.runtime import profiling
+    from kvtool.runtime.model import config_directory
     from kvtool.runtime.session import Session
 
-    model_dir = Path(settings.model).expanduser() if settings.model else None
-    if model_dir is not None and model_dir.is_dir() and not profiling.has_weights(model_dir):
+    found = config_directory(settings.model)  # a local checkpoint directory, or a cached id's snapshot
+    if found is not None and not profiling.has_weights(found[0]):
+        model_dir, name = found
         if document is not None:
-            raise UsageError(f"{model_dir} holds no weights: it can be planned (--memory, --doc-tokens), not read "
-                             "(drop the document)")
-        return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit), json_out)
+            raise UsageError(f"{name} ({model_dir}) holds no weights: it can be planned (--memory, --doc-tokens), "
+                             "not read (drop the document)")
+        return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit, name=name), json_out)
     rss_before_load = process_rss()
     say = sayer(quiet)
     with dashboard(quiet) as dash:

@@ -13,8 +13,8 @@ narrower window; never more than the budget per KV head and layer, the core inva
 window mask still applies, so the result equals the model run with that narrower window.
 
 A model whose attention needs something kvtool does not implement (attention-sink logits, chunked
-or bidirectional attention, layer types other than full/sliding attention, keys and values of
-different widths) is refused up front by ``check_supported`` with one line naming the feature,
+or bidirectional attention, layer types other than full/sliding attention, cross-attention layers, keys
+and values of different widths) is refused up front by ``check_supported`` with one line naming the feature,
 instead of running with silently wrong results.
 
 Interleaved RoPE (Cohere, GLM, GPT-J, ERNIE 4.5, Helium: each rotated pair is two neighbouring

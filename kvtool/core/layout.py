@@ -68,6 +68,9 @@ def check_config(config: Any) -> None:
         raise UsageError(f"{kind}: {SINKS_MESSAGE}")
     if getattr(c, "attention_chunk_size", None):
         raise UsageError(f"{kind}: chunked local attention (attention_chunk_size) is not supported by kvtool")
+    if getattr(c, "cross_attention_layers", None):
+        raise UsageError(f"{kind}: cross-attention layers (cross_attention_layers) are not supported by kvtool (they "
+                         "hold no cache for a document, and kvtool plans and keeps one per layer)")
     if getattr(c, "use_bidirectional_attention", False):
         raise UsageError(f"{kind}: bidirectional attention is not supported by kvtool (it streams causally)")
     types = getattr(c, "layer_types", None) or []

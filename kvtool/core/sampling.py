@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+#: answer tokens the device buffer holds at first (it doubles when an answer is longer)
+FIRST_ROOM = 1024
+
 
 class Chooser:
     """The tokens of one answer, chosen one at a time from the model's logits into ``ids`` (on the device).
@@ -30,7 +33,9 @@ class Chooser:
     def __init__(self, max_new_tokens: int, device: torch.device | str, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, repetition_penalty: float = 1.0, no_repeat_ngram: int = 0,
                  letters: Tensor | None = None) -> None:
-        self.ids = torch.zeros(max(1, max_new_tokens), dtype=torch.long, device=device)
+        # grown with the answer (doubling), never sized by the option alone: a long limit costs nothing until used
+        self.limit = max(1, max_new_tokens)
+        self.ids = torch.zeros(min(self.limit, FIRST_ROOM), dtype=torch.long, device=device)
         self.temperature = temperature
         self.top_p = top_p
         self.penalty = repetition_penalty
@@ -46,6 +51,8 @@ class Chooser:
 
     def __call__(self, logits: Tensor, t: int) -> Tensor:
         """Choose the answer's token ``t`` from ``logits`` [vocab]; returns it as a [1] view of ``ids``."""
+        if t >= self.ids.numel():
+            self._grow()
         logits = self.guarded(self.penalised(logits, t), t)
         out = self.ids[t : t + 1]
         if self.gen is None:
@@ -54,6 +61,13 @@ class Chooser:
             self.sampled.append(self._sample(logits))
             out.fill_(self.sampled[-1])
         return out
+
+    def _grow(self) -> None:
+        """Twice the room for the answer's tokens (at most ``limit``): a copy once per doubling, so a few per answer."""
+        n = self.ids.numel()
+        ids = torch.zeros(min(2 * n, self.limit), dtype=torch.long, device=self.ids.device)
+        ids[:n].copy_(self.ids)
+        self.ids = ids
 
     def read(self, start: int, stop: int) -> list[int]:
         """Tokens ``start:stop`` of the answer on the host: one read of the device buffer (none when sampling,
@@ -86,10 +100,21 @@ class Chooser:
         return logits.float().scatter_reduce(0, grams[:, -1], ban, "amin")
 
     def _sample(self, logits: Tensor) -> int:
-        """Temperature + nucleus sampling on the host with the seeded generator (one read per token)."""
-        probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        """Temperature + nucleus sampling on the host with the seeded generator (one read per token).
+
+        In float64, from the logits less their largest: any temperature in range gives finite probabilities
+        (the best token's is exp(0) = 1 before normalising, however small the temperature). The nucleus always
+        holds the most likely token, so any top-p in (0, 1] samples (a top-p below the best token's
+        probability, even 1e-300, is greedy), never an all-zero distribution.
+        """
+        logits = logits.double().cpu()
+        best = logits.max()
+        if not torch.isfinite(best):  # every token banned (−inf) or a broken model (NaN): the greedy choice
+            return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
+        probs = torch.exp((logits - best) / self.temperature)
         if self.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
+            sorted_p, order = torch.sort(probs / probs.sum(), descending=True)
             keep = torch.cumsum(sorted_p, 0) - sorted_p < self.top_p
+            keep[0] = True
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))

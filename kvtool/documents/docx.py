@@ -123,9 +123,13 @@ class DocxReaderParts:
         self.name = name
         self.notes: list[str] = []
         self.box = Container(source, name, "DOCX")
-        if "word/document.xml" not in self.box.names:
+        try:
+            if "word/document.xml" not in self.box.names:
+                raise UsageError(f"{name} is not a valid DOCX (corrupt: word/document.xml is missing)")
+            self.box.prescan(["word/document.xml"])  # a bomb is refused now, before a paragraph reaches a model
+        except BaseException:
             self.box.close()
-            raise UsageError(f"{name} is not a valid DOCX (corrupt: word/document.xml is missing)")
+            raise
 
     def close(self) -> None:
         """Close the container now (a read abandoned partway, or never started)."""

@@ -116,6 +116,7 @@ class EpubReaderParts:
             raise box.corrupt("its spine lists no chapters")
         self.total: int | None = len(self.files)
         self.claimed = sum(box.zip.getinfo(f).file_size for f in self.files)  # progress only: never trusted
+        box.prescan(self.files)  # a bomb is refused now, before the first chapter's text reaches a model
 
     def _xml(self, path: str) -> ET.Element:
         """A metadata member (small, capped) parsed whole."""

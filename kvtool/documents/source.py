@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 from kvtool.documents.base import PART_CHARS, Part, Reader, cut_point
 from kvtool.documents.detect import detect_format
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, short_path
 
 CHUNK_BYTES = 64 * 1024
 SNIFF_BYTES = 8192
@@ -97,27 +97,61 @@ def _binary_error(name: str, offset: int) -> UsageError:
                       "EPUB and DOCX (see --format)")
 
 
-def _open(path: str, notify: Callable[[str], None] | None) -> tuple[BinaryIO, int | None]:
+#: what a file that is not a regular one is, in a message
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _open(path: str, notify: Callable[[str], None] | None, regular_only: bool = False) -> tuple[BinaryIO, int | None]:
     if path == "-":
         return sys.stdin.buffer, None
+    shown = short_path(path)
     if not os.path.exists(path):
-        raise UsageError(f"no such file: {path}")
+        raise UsageError(f"no such file: {shown}")
     if os.path.isdir(path):
-        raise UsageError(f"{path} is a directory, not a document")
+        raise UsageError(f"{shown} is a directory, not a document")
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
     except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    if not regular and notify is not None:
-        notify(f"waiting for input on {path} (not a regular file; Ctrl-C to stop)")
+        raise UsageError(f"cannot read {shown}: {e.strerror or e}") from None
+    if regular or regular_only:
+        return _open_regular(path, shown, regular_only)
+    if notify is not None:
+        notify(f"waiting for input on {shown} (not a regular file; Ctrl-C to stop)")
     try:
         stream = open(path, "rb")  # noqa: SIM115 - closed by the reader
     except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
-    return stream, (os.path.getsize(path) if regular else None)
+        raise UsageError(f"cannot read {shown}: {e.strerror or e}") from None
+    return stream, None
 
 
-def open_document(path: str, fmt: str | None = None, notify: Callable[[str], None] | None = None) -> Document:
+def _open_regular(path: str, shown: str, many: bool) -> tuple[BinaryIO, int]:
+    """``path`` opened without waiting (``O_NONBLOCK``: a FIFO opens at once, with or without a writer) and
+    kept only if the open file is a regular one (``fstat``, not the name's earlier ``stat``: it may have
+    been replaced since). Symbolic links are followed, as they were when the file was listed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise UsageError(f"cannot read {shown}: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            why = ("; a run over many documents reads regular files only (one that waits for a writer would stall "
+                   "every document after it)") if many else " (it was replaced while it was opened)"
+            raise UsageError(f"{shown} is {_kind(st.st_mode)}, not a regular file{why}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_document(path: str, fmt: str | None = None, notify: Callable[[str], None] | None = None,
+                  regular_only: bool = False) -> Document:
     """Open and sanity-check a document of any supported format; bad input is a one-line ``UsageError``.
 
     ``fmt`` (``--format``) overrides detection from the content and the extension. Formats other than
@@ -125,8 +159,10 @@ def open_document(path: str, fmt: str | None = None, notify: Callable[[str], Non
     any model is loaded. A FIFO, character device or socket is read like ``-`` (size unknown); opening
     one may wait for a writer, so ``notify`` (a note on stderr) is told "waiting for input on FILE"
     first: a silent hang would look like a bug, and Ctrl-C interrupts the wait like any other.
+    ``regular_only`` (each document of a many-document run) refuses anything but a regular file instead,
+    at once and without waiting, whatever the file was when it was listed.
     """
-    stream, size = _open(path, notify)
+    stream, size = _open(path, notify, regular_only)
     try:
         return _check(path, fmt, stream, size)
     except BaseException:  # a refused document closes its file now, not when it is collected

@@ -2,8 +2,10 @@
 
 Nothing a container claims is trusted: every member is inflated through a counter that refuses it
 once it passes :data:`MAX_MEMBER_BYTES` or :data:`MAX_RATIO` times the compressed bytes it has consumed so
-far, and the whole
-container once :data:`MAX_BOOK_BYTES` are inflated or :data:`MAX_RATIO` times the file's size. The XML
+far, and the whole container once :data:`MAX_BOOK_BYTES` are inflated or :data:`MAX_RATIO` times the file's
+size. Before a reader hands out its first part, :meth:`Container.prescan` inflates every member it will
+read (counted, discarded: nothing parsed, nothing tokenized), so a bomb anywhere in the book is refused
+when the document is opened, before the model reads a token of it. The XML
 is fed to expat :data:`CHUNK_BYTES` at a time and handed to callbacks as it is parsed, so a chapter or a
 paragraph is never held whole; expat buffers an unfinished tag, which may not exceed
 :data:`MAX_TAG_BYTES`. Member names read from the container are confined to it.
@@ -27,9 +29,12 @@ CHUNK_BYTES = 64 * 1024
 MAX_MEMBER_BYTES = 256 * 1024 * 1024
 #: one container (all members read) inflated: at most this many bytes
 MAX_BOOK_BYTES = 1024 * 1024 * 1024
-#: inflated / compressed, per member and per container, once past :data:`RATIO_FLOOR_BYTES`
+#: inflated / compressed, per member and per container, once past :data:`RATIO_FLOOR_BYTES`: prose compresses
+#: about 3x and XHTML or WordprocessingML about 5-10x; one sentence repeated, about 1,000x
 MAX_RATIO = 100
-RATIO_FLOOR_BYTES = 1024 * 1024
+#: below this many inflated bytes the ratio is not checked (a small, repetitive member is no bomb); above it, a
+#: member or a book of one repeated sentence is refused (256 KiB of text: ~60K tokens at most from a tiny file)
+RATIO_FLOOR_BYTES = 256 * 1024
 #: metadata members parsed whole (``container.xml``, the OPF package, ``encryption.xml``)
 MAX_META_BYTES = 16 * 1024 * 1024
 #: the longest unfinished XML token (a tag with its attributes) expat may buffer
@@ -110,6 +115,19 @@ class Container:
             raise self.corrupt(f"{member!r:.80} is missing") from None
         except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, RuntimeError) as e:
             raise self.corrupt(f"{member!r:.80}: {e}") from None
+
+    def prescan(self, members: list[str]) -> None:
+        """Inflate ``members`` (in the order a reader will read them, repeats included) through every cap, and
+        discard the bytes: a decompression bomb anywhere in them is refused now, before the first part is
+        handed out and the model reads a token of it. Linear, bounded by the caps (at most
+        :data:`MAX_BOOK_BYTES` inflated); the read that follows counts its bytes again, from where the
+        metadata left the container's count, so a member changed since is still held to the caps."""
+        before = self.inflated
+        for member in members:
+            with self.open(member) as f:
+                while f.read():
+                    pass
+        self.inflated = before
 
     def read(self, member: str) -> bytes:
         """A small member whole (metadata), within :data:`MAX_META_BYTES` and the container's caps."""

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, json_text
+from kvtool.numbers import LIMITS, capped
 from kvtool.runtime.budget import parse_budget
 from kvtool.runtime.settings import TABLE_BLOCK, Settings, resolve_settings
 
@@ -61,7 +62,7 @@ def parse_tokens(text: str | int, name: str, minimum: int = 1) -> int:
         raise UsageError(f"{name} must be a token count like 512 or 2k, not a size (got {text!r})")
     if b.tokens < minimum:
         raise UsageError(f"{name} must be at least {minimum} (got {text!r})")
-    return b.tokens
+    return capped(name, b.tokens, LIMITS["eval_tokens"])  # an evaluation holds a document this long in memory
 
 
 def parse_token_list(text: str, name: str, minimum: int = 1) -> list[int]:
@@ -115,12 +116,6 @@ def parse_depths(text: str) -> list[float]:
         if d not in out:
             out.append(d)
     return out
-
-
-def positive(value: int, name: str) -> int:
-    if value < 1:
-        raise UsageError(f"{name} must be at least 1 (got {value})")
-    return value
 
 
 # --------------------------------------------------------------------------------------------- the grid
@@ -418,8 +413,7 @@ class CellLog:
         self.done[key] = record
         if self.path is None:
             return
-        line = json.dumps({"task": self.task, "fingerprint": self.fingerprint, "key": key, "record": record},
-                          ensure_ascii=False)
+        line = json_text({"task": self.task, "fingerprint": self.fingerprint, "key": key, "record": record})
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
             fh.flush()

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,10 @@ from kvtool.eval import (
 from kvtool.eval.metrics import exact_match, kl_divergence, rouge_l, token_f1, top1_agreement
 from kvtool.eval.stats import best_in_group, bootstrap_mean, paired_difference, wilson
 from kvtool.runtime.memory import compact_positions
+from kvtool.runtime.tokens import encode_text
+
+if TYPE_CHECKING:
+    from kvtool.runtime.prompt import Rendered
 
 MAX_QUESTIONS = 10_000
 
@@ -82,7 +86,7 @@ def document_tokens(path: Path, tokenizer: Any, max_positions: int | None) -> in
     text = load_text(path, "--doc", max_bytes=cap)
     if len(text.encode("utf-8")) >= cap:
         return None
-    n = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + PROMPT_MARGIN
+    n = len(encode_text(tokenizer, text)) + PROMPT_MARGIN
     return n if n <= max_positions else None
 
 
@@ -204,7 +208,7 @@ def _agreement_results(task: AgreementTask, runs: list[Run], per_run: list[list[
     return results
 
 
-def _suffix(session: Any, question: str) -> str:
+def _suffix(session: Any, question: str) -> Rendered:
     from kvtool.runtime import prompt
 
     return prompt.question_suffix(session.tokenizer, question)

@@ -47,6 +47,7 @@ from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
 from kvtool.runtime.budget import parse_recall
 from kvtool.runtime.memory import compact_positions
 from kvtool.runtime.session import Session
+from kvtool.runtime.tokens import encode_text
 
 # Wording measured on the embedded 135M model: with "The pass key is N ..." / "What is the pass key?" the
 # model defines the phrase "pass key" instead of reading the text (dense: 0 of 12 at 512-1K tokens);
@@ -146,12 +147,9 @@ def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
 
 
 def tokenize_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
-    """Token ids and (start, end) character offsets (None when the tokenizer cannot give them)."""
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
-    except (NotImplementedError, ValueError, TypeError, KeyError):
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), None
+    """Token ids (the haystack is data: plain text) and (start, end) character offsets (None when the
+    tokenizer cannot give them)."""
+    return encode_text(tokenizer, text, offsets=True)
 
 
 class Haystack:
@@ -416,7 +414,7 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     if haystack.repeated:
         reporter.say(f"note: the haystack has fewer than {max(task.lengths)} tokens; it is repeated to fill")
     trial_needles = [task.needles_for(t) for t in range(task.trials)]
-    needle_tokens = [sum(len(tok(" " + n.text + " ", add_special_tokens=False)["input_ids"]) for n in ns)
+    needle_tokens = [sum(len(encode_text(tok, " " + n.text + " ")) for n in ns)
                      for ns in trial_needles]
     for L in task.lengths:
         if L - max(needle_tokens) < MIN_HAYSTACK_TOKENS:

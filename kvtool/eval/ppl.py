@@ -34,6 +34,7 @@ from kvtool.errors import UsageError
 from kvtool.eval import CellLog, Grid, Reporter, Timer, load_once, make_session, model_settings, report
 from kvtool.eval.metrics import kl_divergence, mean_nll, top1_agreement
 from kvtool.eval.stats import best_in_group, bootstrap_mean, paired_difference
+from kvtool.runtime.tokens import bos_prefix, encode_text
 
 #: Only this much of the text is tokenized to draw windows from.
 MAX_WINDOW_TEXT_CHARS = 16 * 1024 * 1024
@@ -75,15 +76,6 @@ class Window:
         return f"{self.source}@{self.offset}"
 
 
-def bos_prefix(tokenizer: Any) -> list[int]:
-    """[bos] when the tokenizer puts a BOS token in front of text by default, else []."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return []
-    ids = tokenizer("a")["input_ids"]
-    return [int(bos)] if ids and ids[0] == bos else []
-
-
 def pick_offsets(total: int, width: int, samples: int, seed: int) -> list[int]:
     """K window offsets in ``[0, total − width]``, deterministic under ``seed``.
 
@@ -109,7 +101,7 @@ def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
         k = (task.samples - i + T - 1) // T
         if k <= 0:
             continue
-        ids = tokenizer(text[:MAX_WINDOW_TEXT_CHARS], add_special_tokens=False)["input_ids"]
+        ids = encode_text(tokenizer, text[:MAX_WINDOW_TEXT_CHARS])
         try:
             offsets = pick_offsets(len(ids), width, k, task.grid.settings.seed + i)
         except UsageError as e:

@@ -8,10 +8,11 @@ A ``.kvc`` file is a plain safetensors file (see ``docs/kvc-format.md``)::
               (and .comp_key_sum / .comp_value_sum / .comp_count for RazorAttention's compensated heads;
               .key_scale / .value_scale for int8 / int4 K/V, ``--kv-dtype``)
 
-A file that needs something an older kvtool would misread lists it in ``required_features`` and is written
-as format ``FEATURES_FORMAT_VERSION``: a kvtool that reads only format 1 refuses it with its one-line
-version message, and this one refuses a feature it does not know the same way. Files without features stay
-format 1, readable by every kvtool.
+Every file is written as format ``FORMAT_VERSION`` (3). Formats 1 and 2 were written before document text
+was kept apart from control tokens: their caches may hold a document's ``<|im_end|>`` as the real control
+token, so they are refused with a line that says so (prefill again). A file that needs something an older
+kvtool would misread lists it in ``required_features``; a feature this kvtool does not know is refused in
+one line as well, so a later feature needs no new version.
 
 Everything here reads the header only, so ``kvtool inspect`` and input detection stay instant and never
 import torch. Every value a reader later allocates from is checked here first: types, ranges, agreement
@@ -32,12 +33,16 @@ from typing import Any
 from kvtool import __version__
 from kvtool.config import DTYPE_BYTES, KV_DTYPES
 from kvtool.errors import UsageError, first_line, shown
+from kvtool.fileio import open_regular
 
 FORMAT = "kvtool-kvc"
-FORMAT_VERSION = 1  # what a file without required features is written as; bump on any change an older kvtool misreads
-FEATURES_FORMAT_VERSION = 2  # a file with ``required_features`` (format-1 readers refuse it)
-READ_FORMAT_VERSION = 2  # newest format this kvtool loads
-MIN_FORMAT_VERSION = 1  # oldest format this kvtool still loads
+FORMAT_VERSION = 3  # what every file is written as; bump on any change an older kvtool misreads
+READ_FORMAT_VERSION = 3  # newest format this kvtool loads
+#: oldest format this kvtool still loads: the first whose document tokens are plain text (a document's
+#: ``<|im_end|>`` its characters, not the control token)
+MIN_FORMAT_VERSION = 3
+#: what formats 1 (no required features) and 2 (with them) lack, in the line that refuses them
+_BEFORE_PLAIN_TEXT = "written before document text was kept apart from control tokens"
 #: features a file may require that this kvtool reads: ``kv_dtype`` = K/V stored in another format than the
 #: model's dtype (``--kv-dtype``: a narrower float, or int8 / int4 codes with per-token scales)
 KNOWN_FEATURES = ("kv_dtype",)
@@ -169,8 +174,9 @@ def is_kvc(path: str | os.PathLike[str]) -> bool:
     try:
         if not os.path.isfile(path):  # never read a pipe or device here: that would consume its data
             return False
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        # and never wait on one: the name may have become a FIFO since (the open file itself is checked)
+        with os.fdopen(open_regular(path, follow=True), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(9)
             safetensors_like = len(head) == 9 and head[4:8] == b"\0\0\0\0" and head[8:9] == b"{"
             if safetensors_like:
@@ -200,7 +206,7 @@ def read_header(path: str | os.PathLike[str], fd: int | None = None) -> KvcHeade
     path = os.fspath(path)
     try:
         if fd is None:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path, follow=True), "rb") as f:  # a FIFO is refused, never waited on
                 size, n, raw = _read_raw(path, f.fileno())
         else:
             size, n, raw = _read_raw(path, fd)
@@ -467,6 +473,9 @@ def _check_version(path: str, md: dict[str, Any], meta: dict[str, Any]) -> None:
             raise UsageError(f"{path} was written by kvtool {writer} and needs {', '.join(unknown)[:200]}, which "
                              f"this kvtool {__version__} does not read: upgrade kvtool")
         return
+    if 1 <= version < MIN_FORMAT_VERSION:
+        raise UsageError(f"{path} was written by kvtool {writer} (kvc format {version}), {_BEFORE_PLAIN_TEXT}; "
+                         "prefill it again")
     supported = f"{MIN_FORMAT_VERSION}-{READ_FORMAT_VERSION}" if MIN_FORMAT_VERSION < READ_FORMAT_VERSION else str(
         READ_FORMAT_VERSION)
     hint = "upgrade kvtool" if version > READ_FORMAT_VERSION else "prefill it again with this kvtool"

@@ -31,7 +31,6 @@ from kvtool import __version__
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.fileio import fsync_dir
 from kvtool.kvc.format import (
-    FEATURES_FORMAT_VERSION,
     FORMAT,
     FORMAT_VERSION,
     META_KEY,
@@ -92,6 +91,8 @@ def check_output(path: str | os.PathLike[str], force: bool = False, source: str 
             if os.path.samefile(source, path):
                 raise UsageError(f"output {path} is the input document; choose another -o")
     if os.path.lexists(path) and not force:
+        if not os.path.exists(path):
+            raise UsageError(f"output {path} is a symbolic link to nothing; remove it, or use --force to replace it")
         raise UsageError(f"output {path} already exists; use --force to overwrite it")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.exists(parent):
@@ -177,8 +178,7 @@ def write_entries(path: str | os.PathLike[str], entries: list[Entry], meta: dict
     clean_stale(directory)
     entries = sorted(entries, key=lambda e: e.name)
     meta = dict(meta)
-    version = FEATURES_FORMAT_VERSION if meta.get("required_features") else FORMAT_VERSION  # see kvc/format.py
-    meta.update(format=FORMAT, format_version=version, tensors_sha256=_PLACEHOLDER)
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, tensors_sha256=_PLACEHOLDER)
     meta.setdefault("kvtool_version", __version__)
     meta = jsonable(meta)
     try:

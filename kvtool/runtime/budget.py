@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtool.config import kv_token_head_bytes, kv_window_bytes
 from kvtool.errors import UsageError, shown
+from kvtool.numbers import LIMITS, capped
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,6 @@ _BYTE_UNITS = {
 }
 _NUM_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
-#: the largest count a setting may hold (tokens, blocks, sinks, answer length): no document comes near it, and
-#: every count stays a 64-bit integer wherever torch meets it
-MAX_COUNT = 2**40
-#: the largest byte budget or size (1 EiB)
-MAX_BUDGET_BYTES = 2**60
-#: the most tokens per KV head a question may recall (as a ``.kvc`` may record)
-MAX_RECALL_TOKENS = 1 << 24
-#: the largest archive page (as a ``.kvc`` may record; the engine's pages are tens of tokens)
-MAX_RECALL_PAGE = 1 << 20
-#: the most CPU threads ``--threads`` may ask for
-MAX_THREADS = 4096
 
 _BUDGET_HELP = "budget must be a token count like 4096 or 4k, or a size like 512MiB"
 _SIZE_HELP = "size must be a number of bytes like 8GiB, 512MiB, 2GB or 123B"
@@ -67,6 +57,14 @@ def _split_number(text: str) -> tuple[float, str] | None:
     if not math.isfinite(value):
         return None
     return value, m.group(2).lower()
+
+
+def _in_range(name: str, value: int, key: str, raw: str) -> int:
+    """``value`` (what ``raw`` says, units applied) within ``LIMITS[key]``; the message quotes ``raw``."""
+    try:
+        return capped(name, value, LIMITS[key])
+    except UsageError as e:
+        raise UsageError(f"{str(e).rsplit(': got ', 1)[0]}: got {shown(raw)}") from None
 
 
 def parse_budget(text: str | int) -> Budget:
@@ -83,19 +81,10 @@ def parse_budget(text: str | int) -> Budget:
         raise UsageError(f"{_BUDGET_HELP}: got {shown(raw)}")
     value, unit = parts
     if unit in _TOKEN_UNITS:
-        tokens = int(value * _TOKEN_UNITS[unit])
-        if tokens < 1:
-            raise UsageError(f"budget must be at least 1 token: got {shown(raw)}")
-        if tokens > MAX_COUNT:
-            raise UsageError(f"budget must be at most {MAX_COUNT:,} tokens (any budget past the document's length "
-                             f"keeps all of it): got {shown(raw)}")
+        tokens = _in_range("budget", int(value * _TOKEN_UNITS[unit]), "budget_tokens", raw)
         return Budget(tokens=tokens, nbytes=None, text=raw)
     if unit in _BYTE_UNITS:
-        nbytes = int(value * _BYTE_UNITS[unit])
-        if nbytes < 1:
-            raise UsageError(f"budget must be at least 1 byte: got {shown(raw)}")
-        if nbytes > MAX_BUDGET_BYTES:
-            raise UsageError(f"budget must be at most {MAX_BUDGET_BYTES >> 60} EiB: got {shown(raw)}")
+        nbytes = _in_range("budget", int(value * _BYTE_UNITS[unit]), "budget_bytes", raw)
         return Budget(tokens=None, nbytes=nbytes, text=raw)
     raise UsageError(f"{_BUDGET_HELP}: got {shown(raw)}")
 
@@ -117,12 +106,7 @@ def parse_recall(text: str | int) -> int:
     parts = _split_number(raw)
     if parts is None or parts[1] not in _TOKEN_UNITS:
         raise UsageError(f"recall must be auto, off or a token count like 512 or 4k: got {shown(raw)}")
-    tokens = int(parts[0] * _TOKEN_UNITS[parts[1]])
-    if tokens < 0:
-        raise UsageError(f"recall must be off or a positive token count: got {shown(raw)}")
-    if tokens > MAX_RECALL_TOKENS:
-        raise UsageError(f"recall must be at most {MAX_RECALL_TOKENS:,} tokens per KV head: got {shown(raw)}")
-    return tokens
+    return _in_range("recall", int(parts[0] * _TOKEN_UNITS[parts[1]]), "recall", raw)
 
 
 def parse_size(text: str | int) -> int:
@@ -134,12 +118,7 @@ def parse_size(text: str | int) -> int:
     if parts is None or (parts[1] and parts[1] not in _BYTE_UNITS):
         raise UsageError(f"{_SIZE_HELP}: got {shown(raw)}")
     value, unit = parts
-    nbytes = int(value * _BYTE_UNITS.get(unit, 1))
-    if nbytes < 1:
-        raise UsageError(f"size must be at least 1 byte: got {shown(raw)}")
-    if nbytes > MAX_BUDGET_BYTES:
-        raise UsageError(f"size must be at most {MAX_BUDGET_BYTES >> 60} EiB: got {shown(raw)}")
-    return nbytes
+    return _in_range("size", int(value * _BYTE_UNITS.get(unit, 1)), "memory", raw)
 
 
 def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,

@@ -3,7 +3,9 @@
 The whole document is never held as tokens: its reader hands out parts of at most 64K characters
 (pages, chapters, sections, text pieces cut before a space), which are tokenized as the prefill reaches
 them and handed out in blocks. Each token's character span in the extracted text can be recorded on
-the way (a :class:`~kvtool.runtime.citations.SourceMap`, for citations).
+the way (a :class:`~kvtool.runtime.citations.SourceMap`, for citations). Document text is data: it is
+tokenized as plain text (:func:`~kvtool.runtime.tokens.encode_text`), so the string ``<|im_end|>`` in it is
+never the control token that ends a chat turn.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtool.documents import Document, iter_parts
+from kvtool.runtime.tokens import encode_text
 
 if TYPE_CHECKING:
     from kvtool.runtime.citations import SourceMap
@@ -36,7 +39,7 @@ def iter_token_blocks(doc: Document, tokenizer, block_size: int, source: SourceM
             source.add_section(doc.chars, part.page, part.chapter, part.title)
             source.add(ids, spans)
         else:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = encode_text(tokenizer, text)
         doc.chars += len(text)
         doc.tokenized_tokens += len(ids)
         buf.extend(ids)
@@ -54,17 +57,15 @@ def _tokenize_spans(tokenizer, text: str, base: int) -> tuple[list[int], list[tu
 
     Fast tokenizers give exact offsets; otherwise spans come from the lengths of decoded prefixes.
     """
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [(base + int(a), base + int(b)) for a, b in enc["offset_mapping"]]
-    except (NotImplementedError, ValueError, TypeError, KeyError):
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        spans, at = [], 0
-        for i in ids:  # approximate: each token's own decoded length
-            end = min(len(text), at + len(tokenizer.decode([i])))
-            spans.append((base + at, base + end))
-            at = end
-        return ids, spans
+    ids, offsets = encode_text(tokenizer, text, offsets=True)
+    if offsets is not None:
+        return ids, [(base + a, base + b) for a, b in offsets]
+    spans, at = [], 0
+    for i in ids:  # approximate: each token's own decoded length
+        end = min(len(text), at + len(tokenizer.decode([i])))
+        spans.append((base + at, base + end))
+        at = end
+    return ids, spans
 
 
 def estimate_tokens(doc: Document) -> int | None:

@@ -32,8 +32,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtool import __version__
-from kvtool.errors import EXIT_PARTIAL, EXIT_RUNTIME, EXIT_USAGE, KvtoolError, UsageError, first_line, printable
-from kvtool.runtime.many_log import record_key
+from kvtool.errors import (
+    EXIT_PARTIAL,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    KvtoolError,
+    UsageError,
+    first_line,
+    printable,
+    short_path,
+)
+from kvtool.kvc.format import is_kvc
+from kvtool.runtime.many_log import document_key, record_key
 from kvtool.runtime.settings import Settings
 
 COMMANDS = ("ask", "summarize", "prefill")
@@ -52,6 +62,15 @@ class Task:
     cite: bool = False  # ask --cite
     doc_format: str | None = None  # --format
     force: bool = False  # prefill --force: rewrite existing caches
+    #: 16 hex digits of what decides a record's content, computed once when the task is made (see
+    #: :func:`settings_fingerprint`) and shipped with it: a copy whose settings a Ray pool adapted to its
+    #: workers (the device ``auto`` resolved, the threads, the model's absolute path) keeps the same value,
+    #: so the driver and every worker stamp and resume with one fingerprint.
+    fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            self.fingerprint = settings_fingerprint(self)
 
     def keys(self) -> list[str]:
         """What one document gives a record for: each question, the summary, or the saved cache."""
@@ -59,21 +78,22 @@ class Task:
             return list(self.questions)
         return ["summary" if self.command == "summarize" else "prefill"]
 
-    @property
-    def fingerprint(self) -> str:
-        """16 hex digits of what decides a record's content: the command and every setting that changes an
-        answer. Not the threads, the device's place or the Ray pool: those change the speed, not the answer."""
-        values = asdict(self.settings)
-        values.pop("threads", None)
-        if values.get("model"):
-            values["model"] = os.path.abspath(str(values["model"]))
-        extra: dict[str, Any] = {"format": self.doc_format or "auto"}
-        if self.command == "ask":
-            extra["cite"] = self.cite
-        elif self.command == "summarize":
-            extra["length"] = self.length
-        payload = json.dumps({"command": self.command, "settings": values, **extra}, sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+def settings_fingerprint(task: Task) -> str:
+    """16 hex digits of what decides a record's content: the command and every setting that changes an answer,
+    as the user asked for them (``--device auto`` stays ``auto``). Not the threads, the device's place or the
+    Ray pool: those change the speed, not the answer."""
+    values = asdict(task.settings)
+    values.pop("threads", None)
+    if values.get("model"):
+        values["model"] = os.path.abspath(str(values["model"]))
+    extra: dict[str, Any] = {"format": task.doc_format or "auto"}
+    if task.command == "ask":
+        extra["cite"] = task.cite
+    elif task.command == "summarize":
+        extra["length"] = task.length
+    payload = json.dumps({"command": task.command, "settings": values, **extra}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
 @dataclass
@@ -94,20 +114,23 @@ def check_not_an_input(output: str, paths: Iterable[str]) -> None:
     for p in paths:
         with contextlib.suppress(OSError):
             if os.path.samefile(p, output):
-                raise UsageError(f"output {output} is one of the documents; choose another -o")
+                raise UsageError(f"output {short_path(output)} is one of the documents; choose another -o")
 
 
 def plan(task: Task, paths: Iterable[str], done: set[tuple[str, str]] | None = None,
          outputs: dict[str, str] | None = None) -> tuple[list[Job], int]:
-    """The jobs of a run: each document with the pairs ``done`` does not hold (a resumed run skips the
-    rest). For ``prefill``, an existing output counts as done unless ``--force``. Returns (jobs, number of
-    documents already complete)."""
+    """The jobs of a run: each document with the pairs ``done`` does not hold (keyed by
+    :func:`~kvtool.runtime.many_log.document_key`: a resumed run skips the rest, however the document is
+    spelled). For ``prefill``, an output that is a ``.kvc`` (a regular file, by its content) counts as done
+    unless ``--force``; anything else there (a dangling link, another file) is not done, and the document's
+    own check says why it is not overwritten. Returns (jobs, number of documents already complete)."""
     done = done or set()
     jobs, complete = [], 0
     for path in paths:
         output = outputs.get(path) if outputs is not None else None
-        keys = [k for k in task.keys() if (path, k) not in done]
-        if task.command == "prefill" and output is not None and not task.force and os.path.lexists(output):
+        key = document_key(path)
+        keys = [k for k in task.keys() if (key, k) not in done]
+        if task.command == "prefill" and output is not None and not task.force and is_kvc(output):
             keys = []
         if not keys:
             complete += 1
@@ -181,6 +204,10 @@ class DocumentWorker:
         read = None
         doc = None
         try:
+            if job.output is not None:  # prefill: a cache that cannot be written is known before the read
+                from kvtool.kvc.write import check_output
+
+                check_output(job.output, self.task.force)
             kind, doc = self._open(job)
             with session.engine.meter.track():
                 if kind == "kvc":
@@ -219,7 +246,9 @@ class DocumentWorker:
             if self.task.command == "prefill":
                 raise UsageError(f"{job.path} is already a .kvc cache; prefill reads a text document")
             return "kvc", None
-        return "document", open_document(job.location, self.task.doc_format, notify=self.say)
+        # a regular file only, opened without waiting: a file replaced by a FIFO since the walk listed it is
+        # this document's error record, not a run stopped until something writes to it
+        return "document", open_document(job.location, self.task.doc_format, regular_only=True)
 
     def _do(self, job: Job, key: str, read: Any) -> dict[str, Any]:
         """Answer one question (or summarize, or save the cache) and make its record."""

@@ -4,8 +4,10 @@ Each record is one JSON line, written with one ``write`` and flushed to the disk
 its answer is complete, so an interrupted run (Ctrl-C, ``kill -9``, a power cut) loses at most the answer
 being computed. Running the same command again reads the file first: the (document, question) pairs
 already answered under the same settings fingerprint are skipped, and a torn last line (a write cut
-short) is cut off, so the file stays valid JSON Lines and its pair is done again. Nothing is ever
-answered twice: the file is locked while a run writes it (a second run on the same file is refused).
+short, of any length) is cut off, so the file stays valid JSON Lines and its pair is done again. Nothing
+is ever answered twice: the file is locked while a run writes it (a second run on the same file is
+refused), and a document is known by its resolved path (:func:`document_key`), so ``./a.txt``, ``a.txt``
+and a symbolic link to it are one document, in one run and across runs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtool.errors import UsageError
+from kvtool.errors import UsageError, json_text
 
 #: how every record's line starts (``path`` is each record's first key): the mark of a torn line that may be cut
 RECORD_START = b'{"path": '
@@ -26,15 +28,18 @@ RECORD_START = b'{"path": '
 MAX_LINE_BYTES = 16 * 1024 * 1024
 
 
+def document_key(path: str) -> str:
+    """What identifies a document in a run and in the resume log: its resolved path (absolute, symbolic
+    links and ``.``/``..`` followed), so the same file named two ways is one document. A path that does not
+    exist (yet) resolves as far as it can; never raises."""
+    return os.path.realpath(path)
+
+
 def record_line(record: dict[str, Any]) -> str:
-    """``record`` as one JSON line (no newline). UTF-8 as is, unless a path holds bytes that are not
-    UTF-8 (surrogate escapes): then ASCII escapes, which read back to the same string."""
-    line = json.dumps(record, ensure_ascii=False)
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        line = json.dumps(record)
-    return line
+    """``record`` as one JSON line (no newline), as every JSON kvtool prints (``json_text``): UTF-8 as is, but
+    every control and bidi character of a file name or an answer, and every byte of a path that is not UTF-8
+    (a surrogate escape), is a ``\\uXXXX`` escape, which reads back to the same string."""
+    return json_text(record)
 
 
 def record_key(record: dict[str, Any]) -> tuple[str, str] | None:
@@ -56,7 +61,7 @@ def record_key(record: dict[str, Any]) -> tuple[str, str] | None:
 class Resumed:
     """What an existing output file already holds, as seen by this run's settings."""
 
-    done: set[tuple[str, str]] = field(default_factory=set)  # pairs answered under this fingerprint
+    done: set[tuple[str, str]] = field(default_factory=set)  # (document_key, what) answered under this fingerprint
     records: int = 0  # complete lines kept
     other_settings: int = 0  # records made under another fingerprint (kept; their pairs are done again)
     errors: int = 0  # error records (their documents are tried again)
@@ -133,6 +138,7 @@ def _read(fd: int, path: str, fingerprint: str) -> Resumed:
     out = Resumed()
     size = os.fstat(fd).st_size
     good = 0  # end of the last complete, valid line
+    keys: dict[str, str] = {}  # a record's path -> its document_key (a document has a record per question)
     with open(fd, "rb", closefd=False) as f:
         f.seek(0)
         number = 0
@@ -145,11 +151,10 @@ def _read(fd: int, path: str, fingerprint: str) -> Resumed:
                 raise UsageError(f"{path} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB: not a kvtool "
                                  "output file; choose another -o")
             record = _parse(line)
-            last = f.tell() >= size
             if record is None or not line.endswith(b"\n"):
-                # a write cut short (kill -9, a full disk, a power cut) is cut off and its pair redone; only a
-                # record's own start is cut, never the last line of a file that is not kvtool's
-                if last and line.startswith(RECORD_START):
+                # a write cut short (kill -9, a full disk, a power cut) is cut off and its pair redone; only what
+                # a cut write leaves is cut, never the last line of a file that is not kvtool's
+                if f.tell() >= size and not line.endswith(b"\n") and _torn(line):
                     break
                 raise UsageError(f"{path} line {number} is not a kvtool record: not a kvtool output file; choose "
                                  "another -o")
@@ -161,12 +166,22 @@ def _read(fd: int, path: str, fingerprint: str) -> Resumed:
             elif record.get("settings") != fingerprint:
                 out.other_settings += 1
             elif key is not None:
-                out.done.add(key)
+                if key[0] not in keys:
+                    keys[key[0]] = document_key(key[0])
+                out.done.add((keys[key[0]], key[1]))
     if good < size:
         out.torn_bytes = size - good
         os.ftruncate(fd, good)
         os.fsync(fd)
     return out
+
+
+def _torn(line: bytes) -> bool:
+    """Whether an unterminated last line is what a record's write cut short leaves: a start of a record of any
+    length (``{``, ``{"pa``, ``{"path": "a.t``), possibly followed by the NUL bytes a power cut leaves where
+    the file grew before its data reached the disk (or NUL bytes alone)."""
+    body = line.rstrip(b"\0")
+    return body.startswith(RECORD_START) or RECORD_START.startswith(body)
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:

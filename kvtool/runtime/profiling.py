@@ -170,30 +170,31 @@ def has_weights(directory: Path) -> bool:
     return any(p.name.endswith(WEIGHT_SUFFIXES) for p in directory.iterdir())
 
 
-def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
+def model_info_from_config(directory: Path, settings: Settings, name: str | None = None) -> ModelInfo:
     """A ``ModelInfo`` from a checkpoint directory's ``config.json`` alone: no weights are read, no device is
-    needed, so a user can see the plan a model and a card would give before downloading either (Llama-style
-    parameter count from the dimensions; the dtype ``auto`` means bfloat16 on CUDA, float32 elsewhere)."""
-    import transformers
-
+    needed, so a user can see the plan a model and a card would give before downloading either. The config is
+    checked as loading checks it (``checkpoint_config.checked_config``: the same config is refused with or
+    without its weights), and its parameters are counted from the model it describes, built on the meta device
+    (a mixture of experts counts every expert). The dtype ``auto`` means bfloat16 on CUDA, float32 elsewhere."""
     from kvtool.core.contract import PolicyEnv
     from kvtool.policies import build_policy
+    from kvtool.runtime.model.checkpoint_config import checked_config, parameter_counts
 
-    config = transformers.AutoConfig.from_pretrained(str(directory), trust_remote_code=False)
+    config = checked_config(directory)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     dims = _mem.dims_from_config(config)
     device = settings.device if settings.device != "auto" else "cpu"
     dtype = settings.dtype if settings.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
-    tied = bool(getattr(text, "tie_word_embeddings", False))
+    num_params, embeddings = parameter_counts(config)
     budget, recall, note = resolve_budget_and_recall(settings, dims, dtype)
     block = settings.block_size or default_block_size(device.split(":")[0], budget)
     env = PolicyEnv(num_layers=dims["num_layers"], num_kv_heads=dims["num_kv_heads"],
                     num_attention_heads=dims["num_attention_heads"], head_dim=dims["head_dim"], budget=budget,
                     block_size=block, sinks=settings.sinks, recent=settings.recent)
     policy = build_policy(settings.policy, settings.policy_options, env)
-    return ModelInfo(name=directory.name, dims=dims, num_params=_mem.llama_param_count(dims, tied), dtype=dtype,
+    return ModelInfo(name=name or directory.name, dims=dims, num_params=num_params, dtype=dtype,
                      device=device, quantize=settings.quantize,
-                     unquantized_params=_mem.embedding_params(dims, tied) if settings.quantize != "none" else 0,
+                     unquantized_params=embeddings if settings.quantize != "none" else 0,
                      policy=policy.spec, rows=min(max(int(policy.query_rows(block)), 0), block),
                      n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, budget_note=note, resolved=True,
                      recall_tokens=recall if budget is not None else 0,
@@ -201,9 +202,11 @@ def model_info_from_config(directory: Path, settings: Settings) -> ModelInfo:
                      rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None)
 
 
-def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None) -> dict[str, Any]:
-    """``plan`` for a checkpoint directory holding only its ``config.json`` (``model_info_from_config``)."""
-    out = plan(model_info_from_config(directory, settings), settings, doc_tokens=doc_tokens, memory=memory,
+def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None,
+                     name: str | None = None) -> dict[str, Any]:
+    """``plan`` for a checkpoint directory holding only its ``config.json`` (``model_info_from_config``); ``name``
+    (default: the directory's) is what the plan calls the model, e.g. the id of a cached model."""
+    out = plan(model_info_from_config(directory, settings, name), settings, doc_tokens=doc_tokens, memory=memory,
                runtime_baseline=0)
     out["from_config"] = True
     return out

@@ -6,7 +6,14 @@
 
 The template is rendered once with a marker where the document goes and split at the marker, so
 any chat template works and the prefix does not depend on the question: one prefilled document
-serves many questions.
+serves many questions. The question is data like the document: the template is rendered with a second
+marker in its place and the question put there afterwards, so the template never sees it and
+:func:`encode` knows which characters are the user's (plain text, never control tokens; see
+:mod:`kvtool.runtime.tokens`).
+
+A checkpoint without a chat template is a base model (not instruction-tuned): it gets a plain
+prompt instead, a completion cue after the document (``Question: … Answer:``, or a summary's
+heading) that a model trained only to continue text continues with the answer.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtool.errors import UsageError, first_line
+from kvtool.runtime.tokens import encode_prompt
 
 MARK = "\u2063KVTOOL_DOCUMENT\u2063"
+QUESTION_MARK = "\u2063KVTOOL_QUESTION\u2063"
 
 ASK_INSTRUCTION = "\n\nAnswer the question about the text above. Be brief and specific.\nQuestion: {question}"
 SUMMARY_LENGTHS = {
@@ -29,12 +38,35 @@ SUMMARY_LENGTHS = {
     "long": "in several paragraphs covering the main events, people and ideas",
 }
 SUMMARY_INSTRUCTION = "\n\nSummarize the text above {length}."
+#: a base model's cues after the document: text it continues with the answer
+PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
+PLAIN_SUMMARY = "\n\nSummary of the text above, {length}:"
 
 
 @dataclass
 class PromptParts:
     prefix: str
     suffix: str
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """Rendered prompt text whose ``pieces`` alternate the template's text and the user's data (the
+    question), template first: only template pieces may hold control tokens."""
+
+    pieces: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def cut(self, end: int) -> Rendered:
+        """The first ``end`` characters, their pieces kept apart."""
+        out, at = [], 0
+        for piece in self.pieces:
+            out.append(piece[: max(0, end - at)])
+            at += len(piece)
+        return Rendered(tuple(out))
 
 
 #: a chat template (the model's own code, in Jinja's sandbox) may run this long per rendering ...
@@ -160,16 +192,51 @@ def _peak_rss() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether the checkpoint brings a chat template (an instruction-tuned model); without one, a plain prompt."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def base_model_note(name: str) -> str:
+    """The one line that says a model without a chat template is asked with a plain prompt."""
+    return (f"note: {name} has no chat template: taken for a base model (not instruction-tuned) and asked with a "
+            "plain prompt (the document, then \"Question: ... Answer:\")")
+
+
+def plain_parts(tokenizer, tail: str) -> PromptParts:
+    """A base model's prompt: the tokenizer's own start-of-text token (where it puts one), the document, ``tail``."""
+    bos = getattr(tokenizer, "bos_token", None)
+    starts = False
+    if isinstance(bos, str) and bos:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+        starts = bool(ids) and ids[0] == tokenizer.bos_token_id
+    return PromptParts(prefix=bos if starts else "", suffix=tail)
+
+
+def _parts(tokenizer, chat_tail: str, plain_tail: str) -> PromptParts:
+    if has_chat_template(tokenizer):
+        return split_template(tokenizer, chat_tail)
+    return plain_parts(tokenizer, plain_tail)
+
+
 def document_prefix(tokenizer) -> str:
     """The part before the document (identical for every question)."""
-    return split_template(tokenizer, "").prefix
+    return _parts(tokenizer, "", "").prefix
 
 
-def question_suffix(tokenizer, question: str) -> str:
-    return split_template(tokenizer, ASK_INSTRUCTION.format(question=question)).suffix
+def question_suffix(tokenizer, question: str) -> Rendered:
+    """The suffix of a question: the template (or a base model's plain cue) rendered around a marker, the
+    question (stripped) put in its place, so that the template never sees it and it stays data."""
+    suffix = _parts(tokenizer, ASK_INSTRUCTION.format(question=QUESTION_MARK),
+                    PLAIN_QUESTION.format(question=QUESTION_MARK)).suffix
+    if suffix.count(QUESTION_MARK) != 1:
+        raise UsageError("the model's chat template rewrites the user's message: kvtool puts the question where "
+                         "the message goes (fix the template in tokenizer_config.json or chat_template.jinja)")
+    before, after = suffix.split(QUESTION_MARK)
+    return Rendered((before, question.strip(), after))
 
 
-def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
+def focus_rows(tokenizer, suffix: Rendered, focus: str) -> slice | None:
     """The rows of ``suffix``'s tokens that encode ``focus`` (the user's question), or None if not found.
 
     Recall ranks the archive by what these rows attend to: the instruction and the chat template
@@ -177,35 +244,59 @@ def focus_rows(tokenizer, suffix: str, focus: str) -> slice | None:
     generic attractors (essay titles, dates, turn headers); summed with the question's rows they
     would outrank the passage the question is about, so only the question's rows are used.
     """
-    at = suffix.rfind(focus.strip()) if focus.strip() else -1
+    at = suffix.text.rfind(focus.strip()) if focus.strip() else -1
     if at < 0:
         return None
-    start = len(encode(tokenizer, suffix[:at]))
-    end = len(encode(tokenizer, suffix[: at + len(focus.strip())]))
+    start = len(encode(tokenizer, suffix.cut(at)))
+    end = len(encode(tokenizer, suffix.cut(at + len(focus.strip()))))
     return slice(start, max(end, start + 1))
 
 
-def summary_suffix(tokenizer, length: str) -> str:
-    return split_template(tokenizer, SUMMARY_INSTRUCTION.format(length=SUMMARY_LENGTHS[length])).suffix
+def summary_suffix(tokenizer, length: str) -> Rendered:
+    return Rendered((_parts(tokenizer, SUMMARY_INSTRUCTION.format(length=SUMMARY_LENGTHS[length]),
+                            PLAIN_SUMMARY.format(length=SUMMARY_LENGTHS[length])).suffix,))
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Template text already contains its special tokens as text: no extra BOS/EOS."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def prefix_ids(tokenizer) -> list[int]:
+    """The token ids of the part before the document (template text only)."""
+    return encode(tokenizer, Rendered((document_prefix(tokenizer),)))
 
 
-def eos_ids(tokenizer, model_config=None) -> set[int]:
-    """Token ids that end an answer: the tokenizer's EOS, the model's, and the chat turn end."""
+def encode(tokenizer, prompt: Rendered) -> list[int]:
+    """Token ids of rendered prompt text: the template's control tokens as written, the user's data as plain
+    text. The template writes its own BOS where it wants one: none is added."""
+    return encode_prompt(tokenizer, prompt.pieces)
+
+
+#: the most end-of-answer ids a model's configs may list (real ones list one to three)
+MAX_STOP_IDS = 64
+#: chat turn ends known by name (ChatML, Llama 3, Gemma, Llama 2 / Mistral, GPT-2 style)
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>", "<|endoftext|>")
+
+
+def eos_ids(tokenizer, model_config=None, generation_config=None) -> set[int]:
+    """Token ids that end an answer: the tokenizer's EOS, the model's, and the chat turn end.
+
+    The model's come from its config and from its ``generation_config.json`` (transformers reads it as
+    JSON, within the checkpoint's file caps, and runs nothing): ``eos_token_id`` is one id or a list, e.g.
+    Llama 3 Instruct's ``<|eot_id|>`` beside ``<|end_of_text|>``, Gemma's ``<end_of_turn>`` beside ``<eos>``.
+    """
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif isinstance(gen_eos, list):
-        ids.update(int(i) for i in gen_eos)
-    for tok in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>"):
+    for where, config in (("config.json", model_config), ("generation_config.json", generation_config)):
+        ids.update(_config_stop_ids(where, getattr(config, "eos_token_id", None) if config is not None else None))
+    for tok in TURN_END_TOKENS:
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
             ids.add(tid)
     return ids
+
+
+def _config_stop_ids(where: str, value: Any) -> set[int]:
+    """``eos_token_id`` of a config (an id, a list of ids or nothing) as a set; other entries are ignored."""
+    items = [value] if isinstance(value, int) else list(value) if isinstance(value, list | tuple) else []
+    if len(items) > MAX_STOP_IDS:
+        raise UsageError(f"the model's {where} lists {len(items):,} end-of-answer token ids (eos_token_id), more "
+                         f"than the {MAX_STOP_IDS} any real model needs; refused")
+    return {int(i) for i in items if isinstance(i, int) and not isinstance(i, bool) and i >= 0}

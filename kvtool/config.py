@@ -26,6 +26,34 @@ ARCHIVE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 RECALL_PLACEMENTS = ("relevance", "document")
 #: the placement every layer defaults to (the settings, the engine, ``recall.recall``)
 DEFAULT_RECALL_PLACEMENT = "relevance"
+#: how recall selects (``--recall-select``): ``shared`` (one ranking for every head, each question row's attention
+#: maximised over the rows, a fixed number of tokens per head), or ``+``-joined variants of it: ``sum`` (the rows'
+#: attention summed instead), ``layer`` (each layer recalls by its own heads' ranking), ``grow`` (the tokens per head
+#: grow with the archive's square root past ``SCAN``), ``again`` (a second recall after the answer's first
+#: ``AGAIN_AFTER`` tokens, their queries voting beside the question's)
+RECALL_SELECT_VARIANTS = ("sum", "layer", "grow", "again")
+DEFAULT_RECALL_SELECT = "shared"
+#: ``--recall-select again``: answer tokens decoded before the second recall
+AGAIN_AFTER = 4
+
+
+def recall_selection(spec: str) -> frozenset[str]:
+    """The variants of ``--recall-select`` ``spec``: ``shared`` (none) or ``+``-joined names of
+    ``RECALL_SELECT_VARIANTS``; a one-line ``UsageError`` otherwise."""
+    parts = [p.strip().lower() for p in str(spec).split("+")]
+    if parts == [DEFAULT_RECALL_SELECT]:
+        return frozenset()
+    bad = [p for p in parts if p not in RECALL_SELECT_VARIANTS]
+    if bad or len(set(parts)) != len(parts):
+        raise UsageError(f"recall select must be {DEFAULT_RECALL_SELECT} or +-joined variants of "
+                         f"{', '.join(RECALL_SELECT_VARIANTS)}, each once (got {spec!r})", field="recall_select")
+    return frozenset(parts)
+
+
+def recall_select_spec(spec: str) -> str:
+    """``spec`` normalised: its variants in ``RECALL_SELECT_VARIANTS`` order (``grow+sum`` is ``sum+grow``)."""
+    chosen = recall_selection(spec)
+    return "+".join(v for v in RECALL_SELECT_VARIANTS if v in chosen) or DEFAULT_RECALL_SELECT
 #: how the bounded cache stores K/V (``--kv-dtype``); ``auto`` is the model's compute dtype, int8 / int4 keep
 #: one float16 scale per token, KV head and K/V (int4 packs two values per byte)
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")

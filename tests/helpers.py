@@ -121,6 +121,33 @@ def tiny_tokenizer():
     return fast
 
 
+def byte_tokenizer():
+    """Byte-level BPE without merges: every byte is a token; decode/offsets are exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    from kvtool.runtime.model import CHATML_TEMPLATE
+
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def tiny_byte_checkpoint(directory, seed: int = 0):
+    """A tiny random Llama checkpoint (2 layers, 4 query heads over 2 KV heads) with :func:`byte_tokenizer`."""
+    tok = byte_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(cfg).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory
 # -- chat families' tokenizers (tests/test_injection.py) --------------------------------------------------------------
 # Tiny trained tokenizers with each family's control tokens, pre-tokenization and chat template: what a document
 # holding those tokens' text must never turn into.

@@ -27,44 +27,14 @@ from kvtool.eval.metrics import (
 )
 from kvtool.eval.needle import Haystack, custom_needle, insert_needle, passkey_needle, sentence_boundaries
 from kvtool.eval.ppl import dense_logits, pick_offsets, stream_logits
-from kvtool.runtime.model import CHATML_TEMPLATE
-from tests.helpers import VOCAB, make_engine, tiny_llama
+from tests.helpers import VOCAB, byte_tokenizer, make_engine, tiny_byte_checkpoint, tiny_llama
 
 # --------------------------------------------------------------------------------------------- fixtures
 
 
-def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Byte-level BPE without merges: every byte is a token; decode/offsets are exact."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("eval") / "tiny-byte-llama"
-    tok = byte_tokenizer()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(directory))
-    tok.save_pretrained(str(directory))
-    return directory
+    return tiny_byte_checkpoint(tmp_path_factory.mktemp("eval") / "tiny-byte-llama")
 
 
 SENTENCES = [
@@ -384,24 +354,13 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
     assert s["needle"] == "passkey" and s["policies"] == ["full", "sink"]  # full always included
     cells = rep["results"]
     assert len(cells) == 2 * 2 * 2
-    keys = {
-        "policy",
-        "budget",
-        "recall",
-        "length",
-        "depth",
-        "needle_token",
-        "document_tokens",
-        "trials",
-        "correct",
-        "accuracy",
-        "answers",
-        "interval",
-    }
+    keys = {"policy", "budget", "recall", "select", "length", "depth", "needle_token", "document_tokens", "trials",
+            "correct", "accuracy", "answers", "interval"}
     assert all(set(c) == keys for c in cells)
     assert {(c["policy"], c["budget"]) for c in cells} == {("full", None), ("sink", 160)}
     for c in cells:
-        assert len(c["answers"]) == 2 and set(c["answers"][0]) == {"trial", "expected", "answer", "correct"}
+        assert len(c["answers"]) == 2
+        assert set(c["answers"][0]) == {"trial", "expected", "answer", "correct", "recall_seconds"}
         assert c["accuracy"] == c["correct"] / 2
         assert c["interval"][0] <= c["accuracy"] <= c["interval"][1]
         assert abs(c["document_tokens"] - c["length"]) <= 2  # byte tokenizer: ≈ exact length
@@ -465,6 +424,8 @@ def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(
             "160",
             "--max-new-tokens",
             "3",
+            "--recall",
+            "0",
         ],
         capsys,
     )
@@ -596,6 +557,31 @@ def test_multi_needle_document_holds_every_needle_and_asks_the_first(text_file: 
     assert text[at:].startswith(needles[0].text)
     for n in needles:
         assert text.count(n.text) == 1
+
+
+def test_harder_needle_kinds_are_seeded_and_scored_by_their_rules(text_file: Path) -> None:
+    from kvtool.eval.needle import (
+        PARAPHRASE_QUESTION,
+        Haystack,
+        paraphrase_needle,
+        place_needles,
+        twofact_needles,
+    )
+
+    para = paraphrase_needle(0, 3)
+    assert para == paraphrase_needle(0, 3) and para.answer in para.text and para.question == PARAPHRASE_QUESTION
+    words = {w.strip("?.'s").lower() for w in para.question.split()}
+    shared = words & {w.strip("?.'s").lower() for w in para.text.replace(para.answer, "").split()}
+    assert shared - {"the", "of", "in", "is", "a"} == {"village"}  # one anchor word; the rest in other words
+    role, deed, other = twofact_needles(0, 5)
+    assert role.answer in deed.text and role.wrong in other.text and role.answer != role.wrong
+    name = role.text.rsplit(" ", 1)[-1].rstrip(".")
+    assert deed.text.startswith(name) and not other.text.startswith(name) and name not in role.question
+    assert role.found(f"The keeper hid a {role.answer}.") and not role.found("I do not know.")
+    assert not role.found(f"a {role.answer} or a {role.wrong}")  # naming the other's thing is wrong
+    hay = Haystack(text_file.read_text(encoding="utf-8"), byte_tokenizer(), 600)
+    text, spans, _ = place_needles(hay, [role, deed, other], 600, 0.5, 0, 5, 120)
+    assert [text[a:b] for a, b in spans] == [role.text, deed.text, other.text]
 
 
 def test_cli_agreement_json(

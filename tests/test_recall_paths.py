@@ -362,7 +362,7 @@ def test_a_recalled_needle_is_cited_at_its_section(tmp_path, monkeypatch):
         out[secret] = 1.0
         return out
 
-    monkeypatch.setattr(recall, "_ranking", steered)
+    monkeypatch.setattr(recall, "passage_ranking", steered)
     attended: list[tuple[torch.Tensor, torch.Tensor]] = []
     stop = BoundedCache.stop_mass
 

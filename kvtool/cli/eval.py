@@ -100,9 +100,18 @@ def needle(
     recall: Annotated[str, typer.Option("--recall", help="Comma list of recall budgets per KV head run beside "
                                         "each bounded policy: 0 (eviction only), 256, 4k, auto (ask's "
                                         "default, 256).")] = "auto",
+    select: Annotated[str, typer.Option("--recall-select", help="Comma list of the ways recall chooses, each "
+                                        "answering every read that recalls (see ask's --recall-select): shared "
+                                        "(the default), sum, layer, grow, again, or +-joined ones.")] = "shared",
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
-                                      "secret number) or name (an invented name).")] = "number",
+                                      "secret number), name (an invented name), paraphrase (an invented town, "
+                                      "asked for in other words) or twofact (what the holder of a role did: two "
+                                      "facts in two places, and another person's deed).")] = "number",
     resume: ResumeOpt = None,
+    diagnose: Annotated[bool, typer.Option("--diagnose", help="Record per trial where recall ranked the needle, "
+                                           "which layers hold it and what the answer copied from (a `diagnose` "
+                                           "entry in the --resume log and the --json answers; answers unchanged; "
+                                           "a trial logged without one is read again).")] = False,
     max_new_tokens: EvalMaxNewOpt = 24,
     seed: EvalSeedOpt = 0,
     json_out: JsonOpt = False,
@@ -119,7 +128,7 @@ def needle(
     depth_list = parse_depths(depths)
     grid = build_grid()
     from kvtool.cli.eval_view import RichReporter, render_needle
-    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, run_needle
+    from kvtool.eval.needle import NeedleTask, custom_needle, parse_recalls, parse_selects, run_needle
 
     task = NeedleTask(
         grid=grid,
@@ -131,9 +140,11 @@ def needle(
         needle=custom_needle(needle_text, question, answer),
         max_new_tokens=max_new_tokens,
         recalls=parse_recalls(recall),
+        selects=parse_selects(select),
         kind=_needle_kind(kind),
-        needles=_needle_count(needles, needle_text),
+        needles=_needle_count(needles, needle_text, kind),
         resume=resume,
+        diagnose=diagnose,
     )
     task.haystack = load_text(path, "--haystack")
     _finish(run_needle(task, RichReporter(quiet, "needle", stderr_console())), json_out, render_needle)
@@ -148,7 +159,7 @@ def _needle_kind(kind: str) -> str:
     return kind.strip().lower()
 
 
-def _needle_count(needles: int, custom: str | None) -> int:
+def _needle_count(needles: int, custom: str | None, kind: str) -> int:
     from kvtool.errors import UsageError
     from kvtool.eval.needle import LABELS
     from kvtool.numbers import Range, capped
@@ -156,6 +167,8 @@ def _needle_count(needles: int, custom: str | None) -> int:
     capped("--needles", needles, Range(1, len(LABELS)))  # one labelled secret number per label
     if needles > 1 and custom is not None:
         raise UsageError("--needles > 1 uses labelled pass keys; it cannot be combined with --needle")
+    if needles > 1 and kind.strip().lower() != "number":
+        raise UsageError(f"--needles > 1 uses labelled pass keys; it cannot be combined with --needle-kind {kind}")
     return needles
 
 

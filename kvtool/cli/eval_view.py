@@ -127,15 +127,21 @@ def _heat(acc: float) -> str:
     return f"bold black on #{r:02x}{g:02x}{b:02x}"
 
 
+def _recall_label(row: dict[str, Any]) -> str:
+    """A needle row's recall: its budget ("-": none), and its ``--recall-select`` unless the default."""
+    rec, sel = row.get("recall", 0), row.get("select", "shared")
+    return "-" if not rec else str(rec) if sel == "shared" else f"{rec} ({sel})"
+
+
 def render_needle(rep: dict[str, Any], console: Any) -> None:
     s = rep["settings"]
     lengths, depths = s["lengths"], s["depths"]
-    groups: dict[tuple[str, Any, int], dict[tuple[int, float], float]] = {}
+    groups: dict[tuple[str, Any, str], dict[tuple[int, float], float]] = {}
     for c in rep["results"]:
-        groups.setdefault((c["policy"], c["budget"], c.get("recall", 0)), {})[(c["length"], c["depth"])] = c["accuracy"]
+        groups.setdefault((c["policy"], c["budget"], _recall_label(c)), {})[(c["length"], c["depth"])] = c["accuracy"]
     maps = []
     for (policy, budget, rec), acc in groups.items():
-        title = policy if budget is None else f"{policy} @ {budget}" + (f" + recall {rec}" if rec else "")
+        title = policy if budget is None else f"{policy} @ {budget}" + (f" + recall {rec}" if rec != "-" else "")
         t = Table(title=title, title_style="bold")
         t.add_column("length \\ depth", justify="right")
         for d in depths:
@@ -152,7 +158,7 @@ def render_needle(rep: dict[str, Any], console: Any) -> None:
         budget = "-" if row["budget"] is None else str(row["budget"])
         mark = " *" if row.get("significant") else ""
         lo, hi = row.get("interval", [0.0, 1.0])
-        summary.add_row(row["policy"], budget, str(row.get("recall", 0) or "-"),
+        summary.add_row(row["policy"], budget, _recall_label(row),
                         Text(f"{row['accuracy']:.2f}{mark}", style=_heat(row["accuracy"])),
                         f"[{lo:.2f}, {hi:.2f}]", f"{row['correct']}/{row['total']}")
     console.print(summary)

@@ -61,6 +61,11 @@ RecallPlacementOpt = Annotated[str | None, typer.Option(
     "--recall-placement", help="Where recalled passages go when positions are compact (documents past the "
     "model's range): relevance (default: after the kept tokens, the most relevant nearest the question) or "
     "document (at their document positions, as with absolute positions).")]
+RecallSelectOpt = Annotated[str | None, typer.Option(
+    "--recall-select", help="How recall chooses what comes back: shared (default: one ranking for every head, by the "
+    "question's rows) or +-joined variants: sum (the rows' attention summed, not maximised), layer (each layer "
+    "by its own heads' ranking), grow (more tokens per head past 32K archived, with the square root), again (a "
+    "second recall after the answer's first 4 tokens).")]
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: int8 "
                                                      "(default: a scale per token and head), auto (the model's), "
                                                      "float32, float16 or bfloat16.")]
@@ -110,6 +115,7 @@ SETTING_OPTIONS: dict[str, Any] = {
     "recall": RecallOpt,
     "recall_page": RecallPageOpt,
     "recall_placement": RecallPlacementOpt,
+    "recall_select": RecallSelectOpt,
     "archive_dtype": ArchiveDtypeOpt,
     "sinks": SinksOpt,
     "recent": RecentOpt,
@@ -124,7 +130,7 @@ SETTING_OPTIONS: dict[str, Any] = {
 MODEL_SETTINGS = ("model", "device", "dtype", "quantize", "threads")
 #: the settings of reading a document under a budget: ``ask``, ``summarize``, ``prefill``, ``profile``
 READ_SETTINGS = ("policy", "policy_opt", "budget", "kv_dtype", "block_size", *MODEL_SETTINGS, "positions", "sinks",
-                 "recent", "recall", "recall_page", "recall_placement", "archive_dtype")
+                 "recent", "recall", "recall_page", "recall_placement", "recall_select", "archive_dtype")
 #: reading plus generation (ask, summarize)
 #: how an answer is generated
 GENERATION_SETTINGS = ("repetition_penalty", "no_repeat_ngram")
@@ -135,7 +141,7 @@ EVAL_SETTINGS = ("block_size", *MODEL_SETTINGS, "positions", "sinks", "recent", 
 #: needle answers through the same path as ``ask``, so it also takes recall's and generation's settings
 NEEDLE_SETTINGS = (*EVAL_SETTINGS, "recall_page", "recall_placement", "archive_dtype", *GENERATION_SETTINGS)
 #: agreement answers like ``ask`` too, recall (default auto) included
-AGREEMENT_SETTINGS = (*EVAL_SETTINGS, "recall", "recall_page", "recall_placement", "archive_dtype",
+AGREEMENT_SETTINGS = (*EVAL_SETTINGS, "recall", "recall_page", "recall_placement", "recall_select", "archive_dtype",
                       *GENERATION_SETTINGS)
 
 

@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtool.config import DEFAULT_RECALL_PLACEMENT, RECALL_PLACEMENTS
+from kvtool.config import (
+    AGAIN_AFTER,
+    DEFAULT_RECALL_PLACEMENT,
+    DEFAULT_RECALL_SELECT,
+    RECALL_PLACEMENTS,
+    recall_selection,
+)
 from kvtool.core import attention, recall
 from kvtool.core.archive import DEFAULT_PAGE_SIZE
 from kvtool.core.archive_stores import FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
@@ -57,6 +63,7 @@ class EngineConfig:
     recall: int = 0  # tokens per KV head a question may bring back from the archive (0: no archive)
     page_size: int = DEFAULT_PAGE_SIZE  # archive page size in tokens
     recall_placement: str = DEFAULT_RECALL_PLACEMENT  # compact positions: recalled passages by relevance or in order
+    recall_select: str = DEFAULT_RECALL_SELECT  # how recall chooses (``config.recall_selection``)
     archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
     kv_dtype: str = "auto"  # how the cache stores K/V: auto (the compute dtype), a float dtype, int8, int4
@@ -80,6 +87,7 @@ class EngineConfig:
         if self.recall_placement not in RECALL_PLACEMENTS:
             raise UsageError(f"recall placement must be one of {', '.join(RECALL_PLACEMENTS)} "
                              f"(got {self.recall_placement!r})", field="recall_placement")
+        recall_selection(self.recall_select)
 
 
 def model_env(model: torch.nn.Module, config: EngineConfig, **extra: Any) -> PolicyEnv:
@@ -121,6 +129,8 @@ class Engine:
         # Called in the model's thread before every forward (a block or a decoded token): the runtime
         # uses it to share the CPU cores with other kvtool processes (runtime/cores.py). Must be cheap.
         self.pacer = pacer
+        # a diagnosis (``kvtool eval needle --diagnose``): the next question's recall fills it; None: nothing kept
+        self.recall_trace: recall.RecallTrace | None = None
         self.env = env or policy.env or model_env(model, config)
         attention.register()
         # The registered function falls through to SDPA without the engine's cache: a plain forward of
@@ -271,19 +281,23 @@ class Engine:
 
     def feed_question(self, cache: BoundedCache, ids: Tensor, restore: Callable[[], None],
                       answer_tokens: int | None = None,
-                      focus: slice | None = None) -> tuple[Tensor, recall.RecallResult | None]:
+                      focus: slice | tuple[slice, ...] | None = None) -> tuple[Tensor, recall.RecallResult | None]:
         """Restore the post-document cache and feed a pinned question; with recall on, feed it twice.
 
         The first pass records the question's queries, the archive pages they point at come back
         beside the kept tokens (``kvtool/core/recall.py``), and the second pass lets the question's own
         hidden states see them; ``focus`` picks the rows of ``ids`` whose queries rank the archive
-        (the question inside the instruction; None: all). Returns the last logits and what was
-        recalled (None: no recall).
+        (the question inside the instruction, and with ``--recall-select again`` the answer's first tokens;
+        None: all). Returns the last logits and what was recalled (None: no recall).
         """
+        if self.recall_trace is not None:
+            self.recall_trace.reset()  # a second recall (``again``) replaces what the first one noted
         restore()
         self._question_frame(cache, ids.numel(), note=True)
         self.pin(cache, ids.numel(), answer_tokens)
         if self.config.recall == 0 or recall.archived_tokens(cache) == 0:
+            if self.recall_trace is not None:
+                self.recall_trace.hold(cache)
             logits = self.feed(cache, [ids], progress=False)
             assert logits is not None
             return logits, None
@@ -295,12 +309,28 @@ class Engine:
             cache.query_log = None
         restore()
         self._question_frame(cache, ids.numel())
-        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement)
+        result = recall.recall(cache, log, self.config.recall, None, self.config.recall_placement, self.recall_trace,
+                               recall_selection(self.config.recall_select) - {"again"})
         self.pin(cache, ids.numel(), answer_tokens)
         result.seconds = cache.timer.now() - t0
         logits = self.feed(cache, [ids], progress=False)
         assert logits is not None
         return logits, result
+
+    def recall_again(self, cache: BoundedCache, suffix: list[int], restore: Callable[[], None], focus: slice | None,
+                     counted: Callable[[recall.RecallResult | None], None]) -> Callable[[list[int]], Tensor]:
+        """``--recall-select again``: ``generate``'s ``again`` step. The question (``suffix``) and the answer so far
+        are fed again with a second recall, the answer's rows voting beside ``focus`` (the question's; None: all
+        rows); ``counted`` gets what was recalled."""
+
+        def again(answer: list[int]) -> Tensor:
+            rows = None if focus is None else (focus, slice(len(suffix), None))
+            logits, recalled = self.feed_question(cache, torch.tensor(suffix + answer, dtype=torch.long), restore,
+                                                  None, rows)
+            counted(recalled)
+            return logits
+
+        return again
 
     def _question_frame(self, cache: BoundedCache, m: int, note: bool = False) -> None:
         """``--positions auto``: a question that would pass the model's range is fed at compact positions from
@@ -375,6 +405,7 @@ class Engine:
         choose: Chooser | None = None,
         on_token: Callable[[int], None] | None = None,
         read_every: int | None = None,
+        again: Callable[[list[int]], Tensor] | None = None,
     ) -> tuple[list[int], float]:
         """Decode from ``logits`` ([rows, vocab] or [vocab]: the last row is read) with blocks of one token; returns
         (ids, seconds).
@@ -389,6 +420,10 @@ class Engine:
         Eviction is lazy: generated tokens fill each group's spare block region and one eviction
         per block of tokens brings it back to capacity (at most capacity + block per head at every
         step, at most capacity after every eviction).
+
+        ``again`` (``--recall-select again``): after the answer's first ``AGAIN_AFTER`` tokens, instead of
+        feeding the last one, ``again(answer so far)`` restores the cache, recalls once more and feeds the
+        question and those tokens again, and returns the logits the answer goes on from.
         """
         out: list[int] = []
         t0 = time.perf_counter()
@@ -397,20 +432,22 @@ class Engine:
         every = read_every or (1 if self.device.type == "cpu" else READ_EVERY)
         lazy, cache.lazy = cache.lazy, True
         try:
-            self._decode(cache, logits, max_new_tokens, eos_ids, choose, on_token, out, t0, every)
+            self._decode(cache, logits, max_new_tokens, eos_ids, choose, on_token, out, t0, every, again)
         finally:
             cache.lazy = lazy
         return out, time.perf_counter() - t0
 
     def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int], choose: Chooser,
-                on_token: Callable[[int], None] | None, out: list[int], t0: float, every: int) -> None:
+                on_token: Callable[[int], None] | None, out: list[int], t0: float, every: int,
+                again: Callable[[list[int]], Tensor] | None = None) -> None:
         read = 0  # tokens of the answer read back so far
         quiet = cache.quiet_steps()  # single-token steps from here that evict nothing
         eos = self._on_device(torch.tensor(sorted(eos_ids), dtype=torch.long)) if cache.citing else None  # no sync
         for t in range(max_new_tokens):
             tok = choose(logits[-1], t)
             last = t + 1 == max_new_tokens
-            if last or quiet == 0 or choose.reads_each_token or t + 1 - read >= every:
+            turn = again is not None and t + 1 == AGAIN_AFTER
+            if last or turn or quiet == 0 or choose.reads_each_token or t + 1 - read >= every:
                 ended = _read_answer(choose.read(read, t + 1), eos_ids, out, on_token)  # the one host read
                 read = t + 1
                 if self.listener is not None:
@@ -419,6 +456,10 @@ class Engine:
                     return
             elif eos is not None:
                 cache.close_mass_on(tok, eos)  # an unread end token: the steps after it add no citation mass
+            if turn:
+                assert again is not None
+                logits, quiet = again(list(out)), cache.quiet_steps()
+                continue
             logits = self.step(cache, tok, 1)
             quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
 

@@ -21,9 +21,10 @@ serve the document's next questions and are given back when the cache is cleared
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -42,11 +43,75 @@ SPAN = (8, 24)
 TIE = 1e-3
 
 
+def grown(tokens: int, archived: int) -> int:
+    """``--recall-select grow``: the tokens a head recalls from an archive of ``archived`` tokens: ``tokens`` up to
+    ``SCAN`` archived, then in proportion to the square root (twice as many at four times ``SCAN``)."""
+    return round(tokens * math.sqrt(max(1.0, archived / SCAN)))
+
+
 @dataclass
 class RecallResult:
     tokens: int = 0  # largest number of tokens recalled into one head
     pages: int = 0  # pages touched, summed over layers and KV heads
     seconds: float = 0.0
+
+
+@dataclass
+class GroupTrace:
+    """One recalling group's part of a :class:`RecallTrace`, per KV head."""
+
+    layer: int
+    archived: Tensor  # [h, W] bool: whether each watched position is in the head's archive
+    held: Tensor  # [h, W] bool: whether the head holds it after the recall (kept or recalled)
+    cutoff: Tensor  # [h] ranking of the lowest-ranked token recalled into the head (-inf: none recalled)
+    recalled: Tensor  # [h, T] stream positions recalled into the head
+
+
+@dataclass
+class RecallTrace:
+    """What one recall saw and chose, for a diagnosis (``kvtool eval needle --diagnose``).
+
+    ``watch``: the stream positions to follow (a needle's tokens). ``recall`` fills each voting layer's
+    own relevance (the attention its heads gave each position, summed: the ranking that layer alone
+    would make), the shared ranking, and a :class:`GroupTrace` per recalling group; without recall
+    (``hold``) only what each head holds. Recall reads nothing back from it: an answer is the same
+    with a trace or without (tested).
+    """
+
+    watch: Tensor
+    layer_relevance: dict[int, Tensor] = field(default_factory=dict)
+    ranking: Tensor | None = None
+    groups: list[GroupTrace] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Forget what an earlier recall of the same answer noted (the trace describes the last one)."""
+        self.layer_relevance.clear()
+        self.ranking = None
+        self.groups.clear()
+
+    def note(self, layer: int, g: HeadGroup, archived: Tensor, recalled: Tensor, ranking: Tensor | None) -> None:
+        """Record group ``g`` of ``layer`` after its recall: ``archived`` [h, n] the positions its archive held,
+        ``recalled`` [h, T] the positions brought back (ranked by ``ranking``; None: nothing recalled)."""
+        held = g.positions[:, : g.length].cpu()
+        cutoff = (ranking[recalled].amin(1) if ranking is not None and recalled.numel()
+                  else torch.full((g.num_heads,), -float("inf")))
+        self.groups.append(GroupTrace(layer, _holds(archived, self.watch), _holds(held, self.watch), cutoff,
+                                      recalled))
+
+    def hold(self, cache: BoundedCache) -> None:
+        """Record what every global group (sliding layers lose what leaves their window by definition) holds of
+        ``watch`` when nothing is recalled (recall 0, or ``full``)."""
+        for li, layer in enumerate(cache.layers):
+            for g in layer.groups:  # type: ignore[attr-defined]
+                if g.window is None:
+                    archived = g.archive.all_positions() if g.archive is not None else torch.zeros(
+                        g.num_heads, 0, dtype=torch.long)
+                    self.note(li, g, archived, torch.zeros(g.num_heads, 0, dtype=torch.long), None)
+
+
+def _holds(positions: Tensor, watch: Tensor) -> Tensor:
+    """[h, W] bool: whether each head's ``positions`` [h, n] include each of ``watch`` [W]."""
+    return torch.stack([torch.isin(watch, row) for row in positions])
 
 
 def attach(cache: BoundedCache, recall: int, page_size: int, dtype: torch.dtype | None, store: StoreFactory) -> None:
@@ -141,10 +206,10 @@ class QueryLog:
     (``memory.recall_scratch_bytes`` plans it).
     """
 
-    def __init__(self, cache: BoundedCache, focus: slice | None = None) -> None:
+    def __init__(self, cache: BoundedCache, focus: slice | tuple[slice, ...] | None = None) -> None:
         self.layers = {li for li, layer in enumerate(cache.layers)
                        if any(g.archive is not None and g.archive.length for g in layer.groups)}  # type: ignore[attr-defined]
-        self.focus = focus
+        self.focus = (focus,) if isinstance(focus, slice) else focus
         self.fed: dict[int, int] = {}  # rows fed so far, per layer
         self.entries: list[tuple[int, Tensor, float]] = []
 
@@ -159,10 +224,11 @@ class QueryLog:
         if self.focus is None:
             self.entries.append((layer_idx, query, scaling))
             return
-        lo, hi = max(self.focus.start or 0, first), min(self.focus.stop if self.focus.stop is not None else
-                                                         first + m, first + m)
-        if hi > lo:
-            self.entries.append((layer_idx, query[:, :, lo - first : hi - first].clone(), scaling))
+        for part in self.focus:
+            lo = max(part.start or 0, first)
+            hi = min(part.stop if part.stop is not None else first + m, first + m)
+            if hi > lo:
+                self.entries.append((layer_idx, query[:, :, lo - first : hi - first].clone(), scaling))
 
     def __iter__(self) -> Iterator[tuple[int, Tensor, float]]:
         return iter(self.entries)
@@ -233,7 +299,8 @@ def _placement(positions: Tensor, ranking: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens: int,
-           focus: slice | None = None, placement: str = DEFAULT_RECALL_PLACEMENT) -> RecallResult:
+           focus: slice | None = None, placement: str = DEFAULT_RECALL_PLACEMENT,
+           trace: RecallTrace | None = None, select: frozenset[str] = frozenset()) -> RecallResult:
     """Bring back the archived tokens of the passages the question attends to (≤ ``tokens`` per head).
 
     ``log``: each layer's recorded queries and scaling, in feeding order (a ``QueryLog``). ``focus``: the
@@ -241,7 +308,8 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     template around it, whose rows attend to the same generic attractors for every question; None:
     every row, or a ``QueryLog`` that kept only those rows). ``placement``: with compact positions,
     where a selection goes (``relevance``: after the kept tokens, ``_placement``; ``document``: merged
-    at its positions).
+    at its positions). ``trace``: filled with what was seen and chosen (a diagnosis; changes nothing).
+    ``select``: the variants of ``--recall-select`` (``selection``; none: the shared ranking below).
 
     Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
     scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
@@ -262,7 +330,9 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
         by_layer.setdefault(layer_idx, []).append(q)
         scaling[layer_idx] = scale
     relevance = torch.zeros(cache.seen + 1)
-    chosen: list[tuple[HeadGroup, int]] = []
+    own_relevance: dict[int, Tensor] = trace.layer_relevance if trace is not None else {}
+    per_layer = "layer" in select or trace is not None
+    chosen: list[tuple[int, HeadGroup, int]] = []
     for li, layer in enumerate(cache.layers):
         entries = by_layer.get(li)
         for g in layer.groups:  # type: ignore[attr-defined]
@@ -274,29 +344,39 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
             # Quest's bound needs the queries and the summaries in one frame: absolute positions only
             pages = a.candidate_pages(q, None if cache.compact else hold)
             place = _landing(g, cache.compact)
-            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold):
+            own = own_relevance.setdefault(li, torch.zeros(cache.seen + 1)) if per_layer else None
+            pool = "sum" if "sum" in select else "max"
+            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold, pool):
                 relevance.scatter_add_(0, positions.flatten(), probs.flatten())
-            chosen.append((g, min(tokens, a.length)))
-    ranking = _ranking(relevance)
+                if own is not None:
+                    own.scatter_add_(0, positions.flatten(), probs.flatten())
+            chosen.append((li, g, min(grown(tokens, a.length) if "grow" in select else tokens, a.length)))
+    ranking = passage_ranking(relevance)
+    if trace is not None:
+        trace.ranking = ranking
     out = RecallResult()
-    for g, T in chosen:
+    layer_ranking = {li: passage_ranking(rel) for li, rel in own_relevance.items()} if "layer" in select else {}
+    for li, g, T in chosen:
         a = g.archive
         assert a is not None
         g.make_room(T)
-        idx = a.top_by_position(ranking, T)
+        rank = layer_ranking.get(li, ranking)
+        idx = a.top_by_position(rank, T)
         keys, values, pos = a.read(idx)
         # compact positions: a selection is placed by relevance (``_placement``); the whole archive goes back
         # where it was, so recalling everything is the document again
         by_relevance = placement == "relevance" and cache.compact and idx.shape[1] < a.length
-        insert(g, keys, values, pos, ranking if by_relevance else None)
+        insert(g, keys, values, pos, rank if by_relevance else None)
         cache.rope.settle(g)
+        if trace is not None:
+            trace.note(li, g, a.all_positions(), pos, rank)
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
     out.seconds = cache.timer.now() - t0
     return out
 
 
-def _ranking(relevance: Tensor) -> Tensor:
+def passage_ranking(relevance: Tensor) -> Tensor:
     """The order archived positions are recalled in: a position's passage relevance (the best within
     ``SPAN`` of it), and inside one passage the matching tokens themselves first."""
     before, after = SPAN
@@ -321,8 +401,8 @@ def _kept_logsumexp(g: HeadGroup, q: Tensor, scaling: float) -> Tensor:
 
 
 def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,
-               hold: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Each scored token's attention probability, maximised over the question rows.
+               hold: int, pool: str = "max") -> Iterator[tuple[Tensor, Tensor]]:
+    """Each scored token's attention probability, maximised over the question rows (``pool="sum"``: summed).
 
     ``chunks()`` yields (positions [h, a], scores [h, r, a]) of the archived tokens; this yields
     (positions, probabilities [h, a]) for the same chunks. The softmax runs over the kept tokens and
@@ -343,4 +423,5 @@ def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tens
             held.clear()  # too many to hold: freed now, computed again below
     again = held if count <= hold else ((p, s.mul_(scaling)) for p, s in chunks())
     for positions, scores in again:
-        yield positions, scores.sub_(z).exp_().amax(1)
+        probs = scores.sub_(z).exp_()
+        yield positions, probs.sum(1) if pool == "sum" else probs.amax(1)

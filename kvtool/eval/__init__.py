@@ -136,7 +136,8 @@ class Run:
 #: settings added or changed after the first resume logs were written, with the value those logs meant:
 #: a fingerprint records them only when they differ from it, so the old logs still match their commands
 LEGACY_DEFAULTS: dict[str, Any] = {"recall_page": 32, "archive_dtype": "auto", "repetition_penalty": 1.1,
-                                   "no_repeat_ngram": 0, "recall": "off", "recall_placement": "document"}
+                                   "no_repeat_ngram": 0, "recall": "off", "recall_placement": "document",
+                                   "recall_select": "shared"}
 #: a reading setting added later (every task's fingerprint), with the value older logs meant
 LEGACY_READING: dict[str, Any] = {"kv_dtype": "auto"}
 
@@ -352,7 +353,7 @@ def report(task: str, settings: dict[str, Any], results: list[dict[str, Any]], s
 
 #: settings that only say how big the grid is (its cells carry their own keys)
 GRID_EXTENT = frozenset({"policies", "budgets", "lengths", "depths", "trials", "windows", "samples", "seconds",
-                         "recalls"})
+                         "recalls", "selects"})
 
 
 class CellLog:

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvtool.config import DEFAULT_RECALL_SELECT, recall_select_spec
+from kvtool.core.recall import RecallTrace
 from kvtool.errors import UsageError
 from kvtool.eval import (
     PROMPT_MARGIN,
@@ -37,6 +41,7 @@ from kvtool.eval import (
     report,
     text_document,
 )
+from kvtool.eval.diagnose import diagnose as diagnosis
 from kvtool.eval.metrics import contains_answer
 from kvtool.eval.stats import best_in_group, newcombe_difference, wilson
 from kvtool.runtime.budget import parse_recall
@@ -57,8 +62,24 @@ LABELLED_QUESTION = "What is the secret number of the {label} door?"
 NAME_NEEDLE = "The secret name is {key}. Remember it: the secret name is {key}."
 NAME_QUESTION = "What is the secret name?"
 _SYLLABLES = ("ka", "lo", "mi", "ren", "tha", "vo", "zel", "dra", "quin", "sa", "bel", "tor", "nex", "pi", "ru", "gan")
+#: the paraphrased needle: the question asks for an invented village in other words than the sentence states it,
+#: sharing one anchor word (``village``) and a synonym pair (cook, chef); calibrated on the embedded model
+#: (docs/evaluation.md): with no shared word at all even the dense model does not find it at 1K tokens
+PARAPHRASE_NEEDLE = "Our ship's cook was born in the mountain village of {key}."
+PARAPHRASE_QUESTION = "Which village is the chef from?"
+#: the two-fact needle: who holds a role (at the cell's depth), what that person did and what another did (at seeded
+#: depths); only the first fact says whose deed the question means, so the answer must combine two places
+TWOFACT_ROLE = "The keeper of the old lighthouse is named {name}."
+TWOFACT_DEED = "{name} hid a {thing} in the cellar."
+TWOFACT_QUESTION = "What did the keeper of the old lighthouse hide in the cellar?"
+_THINGS = ("compass", "lantern", "violin", "telescope", "hammer", "candle", "mirror", "saddle", "kettle", "anchor",
+           "feather", "helmet", "bottle", "ribbon", "trumpet", "basket")
 #: ``--needle-kind``: what the default needle hides
-NEEDLE_KINDS = ("number", "name")
+NEEDLE_KINDS = ("number", "name", "paraphrase", "twofact")
+#: the needle and the question each kind's resume fingerprint names
+_KIND_TEXT = {"number": ("passkey", PASSKEY_QUESTION), "name": ("name", NAME_QUESTION),
+              "paraphrase": (PARAPHRASE_NEEDLE, PARAPHRASE_QUESTION),
+              "twofact": (f"{TWOFACT_ROLE} {TWOFACT_DEED}", TWOFACT_QUESTION)}
 MIN_HAYSTACK_TOKENS = 16
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s)")
@@ -69,6 +90,11 @@ class Needle:
     text: str
     question: str
     answer: str
+    wrong: str | None = None  # an answer naming this (a distractor's answer) is wrong, even beside ``answer``
+
+    def found(self, answer: str) -> bool:
+        """Whether ``answer`` names the expected answer (and not the distractor's)."""
+        return contains_answer(answer, self.answer) and not (self.wrong and contains_answer(answer, self.wrong))
 
 
 def passkey_needle(seed: int, trial: int) -> Needle:
@@ -77,11 +103,35 @@ def passkey_needle(seed: int, trial: int) -> Needle:
     return Needle(PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION, key)
 
 
+def invented_name(rng: random.Random) -> str:
+    """A three-syllable name no text has (no prior to guess it from)."""
+    return "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+
+
 def name_needle(seed: int, trial: int) -> Needle:
     """The word needle of trial ``trial``: an invented three-syllable name from ``random.Random(seed + trial)``."""
-    rng = random.Random(seed + trial)
-    key = "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+    key = invented_name(random.Random(seed + trial))
     return Needle(NAME_NEEDLE.format(key=key), NAME_QUESTION, key)
+
+
+def paraphrase_needle(seed: int, trial: int) -> Needle:
+    """The paraphrased needle of trial ``trial``: an invented town, asked for in other words."""
+    key = invented_name(random.Random(seed + trial))
+    return Needle(PARAPHRASE_NEEDLE.format(key=key), PARAPHRASE_QUESTION, key)
+
+
+def twofact_needles(seed: int, trial: int) -> list[Needle]:
+    """The two-fact needle of trial ``trial``: [the role's holder (asked: its answer is the thing that person hid;
+    the other's thing makes an answer wrong), the holder's deed, another person's deed]."""
+    rng = random.Random(seed * 6151 + trial)
+    name = invented_name(rng)
+    other = invented_name(rng)
+    while other == name:
+        other = invented_name(rng)
+    thing, wrong = rng.sample(_THINGS, 2)
+    return [Needle(TWOFACT_ROLE.format(name=name), TWOFACT_QUESTION, thing, wrong),
+            Needle(TWOFACT_DEED.format(name=name, thing=thing), "", ""),
+            Needle(TWOFACT_DEED.format(name=other, thing=wrong), "", "")]
 
 
 def labelled_needles(seed: int, trial: int, k: int) -> list[Needle]:
@@ -190,7 +240,9 @@ class NeedleTask:
     needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
-    kind: str = "number"  # the default needle: a secret number, or an invented name (NEEDLE_KINDS)
+    selects: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_RECALL_SELECT])  # per recall budget
+    kind: str = "number"  # the default needle: a secret number, an invented name, ... (NEEDLE_KINDS)
+    diagnose: bool = False  # record why each trial was found or missed (kvtool/eval/diagnose.py)
 
     def needles_for(self, trial: int) -> list[Needle]:
         """The needles of one trial; the first is the one asked for (the only one unless ``needles`` > 1)."""
@@ -198,9 +250,17 @@ class NeedleTask:
             return [self.needle]
         if self.needles > 1:
             return labelled_needles(self.grid.settings.seed, trial, self.needles)
-        if self.kind == "name":
-            return [name_needle(self.grid.settings.seed, trial)]
-        return [passkey_needle(self.grid.settings.seed, trial)]
+        seed = self.grid.settings.seed
+        if self.kind == "twofact":
+            return twofact_needles(seed, trial)
+        make = {"name": name_needle, "paraphrase": paraphrase_needle}.get(self.kind, passkey_needle)
+        return [make(seed, trial)]
+
+    def answers_of(self, run: Any) -> list[Answered]:
+        """What each read of ``run`` is answered under: (recall budget, ``--recall-select``); ``full`` and
+        recall 0 once, every other recall budget once per select."""
+        recalls = self.recalls if run.budget is not None else [0]
+        return [(rec, sel) for rec in recalls for sel in (self.selects if rec else [DEFAULT_RECALL_SELECT])]
 
     def places_recall(self, max_positions: int | None) -> bool:
         """Whether ``--recall-placement`` can change an answer: some cell recalls (a bounded policy with a
@@ -219,12 +279,13 @@ class NeedleTask:
             "trials": self.trials,
             "needles": self.needles,
             "needle": custom.text if custom else ("labelled passkeys" if self.needles > 1 else
-                                                  "name" if self.kind == "name" else "passkey"),
+                                                  _KIND_TEXT[self.kind][0]),
             "question": custom.question if custom else (LABELLED_QUESTION if self.needles > 1 else
-                                                        NAME_QUESTION if self.kind == "name" else PASSKEY_QUESTION),
+                                                        _KIND_TEXT[self.kind][1]),
             "answer": custom.answer if custom else None,
             "max_new_tokens": self.max_new_tokens,
             "recalls": self.recalls,
+            "selects": self.selects,
             **self.grid.describe(answers=True, placement=self.places_recall(max_positions)),
         }
 
@@ -250,18 +311,46 @@ def parse_recalls(text: str) -> list[int]:
     return out
 
 
-def trial_key(label: str, recall: int, length: int, depth: float, trial: int) -> str:
-    """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed)."""
+def parse_selects(text: str) -> list[str]:
+    """``--recall-select`` of the needle grid: a comma list of selects ("shared,grow,sum+again"), in order, unique."""
+    out: list[str] = []
+    for part in text.split(","):
+        if part.strip():
+            sel = recall_select_spec(part.strip())
+            if sel not in out:
+                out.append(sel)
+    if not out:
+        raise UsageError(f"--recall-select needs at least one value ({DEFAULT_RECALL_SELECT}: the default)")
+    return out
+
+
+#: what one read is answered under: (recall budget, ``--recall-select``)
+Answered = tuple[int, str]
+
+
+def trial_key(label: str, recall: int, length: int, depth: float, trial: int,
+              select: str = DEFAULT_RECALL_SELECT) -> str:
+    """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed, the default
+    select that of runs made before ``--recall-select``)."""
     run = label if recall == 0 else f"{label}+recall{recall}"
+    if recall and select != DEFAULT_RECALL_SELECT:
+        run += f"+{select}"
     return f"{run}|{length}|{depth}|{trial}"
 
 
 def build_document(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
                    needle_tokens: int) -> tuple[str, int, list[int]]:
-    """The trial's document: the asked needle at ``depth``, distractors (if any) at seeded other depths.
+    """The trial's document: the asked needle at ``depth``, the others (if any) at seeded other depths.
 
     Returns (text, character index of the asked needle, token start characters of the haystack cut).
     """
+    text, spans, starts = place_needles(haystack, needles, length, depth, seed, trial, needle_tokens)
+    return text, spans[0][0], starts
+
+
+def place_needles(haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int, trial: int,
+                  needle_tokens: int) -> tuple[str, list[tuple[int, int]], list[int]]:
+    """:func:`build_document` with every needle's character span [start, end), in the order of ``needles``."""
     hay, starts = haystack.cut(length - needle_tokens)
     text, at = insert_needle(hay, needles[0].text, depth, starts)
     rng = random.Random(seed * 104729 + trial)
@@ -271,20 +360,22 @@ def build_document(haystack: Haystack, needles: list[Needle], length: int, depth
         text, pos = insert_needle(text, other.text, rng.uniform(0.02, 0.98), None, avoid=spans)
         grown = len(text) - before
         spans = [(a + grown, b + grown) if a >= pos else (a, b) for a, b in spans] + [(pos, pos + len(other.text))]
-        if pos <= at:
-            at += grown
-    return text, at, starts
+    return text, spans, starts
 
 
 def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length: int, depth: float, seed: int,
-                 trial: int, needle_tokens: int, recalls: list[int]) -> dict[int, dict[str, Any]]:
-    """Read one trial's document once and ask for the first needle under each recall budget.
+                 trial: int, needle_tokens: int, answers: list[Answered],
+                 diagnose: bool = False) -> dict[Answered, dict[str, Any]]:
+    """Read one trial's document once and ask for the first needle under each (recall budget, select).
 
-    One read serves every recall budget: archiving does not change what the cache keeps, so the
-    eviction-only answer is the same read answered with recall 0. Returns recall → the record the
-    resume log keeps.
+    One read serves every recall budget and select: archiving does not change what the cache keeps, so
+    the eviction-only answer is the same read answered with recall 0. Returns (recall, select) → the
+    record the resume log keeps; with ``diagnose`` each record has a ``diagnose`` entry
+    (:mod:`kvtool.eval.diagnose`), taken from the same answer (a trace changes nothing the recall does).
     """
-    text, at, starts = build_document(haystack, needles, length, depth, seed, trial, needle_tokens)
+    text, spans, starts = place_needles(haystack, needles, length, depth, seed, trial, needle_tokens)
+    at = spans[0][0]
+    session.keep_source = diagnose
     read = session.read(text_document(text, f"<haystack L={length} depth={depth:g}>"))
     if depth == 0:
         needle_token = 0
@@ -292,17 +383,25 @@ def needle_trial(session: Any, haystack: Haystack, needles: list[Needle], length
         needle_token = bisect.bisect_left(starts, at - 1)
     else:  # distractors shift the haystack's token starts: estimate from the character position
         needle_token = round(at / max(1, len(text)) * read.document_tokens)
-    out: dict[int, dict[str, Any]] = {}
-    top = session.engine.config.recall
+    watched = [read.source.positions_in(a, b) for a, b in spans] if diagnose and read.source is not None else None
+    out: dict[Answered, dict[str, Any]] = {}
+    config = session.engine.config
+    top, top_select = config.recall, config.recall_select
     try:
-        for rec in recalls:
-            session.engine.config.recall = rec
+        for rec, sel in answers:
+            config.recall, config.recall_select = rec, sel
+            trace = session.engine.recall_trace = RecallTrace(torch.cat(watched)) if watched else None
+            before = session.recall_seconds
             ans = session.ask(read, needles[0].question)
-            out[rec] = {"expected": needles[0].answer, "answer": ans.answer,
-                        "correct": contains_answer(ans.answer, needles[0].answer), "budget": session.budget_tokens,
-                        "document_tokens": read.document_tokens, "needle_token": needle_token}
+            got = out[(rec, sel)] = {"expected": needles[0].answer, "answer": ans.answer,
+                                     "correct": needles[0].found(ans.answer), "budget": session.budget_tokens,
+                                     "document_tokens": read.document_tokens, "needle_token": needle_token,
+                                     "recall_seconds": round(session.recall_seconds - before, 3)}
+            if trace is not None and watched is not None and read.source is not None:
+                got["diagnose"] = diagnosis(trace, watched, read.source, ans.ids, session.tokenizer)
     finally:
-        session.engine.config.recall = top
+        config.recall, config.recall_select = top, top_select
+        session.engine.recall_trace = None
         read.close()
     return out
 
@@ -327,39 +426,30 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
 
     runs = task.grid.runs()
     cells: list[dict[str, Any]] = []
-    total = sum(len(task.recalls) if run.budget is not None else 1 for run in runs) * len(task.lengths) * len(
-        task.depths) * task.trials
-    seed = task.grid.settings.seed
+    total = sum(len(task.answers_of(run)) for run in runs) * len(task.lengths) * len(task.depths) * task.trials
     with reporter.bar(total):
         for run in runs:
-            recalls = task.recalls if run.budget is not None else [0]
+            answers = task.answers_of(run)
             session = None  # built on first need: a fully resumed run loads nothing more
             for L in task.lengths:
                 for d in task.depths:
-                    row = {rec: {
-                        "policy": run.policy, "budget": None, "recall": rec, "length": L, "depth": d,
-                        "needle_token": None, "document_tokens": None, "trials": task.trials, "correct": 0,
-                        "accuracy": 0.0, "answers": [],
-                    } for rec in recalls}  # fmt: skip
+                    row = {a: {
+                        "policy": run.policy, "budget": None, "recall": a[0], "select": a[1], "length": L,
+                        "depth": d, "needle_token": None, "document_tokens": None, "trials": task.trials,
+                        "correct": 0, "accuracy": 0.0, "answers": [],
+                    } for a in answers}  # fmt: skip
                     for t, needles in enumerate(trial_needles):
                         reporter.doing(f"{run.label} L={L} depth={d:g} trial {t + 1}/{task.trials}")
-                        missing = [rec for rec in recalls if trial_key(run.label, rec, L, d, t) not in log]
+                        keys = {a: trial_key(run.label, a[0], L, d, t, a[1]) for a in answers}
+                        missing = [a for a in answers if not _logged(log, keys[a], task.diagnose)]
                         if missing:
-                            if session is None:
-                                session = _needle_session(task, run, loaded, recalls, reporter)
-                            got = needle_trial(session, haystack, needles, L, d, seed, t, needle_tokens[t], missing)
-                            for rec, rec_row in got.items():
-                                log.put(trial_key(run.label, rec, L, d, t), rec_row)
-                        for rec in recalls:
-                            rec_row = log.get(trial_key(run.label, rec, L, d, t))
-                            cell = row[rec]
-                            if t == 0:
-                                cell["needle_token"] = rec_row["needle_token"]
-                                cell["document_tokens"] = rec_row["document_tokens"]
-                            cell["budget"] = rec_row["budget"]
-                            cell["correct"] += int(rec_row["correct"])
-                            cell["answers"].append({"trial": t, "expected": rec_row["expected"],
-                                                    "answer": rec_row["answer"], "correct": rec_row["correct"]})
+                            session = session or _needle_session(task, run, loaded, reporter)
+                            got = needle_trial(session, haystack, needles, L, d, task.grid.settings.seed, t,
+                                               needle_tokens[t], missing, task.diagnose)
+                            for a, record in got.items():
+                                log.put(keys[a], record)
+                        for a in answers:
+                            _count(row[a], t, log.get(keys[a]))
                             reporter.advance()
                     for cell in row.values():
                         iv = wilson(cell["correct"], task.trials)
@@ -370,23 +460,42 @@ def run_needle(task: NeedleTask, reporter: Reporter) -> dict[str, Any]:
     return report("needle", settings, cells, timer.seconds(), summary=summary)
 
 
-def _needle_session(task: NeedleTask, run: Any, loaded: Any, recalls: list[int], reporter: Reporter) -> Any:
+def _count(cell: dict[str, Any], trial: int, record: dict[str, Any]) -> None:
+    """Add one trial's logged ``record`` to its cell."""
+    if trial == 0:
+        cell["needle_token"] = record["needle_token"]
+        cell["document_tokens"] = record["document_tokens"]
+    cell["budget"] = record["budget"]
+    cell["correct"] += int(record["correct"])
+    cell["answers"].append({"trial": trial, "expected": record["expected"], "answer": record["answer"],
+                            "correct": record["correct"],
+                            **{k: record[k] for k in ("recall_seconds", "diagnose") if k in record}})
+
+
+def _logged(log: CellLog, key: str, diagnose: bool) -> bool:
+    """Whether trial ``key`` is in the resume log (with ``diagnose``: with its diagnosis; a trial logged
+    without one is read again, and its new record, diagnosis included, is appended)."""
+    return key in log and (not diagnose or "diagnose" in log.get(key))
+
+
+def _needle_session(task: NeedleTask, run: Any, loaded: Any, reporter: Reporter) -> Any:
     """The run's session; with recall budgets, one archiving session that every recall budget shares."""
-    settings = dataclasses.replace(task.grid.settings_for(run), recall=str(max(recalls)) if max(recalls) else "off")
+    top = max(a[0] for a in task.answers_of(run))
+    settings = dataclasses.replace(task.grid.settings_for(run), recall=str(top) if top else "off")
     return Session(settings, listener=None, say=reporter.say, loaded=loaded)
 
 
 def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Found-rate per (policy, budget, recall) over every length, depth and trial, with a Wilson interval.
+    """Found-rate per (policy, budget, recall, select) over every length, depth and trial, with a Wilson interval.
 
     ``significant`` marks a row whose difference from the best row at the same budget and recall budget
     excludes 0 (Newcombe interval); ``below_full`` one whose difference from the ``full`` row does.
     """
-    out: dict[tuple[str, Any, int], dict[str, Any]] = {}
+    out: dict[tuple[str, Any, int, str], dict[str, Any]] = {}
     for c in cells:
-        rec = c.get("recall", 0)
-        row = out.setdefault((c["policy"], c["budget"], rec), {"policy": c["policy"], "budget": c["budget"],
-                                                              "recall": rec, "correct": 0, "total": 0})
+        rec, sel = c.get("recall", 0), c.get("select", DEFAULT_RECALL_SELECT)
+        row = out.setdefault((c["policy"], c["budget"], rec, sel), {
+            "policy": c["policy"], "budget": c["budget"], "recall": rec, "select": sel, "correct": 0, "total": 0})
         row["correct"] += c["correct"]
         row["total"] += c["trials"]
     rows = list(out.values())

@@ -7,7 +7,7 @@ Two halves:
   the table of parts (page, chapter, section) by starting character. Entries of tokens no head holds
   any more are pruned as the prefill goes, so the map is bounded by the cache, not the document —
   except while the cache archives evicted tokens for recall: then every token is kept (a recalled
-  passage must be citable), and the map grows with the archive (``session._prune_source``).
+  passage must be citable), and the map grows with the archive (``prune_source``).
 * :func:`cite`, after an answer: the cache's per-token attention mass (accumulated by the attention
   function over the upper half of the layers and all their heads while the answer was decoded, see
   ``BoundedCache.start_mass``) is summed per position, the heaviest tokens are grown into sentence
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from kvtool.core import recall
 
 #: how many cited spans an answer gets at most, and the least share of the top span's weight a span needs
 MAX_CITATIONS = 3
@@ -115,6 +117,20 @@ class SourceMap:
     def __len__(self) -> int:
         return self.positions.numel() + self._pending_tokens
 
+    def positions_in(self, start_char: int, end_char: int) -> Tensor:
+        """Stream positions of the mapped tokens that overlap characters [``start_char``, ``end_char``)."""
+        self._flush()
+        hit = (self.spans[:, 0] < end_char) & (self.spans[:, 1] > start_char)
+        return self.positions[hit]
+
+    def ids_at(self, positions: Tensor) -> Tensor:
+        """Token ids at stream ``positions`` (sorted); -1 where the map holds no token there."""
+        self._flush()
+        if self.positions.numel() == 0:
+            return torch.full_like(positions, -1)
+        idx = torch.searchsorted(self.positions, positions).clamp_(max=self.positions.numel() - 1)
+        return torch.where(self.positions[idx] == positions, self.ids[idx], torch.full_like(positions, -1))
+
     # -- persistence (.kvc metadata) ----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         """A JSON object: the section table, and the per-token arrays as base64 of zlib'd int32 (little-endian).
@@ -174,6 +190,20 @@ def _unpack(text: str, count: int) -> Tensor:
 def held_positions(cache: Any) -> Tensor:
     """Every stream position some head of ``cache`` holds (the union over layers, groups and heads)."""
     return torch.cat([g.positions[:, : g.length].reshape(-1) for g in cache.groups()]).unique()
+
+
+def prune_source(source: SourceMap, cache: Any, keep: bool = False) -> None:
+    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens (or ``keep``).
+
+    While an archive exists, every document token is held or archived, and recall may bring any archived
+    one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
+    so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
+    kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
+    """
+    if keep or recall.archives(cache):
+        source.prune(None, cache.seen)
+    else:
+        source.prune(held_positions(cache), cache.seen)
 
 
 @dataclass

@@ -9,16 +9,17 @@ model (byte budgets, the policy's head layout, razor calibration) and owns the m
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvtool.config import kvtool_home
+from kvtool.config import kvtool_home, recall_selection
 from kvtool.core import recall
 from kvtool.core.cache import BoundedCache
 from kvtool.core.engine import Engine, EngineConfig, model_env
@@ -31,7 +32,7 @@ from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
 from kvtool.runtime.budget import resolve_budget_and_recall
-from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
+from kvtool.runtime.citations import Citation, SourceMap, cite, prune_source
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.detokenize import Detokenizer, letter_tokens
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks, rechunk
@@ -149,6 +150,7 @@ class Session:
             recall=self.recall_tokens,
             page_size=settings.recall_page,
             recall_placement=settings.recall_placement,
+            recall_select=settings.recall_select,
             archive_dtype=None if settings.archive_dtype == "auto" else torch.int8 if settings.archive_dtype == "int8"
             else resolve_dtype(settings.archive_dtype, self.loaded.device),
             archive_dir=self.archive_dir if self.recall_tokens else None,
@@ -175,6 +177,9 @@ class Session:
         # many documents in one run (kvtool/runtime/many.py): each read empties and refills one cache, and
         # writes its snapshot over the last one's
         self.reuse_cache = False
+        # a diagnosis (``kvtool eval needle --diagnose``): the source map keeps every document token, so that an
+        # evicted needle's positions are known even without an archive
+        self.keep_source = False
         self._spare: BoundedCache | None = None
         self._snapshot_store: dict[str, Tensor] = {}
 
@@ -251,7 +256,7 @@ class Session:
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
         bs = self.settings.block_size
-        blocks = rechunk(_chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
+        blocks = rechunk(itertools.chain([prefix], iter_token_blocks(doc, self.tokenizer, bs, source)), bs)
 
         def expected() -> int | None:
             n = estimate_tokens(doc)
@@ -259,12 +264,12 @@ class Session:
 
         def pruned(blocks: Iterator[Tensor]) -> Iterator[Tensor]:
             """Forget the source of tokens every head evicted, every few dozen blocks (bounded map; kept while
-            an archive can recall them: ``_prune_source``); with ``--recall auto``, drop the archive if the
+            an archive can recall them: ``prune_source``); with ``--recall auto``, drop the archive if the
             disk runs short."""
             disk_watch = watch
             for block in blocks:
                 if source.pending_tokens > max(PRUNE_BLOCKS * bs, source.positions.numel()):
-                    _prune_source(source, cache)
+                    prune_source(source, cache, self.keep_source)
                 if disk_watch is not None:
                     short = disk_watch.short(recall.archive_bytes(cache))
                     if short is not None:
@@ -279,7 +284,7 @@ class Session:
         finally:
             self._reading = None
         seconds = time.perf_counter() - t0
-        _prune_source(source, cache)
+        prune_source(source, cache, self.keep_source)
         for note in doc.notes:
             self.emit(Note(note))
         result = ReadResult(
@@ -388,6 +393,7 @@ class Session:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
         cache, logits, suffix_tokens = self._begin_answer(read, suffix_prompt, max_new_tokens, focus)
+        again = None if cite_spans else self._again(read, suffix_prompt, focus)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -402,7 +408,7 @@ class Session:
         self.emit(DecodeStarting(label))
         try:
             ids, seconds = self.engine.generate(cache, logits, max_new_tokens, self.eos, choose, on_token,
-                                                read_every=1 if on_text is not None else None)
+                                                read_every=1 if on_text is not None else None, again=again)
         finally:
             positions, mass = cache.stop_mass() if cite_spans else (None, None)
         cache.pin_start = cache.pin_end = None
@@ -414,6 +420,16 @@ class Session:
             ans.cite_seconds = time.perf_counter() - t0
         self.answers.append(ans)
         return ans
+
+    def _again(self, read: ReadResult, suffix: prompt.Rendered,
+               focus: str | None) -> Callable[[list[int]], Tensor] | None:
+        """``--recall-select again`` (``Engine.recall_again``); None when recall is off for this answer or not asked."""
+        if not self.recall_tokens or "again" not in recall_selection(self.engine_config.recall_select):
+            return None
+        rows = prompt.focus_rows(self.tokenizer, suffix, focus) if focus else None
+        return self.engine.recall_again(read.cache, prompt.encode(self.tokenizer, suffix),
+                                        lambda: read.cache.restore(read.snapshot), rows,
+                                        lambda result: self._count_recall(read.cache, result))
 
     def _begin_answer(self, read: ReadResult, suffix_prompt: prompt.Rendered, max_new_tokens: int | None = None,
                       focus: str | None = None) -> tuple[BoundedCache, Tensor, int]:
@@ -430,13 +446,16 @@ class Session:
                            "ranks the archive (the template's rows can outrank the question's)"))
         logits, recalled = self.engine.feed_question(cache, suffix, lambda: cache.restore(read.snapshot),
                                                      max_new_tokens or self.settings.max_new_tokens, rows)
+        self._count_recall(cache, recalled)
+        return cache, logits, suffix.numel()
+
+    def _count_recall(self, cache: BoundedCache, recalled: recall.RecallResult | None) -> None:
         if recalled is not None:
             self.recall_seconds += recalled.seconds
             self.recalled_pages += recalled.pages
             self.recalled_tokens_max = max(self.recalled_tokens_max, recalled.tokens)
             self.emit(Note(f"recall: {recalled.pages:,} pages, {recalled.tokens} tokens per KV head in "
                            f"{recalled.seconds:.2f} s (archive {format_bytes(recall.archive_bytes(cache))})"))
-        return cache, logits, suffix.numel()
 
     def forced_logits(self, read: ReadResult, question: str, forced: list[int]) -> Tensor:
         """Next-token logits [len(forced), V] (float32, CPU) while teacher-forcing ``forced`` as the answer.
@@ -548,6 +567,7 @@ class Session:
             "archive_dtype": recall.archive_dtype(cache) if cache is not None else None,
             "recall_page": self.engine_config.page_size,
             "recall_placement": self.engine_config.recall_placement,
+            "recall_select": self.engine_config.recall_select,
             "recall_seconds": round(self.recall_seconds, 4),
             "recalled_pages": self.recalled_pages,
             "recalled_tokens_max": self.recalled_tokens_max,
@@ -564,25 +584,6 @@ def _bytes_by_layer_kind(cache: Any) -> dict[str, int]:
 
 #: the source map forgets evicted tokens once this many blocks of new tokens are in it
 PRUNE_BLOCKS = 32
-
-
-def _prune_source(source: SourceMap, cache: BoundedCache) -> None:
-    """Forget the source of the tokens no head holds, unless the cache archives evicted tokens.
-
-    While an archive exists, every document token is held or archived, and recall may bring any archived
-    one back for an answer: ``--cite`` must find the passage recall brought back (it often is what answered),
-    so the map keeps every token, growing with the archive (32 bytes per token beside the archive's
-    kilobytes). Without an archive (recall off, or turned off when the disk ran short) it keeps the held ones.
-    """
-    if recall.archives(cache):
-        source.prune(None, cache.seen)
-    else:
-        source.prune(held_positions(cache), cache.seen)
-
-
-def _chain(*iterables: Iterable[Tensor]) -> Iterator[Tensor]:
-    for it in iterables:
-        yield from it
 
 
 def _jsonable(v: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 from kvtool.config import (
     ARCHIVE_DTYPES,
     DEFAULT_RECALL_PLACEMENT,
+    DEFAULT_RECALL_SELECT,
     DEVICE_HELP,
     DEVICE_RE,
     DTYPES,
@@ -26,6 +27,7 @@ from kvtool.config import (
     QUANTIZE,
     RECALL_PLACEMENTS,
     profile_dirs,
+    recall_select_spec,
 )
 from kvtool.errors import UsageError, shown
 from kvtool.fileio import read_capped
@@ -59,6 +61,7 @@ class Settings:
     recall: str = "auto"  # auto: ``ask`` recalls DEFAULT_RECALL tokens when the archive fits the disk
     recall_page: int = 32  # archive page size in tokens (the unit recall scores and brings back)
     recall_placement: str = DEFAULT_RECALL_PLACEMENT  # compact positions: recalled passages by relevance or in order
+    recall_select: str = DEFAULT_RECALL_SELECT  # how recall chooses (``config.recall_selection``)
     archive_dtype: str = "int8"  # dtype of archived K/V (auto: the model's)
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -207,6 +210,12 @@ def _recall(name: str, value: Any) -> str:
     return "off" if parse_recall(value) == 0 else str(value).strip()
 
 
+def _recall_select(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise UsageError(f"{name} must be shared or +-joined variants like sum+grow: got {shown(value)}")
+    return recall_select_spec(value)
+
+
 # Each check returns the value coerced to the field's type (int budget -> "4096", 1 -> 1.0).
 _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "model": _model,
@@ -224,6 +233,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "recall": _recall,
     "recall_page": _number("recall_page"),
     "recall_placement": _choice(RECALL_PLACEMENTS),
+    "recall_select": _recall_select,
     "archive_dtype": _choice(ARCHIVE_DTYPES),
     "max_new_tokens": _number("max_new_tokens"),
     "temperature": _number("temperature"),

@@ -162,7 +162,7 @@ class DecodeStep:
         """Every tensor a step reads or writes besides the model's weights and activations (tests pin them)."""
         out = [self.tok, self.pos, self.orig, self.t, self.fills, self.slot_ids, self.ring, self.mask4d,
                *self.valid, *self.scratch_valid, *self.masks, *self.new_state]
-        out += [b.data for g in self.groups for b in g.buffers.items.values()]
+        out += [b.data for g in self.groups for b in g.buffers.items.values()] + list(self.works.values())
         return out + ([self.cache.mass_gate] if self.cache.mass_gate is not None else [])
 
     # -- host side, between steps ------------------------------------------------------------------------

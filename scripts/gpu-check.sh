@@ -6,12 +6,14 @@
 #
 # Steps, each in its own child with a timeout (a hang costs its step, not the lease), in this order:
 #   preflight   bench/preflight.py: python, torch/CUDA, the device, every module (one line each)
-#   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py (oracles in bf16/fp16, the
-#               archive's sync-debug test, bitsandbytes loading, device_map)
+#   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py (oracles in
+#               bf16/fp16, the archive's sync-debug test, bitsandbytes loading, device_map, captured = eager decode)
 #   equality    bench/real_equality.py: Llama-3.1-8B shape, 4 layers, bf16, 4K tokens, nothing evicted
 #   syncs       bench/sync_debug.py: set_sync_debug_mode("warn") over blocks, a question, decoded tokens
 #   blocks      bench/block_forward.py: the model's forward against the block size (the GPU block's knee)
 #   quant       bench/quant_weights.py: none/8-bit/4-bit weights through kvtool's loader at real width
+#   decode      bench/decode_step.py --config llama-3.1-8b: decode tok/s after DECODE_LENGTHS (4k,32k,128k) for h2o and
+#               sink, the step captured / eager / the block path, transformers' own decode after 32K as the baseline
 #   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
 #               4K/32K/128K against transformers' dense SDPA and chunked prefill; tok/s, peak allocated
 #               against the plan, decode tok/s
@@ -38,15 +40,18 @@ BUDGET=${BUDGET:-4k}
 BLOCK=${BLOCK:-auto}
 DECODE_TOKENS=${DECODE_TOKENS:-64}
 ONLY=${ONLY:-}
+DECODE_LENGTHS=${DECODE_LENGTHS:-4k,32k,128k}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(
   "preflight|30|5|$PY bench/preflight.py --json \$W/preflight.json"
-  "tests|150|60|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py -p no:cacheprovider -q -rs"
+  "tests|150|60|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs"
   "equality|90|30|$PY bench/real_equality.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/equality.json"
   "syncs|90|30|$PY bench/sync_debug.py --config llama-3.1-8b --layers 4 --json \$W/syncs.json"
   "blocks|60|20|$PY bench/block_forward.py --config llama-3.1-8b --layers 4 --context 4k --json \$W/blocks.json"
   "quant|120|60|$PY bench/quant_weights.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/quant.json"
+  "decode|240|150|$PY bench/decode_step.py --config llama-3.1-8b --lengths $DECODE_LENGTHS --policies h2o,sink \
+--budget $BUDGET --decode-tokens 256 --baseline-lengths 32k --json \$W/decode.json"
   "bench|330|260|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
 --budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 128k --memory-lengths 4k,128k \
 --concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 180 --json \$W/bench.json"

@@ -30,8 +30,16 @@ POLICIES = ["h2o", "sink", "tova", "keydiff", "snapkv+caote"]
 KVTOOL = str(Path(__file__).resolve().parents[1] / "kvtool")
 
 
-def decode(family: str, policy: str, mode: str, new: int = NEW, cite: bool = False, device: str = "cpu",
-           dtype: torch.dtype = torch.float32, monkeypatch=None):
+def decode(
+    family: str,
+    policy: str,
+    mode: str,
+    new: int = NEW,
+    cite: bool = False,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    monkeypatch=None,
+):
     """Prefill 100 tokens and decode ``new`` (guarded greedy); returns (tokens, kept positions after each eviction,
     the engine, the cache, citation mass)."""
     model = tiny_family(family, seed=3).to(device, dtype)
@@ -125,12 +133,40 @@ def _called_from_kvtool() -> bool:
 
 
 #: ops that allocate a new tensor of their own (not an op's result): kvtool's step must call none of them
-ALLOCATING = frozenset({"cat", "stack", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                        "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like",
-                        "new_full", "arange", "clone", "resize_", "set_", "scalar_tensor", "tensor"})
+ALLOCATING = frozenset(
+    {
+        "cat",
+        "stack",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "ones",
+        "ones_like",
+        "new_ones",
+        "full",
+        "full_like",
+        "new_full",
+        "arange",
+        "clone",
+        "resize_",
+        "set_",
+        "scalar_tensor",
+        "tensor",
+    }
+)
 #: the in-place ops that may write the cache's per-token buffers: the token's slot, and the running sums
-CACHE_WRITES = {"keys": {"index_copy_"}, "values": {"index_copy_"}, "positions": {"index_copy_"},
-                "rotary": {"index_copy_"}, "state": {"index_copy_", "add_"}}
+CACHE_WRITES = {
+    "keys": {"index_copy_"},
+    "values": {"index_copy_"},
+    "positions": {"index_copy_"},
+    "rotary": {"index_copy_"},
+    "state": {"index_copy_", "add_"},
+}
 
 
 @pytest.mark.parametrize(("family", "policy"), [("llama3", "h2o"), ("gemma2", "keydiff"), ("mistral", "tova")])
@@ -205,3 +241,21 @@ def test_cuda_the_captured_step_is_the_eager_step(policy):
     assert len(eager[1]) >= 10
     assert captured[0] == eager[0]
     assert captured[1] == eager[1]
+
+
+def test_the_decode_bench_runs_every_row_on_a_tiny_shape(tmp_path):
+    """``bench/decode_step.py`` (gpu-check's decode step) starts and writes its rows on a CPU: the three modes
+    answer alike, transformers' row and the ratios are there."""
+    import json
+
+    from bench.decode_step import main
+
+    out = tmp_path / "decode.json"
+    args = ["--config", "tiny", "--lengths", "256", "--budget", "64", "--block-size", "16", "--policies", "sink"]
+    assert main([*args, "--decode-tokens", "40", "--baseline-lengths", "256", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["row"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {("kvtool:sink", m) for m in ("capture", "eager", "blocks")} | {("transformers", "eager")}
+    assert all(r["decode_tokens_per_second"] > 0 for r in rows.values())
+    assert all(rows["kvtool:sink", m]["tokens_equal"] for m in ("capture", "eager", "blocks"))
+    assert "kvtool:sink capture / transformers at 256" in doc["summary"]

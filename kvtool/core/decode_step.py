@@ -116,8 +116,15 @@ class StepCache(Cache):
 class DecodeStep:
     """One decoded token over fixed buffers (module docstring); ``run`` replays it, ``eager`` takes today's path."""
 
-    def __init__(self, model: torch.nn.Module, keyword: str, cache: BoundedCache, choose: Chooser,
-                 eos: Tensor | None, capture: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        keyword: str,
+        cache: BoundedCache,
+        choose: Chooser,
+        eos: Tensor | None,
+        capture: bool,
+    ) -> None:
         self.model = model
         self.keyword = keyword  # the name the model's forward takes its cache by
         self.cache = cache
@@ -152,16 +159,31 @@ class DecodeStep:
     def key(cache: BoundedCache, choose: Chooser, eos: Tensor | None) -> tuple:
         """What the step's buffers and a capture depend on: the cache's buffer addresses and slot counts,
         citation on or off, the chooser's rule. Equal keys: the step (and its graph) can be replayed."""
-        ptrs = tuple((name, b.data.data_ptr(), b.data.shape[b.axis]) for g in cache.groups()
-                     for name, b in g.buffers.items.items())
+        ptrs = tuple(
+            (name, b.data.data_ptr(), b.data.shape[b.axis])
+            for g in cache.groups()
+            for name, b in g.buffers.items.items()
+        )
         letters = None if choose.letters is None else choose.letters.data_ptr()
         gate = None if cache.mass_gate is None else cache.mass_gate.data_ptr()
         return (id(cache), ptrs, gate, choose.n, choose.penalty, letters, None if eos is None else eos.numel())
 
     def buffers(self) -> list[Tensor]:
         """Every tensor a step reads or writes besides the model's weights and activations (tests pin them)."""
-        out = [self.tok, self.pos, self.orig, self.t, self.fills, self.slot_ids, self.ring, self.mask4d,
-               *self.valid, *self.scratch_valid, *self.masks, *self.new_state]
+        out = [
+            self.tok,
+            self.pos,
+            self.orig,
+            self.t,
+            self.fills,
+            self.slot_ids,
+            self.ring,
+            self.mask4d,
+            *self.valid,
+            *self.scratch_valid,
+            *self.masks,
+            *self.new_state,
+        ]
         out += [b.data for g in self.groups for b in g.buffers.items.values()] + list(self.works.values())
         return out + ([self.cache.mass_gate] if self.cache.mass_gate is not None else [])
 
@@ -236,8 +258,15 @@ class DecodeStep:
         cache = self.cache
         if cache.mass_gate is not None and self.eos is not None:
             cache.close_mass_on(self.tok.view(1), self.eos)  # an end token: the steps after it add no mass
-        out = self.model(input_ids=self.tok, position_ids=self.pos, attention_mask=self.mask4d,
-                         **{self.keyword: self.step_cache}, use_cache=True, logits_to_keep=1, kvtool_step=self)
+        out = self.model(
+            input_ids=self.tok,
+            position_ids=self.pos,
+            attention_mask=self.mask4d,
+            **{self.keyword: self.step_cache},
+            use_cache=True,
+            logits_to_keep=1,
+            kvtool_step=self,
+        )
         self.t.add_(1)
         self.choose.choose_at(out.logits[0, -1], self.t, self.tok)
         self.pos.add_(1)
@@ -282,8 +311,9 @@ class DecodeStep:
         h, qk, d = keys.shape[1], g.q_per_kv, q.shape[-1]
         if softcap is None and not observe and g.mass is None:
             mask = self.masks[i].zero_().masked_fill_(~valid, float("-inf"))
-            out = F.scaled_dot_product_attention(q.reshape(1, h, qk, d), keys, values, attn_mask=mask.view(1, 1, 1, -1),
-                                                 scale=scaling)
+            out = F.scaled_dot_product_attention(
+                q.reshape(1, h, qk, d), keys, values, attn_mask=mask.view(1, 1, 1, -1), scale=scaling
+            )
         else:
             probs = self._probs(q, keys, valid, scaling, softcap, h, qk, d)
             out = torch.bmm(probs.to(values.dtype), values[0])
@@ -295,8 +325,9 @@ class DecodeStep:
         return out.reshape(1, h * qk, 1, values.shape[-1]).transpose(1, 2).contiguous()
 
     @staticmethod
-    def _probs(q: Tensor, keys: Tensor, valid: Tensor, scaling: float, softcap: float | None, h: int, qk: int,
-               d: int) -> Tensor:
+    def _probs(
+        q: Tensor, keys: Tensor, valid: Tensor, scaling: float, softcap: float | None, h: int, qk: int, d: int
+    ) -> Tensor:
         """Softmax(cap(q kᵀ · scale)) over every slot in float32, unfilled slots at 0: [h, q_per_kv, slots]."""
         scores = torch.bmm(q[0].float().reshape(h, qk, d), keys[0].float().transpose(1, 2)).mul_(scaling)
         if softcap is not None:
@@ -308,9 +339,21 @@ class DecodeStep:
         """The policy's per-token work over every slot (``observe_fixed``: unfilled slots add 0)."""
         cache = self.cache
         state = {name: g.state[f] for f, name in enumerate(g.state_fields)}
-        g.policy.observe(ScoreContext(layer_idx=i, heads=g.heads, keys=cache._empty, values=cache._empty,
-                                      positions=g.positions, query_positions=self.orig, probs=probs, state=state,
-                                      protected=None, capacity=g.capacity or g.slots, block_len=1))
+        g.policy.observe(
+            ScoreContext(
+                layer_idx=i,
+                heads=g.heads,
+                keys=cache._empty,
+                values=cache._empty,
+                positions=g.positions,
+                query_positions=self.orig,
+                probs=probs,
+                state=state,
+                protected=None,
+                capacity=g.capacity or g.slots,
+                block_len=1,
+            )
+        )
 
     # -- capture (CUDA) --------------------------------------------------------------------------------------
     def _mutable(self) -> list[Tensor]:

@@ -38,12 +38,13 @@ def decode(
     cite: bool = False,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    monkeypatch=None,
+    positions: str = "absolute",
+    max_positions: int = 2048,
 ):
     """Prefill 100 tokens and decode ``new`` (guarded greedy); returns (tokens, kept positions after each eviction,
     the engine, the cache, citation mass)."""
-    model = tiny_family(family, seed=3).to(device, dtype)
-    engine = make_engine(model, policy, BUDGET, block_size=BLOCK, decode_step=mode)
+    model = tiny_family(family, seed=3, max_positions=max_positions).to(device, dtype)
+    engine = make_engine(model, policy, BUDGET, block_size=BLOCK, positions=positions, decode_step=mode)
     cache = engine.new_cache()
     kept: list[list] = []
     block_path = engine.step
@@ -77,6 +78,21 @@ def test_the_step_decodes_what_the_block_path_decodes(family, policy):
     assert len(want) == NEW and len(want_kept) >= 3  # evictions inside the answer
     assert got == want
     assert got_kept == want_kept
+
+
+@pytest.mark.parametrize("positions", ["compact", "auto"])
+def test_compact_positions_and_a_switch_inside_the_answer(positions):
+    """Compact positions (the step writes the RoPE position beside the stream one) and, with ``auto`` and a
+    128-token model range, the switch to compact at token 28 of the answer and a renormalisation after it: steps
+    the block path takes, the fixed step resuming from the host's counters."""
+    want = decode("llama3", "h2o", "blocks", new=90, positions=positions, max_positions=128)
+    got = decode("llama3", "h2o", "eager", new=90, positions=positions, max_positions=128)
+    assert got[3].compact and got[2].decode is not None
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+    assert [g.rotary[:, : g.length].tolist() for g in got[3].groups()] == [
+        g.rotary[:, : g.length].tolist() for g in want[3].groups()
+    ]
 
 
 def test_citation_mass_is_the_block_paths():

@@ -2,6 +2,8 @@
 
     python bench/decode_step.py --config llama-3.1-8b --json decode.json          # a GPU: 4K/32K/128K, h2o + sink
     python bench/decode_step.py --config tiny --lengths 512 --budget 128 --decode-tokens 16   # a CPU start (seconds)
+    python bench/decode_step.py --config embedded --lengths 8k,32k --budget 1k --block-size 128 --policies h2o \
+        --modes blocks,eager --rounds 3 --baseline-lengths ''      # a CPU: the step against the block path
 
 For each policy and document length, one engine reads the document (random token ids, blocks as ``ask``
 reads them) and the cache after it is kept (``BoundedCache.snapshot``); then each decode mode answers from
@@ -14,8 +16,10 @@ guard), no end token:
 * ``blocks``   each token fed as a block of one through the block path (kvtool before the step).
 
 Each mode first answers a few tokens untimed (the step is built and captured there: ``first_seconds``), then
-the timed answer; ``decode_tokens_per_second`` is tokens over its wall time, the device synchronised at both
-ends. ``tokens_equal`` says whether the mode's answer equals ``eager``'s, token for token. ``transformers`` rows
+the timed answer, ``--rounds`` times with the modes interleaved (the fastest kept: a loaded machine slows each
+mode alike); ``decode_tokens_per_second`` is tokens over its wall time, the device synchronised at both
+ends. ``tokens_equal`` says whether the mode's answer equals ``eager``'s, token for token (``blocks`` runs
+other kernels: in bf16 it may part from the step after a few tokens; ``capture`` must not). ``transformers`` rows
 (``--baseline-lengths``) decode with transformers' own eager loop (``DynamicCache``, SDPA, one forward per
 token) after a chunked prefill of the same document: the baseline the GPU targets divide by. The JSON is
 rewritten after every row, so a run stopped by a time limit keeps what it measured.
@@ -48,13 +52,19 @@ def parse_count(text: str) -> int:
 
 
 def build_model(config: str, device: str, layers: int | None):
-    """A random model of ``config``'s shape (``bench/gpu.py``) in bf16, or ``tiny`` (a 2-layer float32 Llama)."""
+    """A random model of ``config``'s shape (``bench/gpu.py``) in bf16, ``tiny`` (a 2-layer float32 Llama), or
+    ``embedded`` (the SmolLM2-135M-Instruct kvtool ships: the model of the CPU rows in docs/performance.md)."""
     import torch
 
     if config == "tiny":
         from bench.launches import tiny_llama
 
         return tiny_llama(layers or 2).to(device), torch.device(device)
+    if config == "embedded":
+        from kvtool.runtime.model import load_model
+
+        loaded = load_model(None, device, "auto")
+        return loaded.model, next(loaded.model.parameters()).device
     from bench.gpu import config_model
 
     return config_model(config, device, "auto", layers)
@@ -68,7 +78,9 @@ def sync(device) -> None:
 
 
 def kvtool_rows(model, device, policy: str, length: int, args) -> list[dict]:
-    """The three decode modes after one document read under ``policy``."""
+    """Each decode mode answering from the cache one document read under ``policy`` left (module docstring)."""
+    import dataclasses
+
     import torch
 
     from bench.gpu import random_ids
@@ -79,17 +91,22 @@ def kvtool_rows(model, device, policy: str, length: int, args) -> list[dict]:
 
     cfg = EngineConfig(budget=args.budget, block_size=args.block_size)
     env = model_env(model, cfg)
+    pol = build_policy(policy, {}, env)
     notes: list[str] = []
-    engine = Engine(
-        model,
-        build_policy(policy, {}, env),
-        cfg,
-        env=env,
-        listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None,
-    )
+    modes = [m for m in args.modes.split(",") if m]
+    engines = {  # one engine per mode on the same model: each keeps its own step (and graph)
+        m: Engine(
+            model,
+            pol,
+            dataclasses.replace(cfg, decode_step=m),
+            env=env,
+            listener=lambda e: notes.append(e.message) if isinstance(e, Note) else None,
+        )
+        for m in modes
+    }
+    engine = engines[modes[0]]
     cache = engine.new_cache()
-    vocab = model.get_output_embeddings().weight.shape[0]
-    doc = random_ids(vocab, length)
+    doc = random_ids(model.get_output_embeddings().weight.shape[0], length)
     t0 = time.perf_counter()
     logits = None
     with torch.inference_mode():
@@ -98,42 +115,43 @@ def kvtool_rows(model, device, policy: str, length: int, args) -> list[dict]:
     sync(device)
     prefill = time.perf_counter() - t0
     snap = cache.snapshot()
-    rows, reference = [], None
-    for mode in MODES:
-        engine.config.decode_step = mode
-        engine.decode = None  # built (and captured) again for this mode
 
-        def answer(n: int) -> tuple[list[int], float]:
-            cache.restore(snap)
-            sync(device)
-            t = time.perf_counter()
-            out, _ = engine.generate(cache, logits, n, set(), Chooser(n, device, no_repeat_ngram=4))
-            sync(device)
-            return out, time.perf_counter() - t
+    def answer(mode: str, n: int) -> tuple[list[int], float]:
+        cache.restore(snap)
+        sync(device)
+        t = time.perf_counter()
+        out, _ = engines[mode].generate(cache, logits, n, set(), Chooser(n, device, no_repeat_ngram=4))
+        sync(device)
+        return out, time.perf_counter() - t
 
-        _, first = answer(WARM_TOKENS)
-        out, seconds = answer(args.decode_tokens)
-        reference = out if mode == "eager" else reference
-        step = engine.decode
+    first = {m: answer(m, WARM_TOKENS)[1] for m in modes}  # the step built, and captured, here
+    timed: dict[str, list[float]] = {m: [] for m in modes}
+    answers: dict[str, list[int]] = {}
+    for _ in range(max(1, args.rounds)):  # interleaved: a loaded machine slows every mode alike
+        for m in modes:
+            answers[m], seconds = answer(m, args.decode_tokens)
+            timed[m].append(seconds)
+    rows = []
+    for m in modes:
+        step, seconds = engines[m].decode, min(timed[m])
         rows.append(
             {
                 "row": f"kvtool:{policy}",
-                "mode": mode,
+                "mode": m,
                 "length": length,
                 "budget": args.budget,
                 "block_size": args.block_size,
                 "prefill_seconds": prefill,
-                "decode_tokens": len(out),
+                "decode_tokens": len(answers[m]),
                 "decode_seconds": seconds,
-                "decode_tokens_per_second": len(out) / seconds,
-                "first_seconds": first,
+                "decode_seconds_all": timed[m],
+                "decode_tokens_per_second": len(answers[m]) / seconds,
+                "first_seconds": first[m],
                 "captured": bool(step is not None and step.graph is not None),
-                "answer": out,
+                "tokens_equal": answers[m] == answers.get("eager", answers[modes[0]]),
                 "notes": sorted(set(notes)),
             }
         )
-    for r in rows:
-        r["tokens_equal"] = r.pop("answer") == reference
     return rows
 
 
@@ -193,7 +211,7 @@ def summary(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="llama-3.1-8b", help="a shape of bench/gpu.py, or tiny")
+    ap.add_argument("--config", default="llama-3.1-8b", help="a shape of bench/gpu.py, tiny or embedded")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--lengths", default="4k,32k,128k")
@@ -202,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=parse_count, default=4096)
     ap.add_argument("--block-size", default="auto", help="tokens per block, or auto: what kvtool picks on the device")
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--modes", default=",".join(MODES), help="decode modes, in the order run")
+    ap.add_argument("--rounds", type=int, default=1, help="times each mode answers, interleaved (the best is kept)")
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args(argv)
     import torch

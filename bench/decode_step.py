@@ -133,7 +133,7 @@ def kvtool_rows(model, device, policy: str, length: int, args) -> list[dict]:
             timed[m].append(seconds)
     rows = []
     for m in modes:
-        step, seconds = engines[m].decode, min(timed[m])
+        step, seconds = engines[m].decode_step_of(cache), min(timed[m])
         rows.append(
             {
                 "row": f"kvtool:{policy}",

@@ -73,8 +73,8 @@ def decode(
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_step_decodes_what_the_block_path_decodes(family, policy):
     want, want_kept, _, _, _ = decode(family, policy, "blocks")
-    got, got_kept, engine, _, _ = decode(family, policy, "eager")
-    assert engine.decode is not None  # the fixed step ran (not a fallback)
+    got, got_kept, engine, cache, _ = decode(family, policy, "eager")
+    assert engine.decode_step_of(cache) is not None  # the fixed step ran (not a fallback)
     assert len(want) == NEW and len(want_kept) >= 3  # evictions inside the answer
     assert got == want
     assert got_kept == want_kept
@@ -87,7 +87,7 @@ def test_compact_positions_and_a_switch_inside_the_answer(positions):
     the block path takes, the fixed step resuming from the host's counters."""
     want = decode("llama3", "h2o", "blocks", new=90, positions=positions, max_positions=128)
     got = decode("llama3", "h2o", "eager", new=90, positions=positions, max_positions=128)
-    assert got[3].compact and got[2].decode is not None
+    assert got[3].compact and got[2].decode_step_of(got[3]) is not None
     assert got[0] == want[0]
     assert got[1] == want[1]
     assert [g.rotary[:, : g.length].tolist() for g in got[3].groups()] == [
@@ -194,7 +194,7 @@ def test_one_step_syncs_nothing_and_allocates_no_cache_state(family, policy):
     positions and policy state are written only in place, by ``index_copy_`` at the fill slot (and H2O's
     ``add_``); and the cache keeps its storages (no buffer is replaced)."""
     _, _, engine, cache, _ = decode(family, policy, "eager", new=20)
-    step = engine.decode
+    step = engine.decode_step_of(cache)
     assert step is not None
     names = {b.data.untyped_storage().data_ptr(): name for g in cache.groups() for name, b in g.buffers.items.items()}
     before = [t.data_ptr() for t in step.buffers()]
@@ -237,7 +237,7 @@ def test_an_unsupported_configuration_decodes_through_the_block_path():
     cache = engine.new_cache()
     logits = engine.feed(cache, [torch.arange(40) % VOCAB], progress=False)
     engine.generate(cache, logits, 20, set(), Chooser(20, "cpu", temperature=1.0, seed=1))
-    assert engine.decode is None
+    assert engine.decode_step_of(cache) is None
     assert not [n for n in notes if isinstance(n, Note)]  # a CPU decodes eagerly either way: nothing to say
 
 
@@ -252,7 +252,7 @@ def test_cuda_the_captured_step_is_the_eager_step(policy):
     every eviction (the same kernels, so exactly), and the step was captured."""
     eager = decode("llama3", policy, "eager", new=256, device="cuda", dtype=torch.bfloat16)
     captured = decode("llama3", policy, "capture", new=256, device="cuda", dtype=torch.bfloat16)
-    step = captured[2].decode
+    step = captured[2].decode_step_of(captured[3])
     assert step is not None and step.graph is not None and step.failure is None
     assert len(eager[1]) >= 10
     assert captured[0] == eager[0]
@@ -275,3 +275,21 @@ def test_the_decode_bench_runs_every_row_on_a_tiny_shape(tmp_path):
     assert all(r["decode_tokens_per_second"] > 0 for r in rows.values())
     assert all(rows["kvtool:sink", m]["tokens_equal"] for m in ("capture", "eager", "blocks"))
     assert "kvtool:sink capture / transformers at 256" in doc["summary"]
+
+
+def test_a_cache_and_its_step_are_freed_with_the_last_use_of_the_cache():
+    """The engine keeps a step per live cache only: dropping the cache frees it, its K/V and its step at once
+    (reference counting, no cycle), so the memory plan's one cache holds across documents."""
+    import gc
+    import weakref
+
+    _, _, engine, cache, _ = decode("llama3", "sink", "eager", new=20)
+    step = engine.decode_step_of(cache)
+    assert step is not None
+    refs = [weakref.ref(cache), weakref.ref(step), weakref.ref(cache.groups()[0].buffers.items["keys"].data)]
+    gc.disable()  # freed by reference counting alone: a cycle would wait for the collector
+    try:
+        del cache, step
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()

@@ -29,6 +29,7 @@ eager and, on an accelerator, the engine says why in a note.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -85,9 +86,15 @@ class StepLayer(CacheLayerMixin):
 
     def __init__(self, step: DecodeStep, layer_idx: int) -> None:
         super().__init__()
-        self.step = step
+        self._step = weakref.ref(step)  # weak: the step holds its cache's layers, a strong one would be a cycle
         self.layer_idx = layer_idx
         self.is_initialized = True
+
+    @property
+    def step(self) -> DecodeStep:
+        step = self._step()
+        assert step is not None, "a decode step's cache used after the step was freed"
+        return step
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass
@@ -127,7 +134,9 @@ class DecodeStep:
     ) -> None:
         self.model = model
         self.keyword = keyword  # the name the model's forward takes its cache by
-        self.cache = cache
+        # weak, like every reference kvtool keeps to a cache: the engine keeps a step per live cache only
+        # (``Engine.decode_step_of``), so a document's cache, its K/V and its graph go with its last use
+        self._cache = weakref.ref(cache)
         self.device = cache.device
         dev, long = cache.device, torch.long
         self.groups: list[HeadGroup] = [layer.groups[0] for layer in cache.layers]  # type: ignore[attr-defined]
@@ -153,6 +162,12 @@ class DecodeStep:
         self.capture = capture and dev.type == "cuda"
         self.graph: Any = None  # torch.cuda.CUDAGraph once captured
         self.signature = self.key(cache, choose, eos)
+
+    @property
+    def cache(self) -> BoundedCache:
+        cache = self._cache()
+        assert cache is not None, "a decode step used after its cache was freed"
+        return cache
 
     # -- identity: the buffers a capture holds the addresses of ------------------------------------------
     @staticmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -147,7 +148,9 @@ class Engine:
         self.layer_specs = [policy.layer_groups(i, self.env) if w is None else window_specs(w, self.env)
                             for i, w in enumerate(self.windows[: self.env.num_layers])]
         self._check_capacities()
-        self.decode: DecodeStep | None = None  # the fixed-shape step and its graph, while its buffers stay
+        # the fixed-shape decode step (and its graph) of each live cache: weak keys, and a step holds its cache
+        # weakly, so a cache's buffers and graph are freed with its last use (the memory plan counts one cache)
+        self._decode_steps: weakref.WeakKeyDictionary[BoundedCache, DecodeStep] = weakref.WeakKeyDictionary()
         self._noted: set[str] = set()  # why decoding was eager, said once per engine
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -476,12 +479,16 @@ class Engine:
             if self.device.type != "cpu":
                 self._note(f"decode: eager block path ({why})")
             return None
-        step = self.decode
+        step = self._decode_steps.get(cache)
         if step is None or step.signature != DecodeStep.key(cache, choose, eos):
-            step = self.decode = DecodeStep(self.model, self.cache_keyword, cache, choose, eos,
+            step = self._decode_steps[cache] = DecodeStep(self.model, self.cache_keyword, cache, choose, eos,
                                             capture=self.config.decode_step == "capture")
         step.adopt(choose)
         return step
+
+    def decode_step_of(self, cache: BoundedCache) -> DecodeStep | None:
+        """The fixed-shape step ``cache`` decoded with last (None: none yet, or the block path)."""
+        return self._decode_steps.get(cache)
 
     def _note(self, message: str) -> None:
         if message not in self._noted:

@@ -150,8 +150,9 @@ class DecodeStep:
         self.slot_ids = torch.arange(max(self.slots), device=dev)
         self.valid = [torch.zeros(n, dtype=torch.bool, device=dev) for n in self.slots]
         self.scratch_valid = [torch.zeros(n, dtype=torch.bool, device=dev) for n in self.slots]
-        width = [-(-n // 16) * 16 for n in self.slots]  # rows 16-aligned: CUDA's efficient kernel takes them as is
-        self.masks = [torch.zeros(w, dtype=cache.dtype, device=dev)[:n] for w, n in zip(width, self.slots, strict=True)]
+        # SDPA's additive masks [1, slots], in the queries' dtype, the row 16 elements wide (then sliced): CUDA's
+        # memory-efficient kernel takes them without a padded copy (as core/attention.py's folded masks)
+        self.masks = [torch.zeros(1, -(-n // 16) * 16, dtype=cache.dtype, device=dev)[:, :n] for n in self.slots]
         self.new_state = [torch.zeros(len(g.state_fields), g.num_heads, 1, device=dev) for g in self.groups]
         self.mask4d = torch.zeros(1, 1, 1, 1, dtype=cache.dtype, device=dev)  # transformers builds no mask
         self.step_cache = StepCache(self, len(self.groups))
@@ -327,7 +328,7 @@ class DecodeStep:
         if softcap is None and not observe and g.mass is None:
             mask = self.masks[i].zero_().masked_fill_(~valid, float("-inf"))
             out = F.scaled_dot_product_attention(
-                q.reshape(1, h, qk, d), keys, values, attn_mask=mask.view(1, 1, 1, -1), scale=scaling
+                q.reshape(1, h, qk, d), keys, values, attn_mask=mask, scale=scaling
             )
         else:
             probs = self._probs(q, keys, valid, scaling, softcap, h, qk, d)

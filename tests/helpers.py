@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -570,3 +572,24 @@ class WordTokenizer:
         if return_offsets_mapping:
             out["offset_mapping"] = spans
         return out
+
+
+# -- measured memory ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tensor_peak() -> Iterator[dict[str, int]]:
+    """The peak of CPU tensor bytes allocated while the block runs, above what was allocated when it began: every
+    allocation and free of torch's CPU allocator, as its profiler reports them in order (a measurement, inside
+    every op included, not a sum of sizes). Yields a dict that holds ``peak`` and ``end`` once the block is done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, int] = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield out
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    out.update(peak=peak, end=live)

@@ -723,3 +723,18 @@ def test_model_range_reads_the_text_models_range() -> None:
         model=SimpleNamespace(config=transformers.Gemma3Config(text_config={"max_position_embeddings": 4096}))
     )
     assert model_range(multimodal) == 4096
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_chunked_dense_reference_equals_one_forward(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 2 · DENSE_CHUNK tokens the dense reference is transformers' chunked prefill into its DynamicCache:
+    the same logits as one forward, sliding-window layers (Gemma 3, window 16 < chunk) included."""
+    from kvtool.eval import ppl
+    from tests.helpers import tiny_family
+
+    model = tiny_family(family, window=16)
+    ids = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(3))
+    whole = dense_logits(model, ids, 20)
+    for chunk in (24, 50):  # the kept rows inside one chunk, and spread over two
+        monkeypatch.setattr(ppl, "DENSE_CHUNK", chunk)
+        torch.testing.assert_close(dense_logits(model, ids, 20), whole, atol=1e-5, rtol=1e-5)

@@ -256,7 +256,7 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     import json
 
     from kvtool.cli.app import main
-    from kvtool.runtime.budget import budget_tokens_from_bytes
+    from kvtool.core.costs import CacheCosts
     from tests.helpers import tiny_family_checkpoint
 
     model_dir = tiny_family_checkpoint(tmp_path / "gemma3", "gemma3")
@@ -289,7 +289,7 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     p = json.loads(out)
     # recall off: the whole byte budget is kept tokens (with recall on it holds the recalled ones too)
     tokens = 24 * 1024 // 256 - 2 * (FAMILY_WINDOW - 1)  # 2 sliding layers need only W - 1 tokens; 1 global layer
-    assert p["budget_tokens"] == tokens == budget_tokens_from_bytes(24 * 1024, 3, 2, 16, 4, 2, FAMILY_WINDOW)
+    assert p["budget_tokens"] == tokens == CacheCosts(3, 2, 16, 4, "auto", 2, FAMILY_WINDOW).budget_tokens(24 * 1024)
     kinds = p["kv_bytes_at_budget"]["by_layer_kind"]
     assert kinds["global"]["promised"] == tokens * 256 and kinds["sliding"]["promised"] == 2 * 23 * 256
     assert kinds["global"]["promised"] + kinds["sliding"]["promised"] <= 24 * 1024  # the byte budget holds
@@ -314,9 +314,9 @@ def test_profile_and_stats_split_kv_bytes_by_layer_kind(tmp_path, capsys):
     )
     out, err = capsys.readouterr()
     assert code == 0, err
-    # the global layer's slots only, as the ask below: K+V (256 bytes a token) and h2o's one float32 of state per
-    # KV head (2 heads), none in the sliding layers
-    assert json.loads(out)["recall_slots_bytes"] == 24 * (256 + 2 * 4)
+    # the global layer's slots only, as the ask below: K+V (256 bytes a token), two int64 positions and h2o's one
+    # float32 of state per KV head (2 heads), none in the sliding layers
+    assert json.loads(out)["recall_slots_bytes"] == 24 * (256 + 2 * (16 + 4))
 
     code = main(
         [

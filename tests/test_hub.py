@@ -289,7 +289,7 @@ def test_the_config_checks_apply_to_an_id(offline_cache: Path, src: Path, tmp_pa
     (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -3}))
     hf_cache_layout(offline_cache, "acme/bad-dims", bad, MAIN)
     code, _, err = _cli(capsys, "ask", doc, "q", "--model", "acme/bad-dims", *TINY)
-    assert code == 2 and "num_hidden_layers must be a positive integer" in err and err.count("\n") == 1
+    assert code == 2 and "num_hidden_layers must be >= 1: got -3" in err and err.count("\n") == 1
 
 
 # -- kvtool profile --model ID: from the cached config alone ----------------------------------------------------

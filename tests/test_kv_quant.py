@@ -395,14 +395,13 @@ def test_compact_repacks_do_not_drift(monkeypatch):
 
 # -- budget -----------------------------------------------------------------------------------------
 def test_byte_budget_holds_twice_the_tokens_of_bfloat16_in_int8():
-    from kvtool.config import kv_token_head_bytes
-    from kvtool.runtime.budget import budget_tokens_from_bytes
+    from kvtool.core.costs import CacheCosts
 
     dims = (30, 3, 64)  # SmolLM2-135M: layers, KV heads, head dim
     nbytes = 64 * 2**20
 
     def tokens(kv: str, compute: int = 4) -> int:
-        return budget_tokens_from_bytes(nbytes, *dims, compute, token_head_bytes=kv_token_head_bytes(kv, 64, compute))
+        return CacheCosts(*dims, compute, kv).budget_tokens(nbytes)
 
     bf16, fp32, int8, int4 = tokens("bfloat16"), tokens("float32"), tokens("int8"), tokens("int4")
     per_scale = 64 / 66  # the float16 scale per token and head

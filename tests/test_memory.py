@@ -10,24 +10,22 @@ from typing import Any
 import pytest
 import torch
 
+from kvtool.core.costs import dtype_bytes
 from kvtool.runtime.memory import (
     activation_bytes,
     attention_scratch_bytes,
     dense_max_tokens,
     dense_peak,
     dims_from_config,
-    dtype_bytes,
     embedding_params,
     format_bytes,
-    kv_bytes_at_budget,
-    kv_bytes_per_token,
     largest_budget,
     llama_param_count,
-    policy_state_bytes,
     predict_peak,
     sdpa_scratch_bytes,
     weights_bytes,
 )
+from kvtool.runtime.memory_cache import kv_bytes_at_budget, kv_bytes_per_token, policy_state_bytes
 from tests.test_profile import tiny_dir  # noqa: F401 (the tiny checkpoint fixture)
 
 # A tiny GQA model: 2 layers, 4 query heads sharing 2 KV heads of 8 dims.
@@ -157,7 +155,12 @@ def test_predict_peak_sums_components() -> None:
     assert p["attention_scratch_bytes"] == 1344 and p["policy_state_bytes"] == 448
     # snapshot: 10 tokens x (K+V 2 x 8 x 2 B + two int64 positions + two float32 fields) x 2 heads x 2 layers
     assert p["snapshot_bytes"] == 10 * (32 + 16 + 8) * 2 * 2 == 2240
-    assert p["predicted_peak_bytes"] == 20_000 + 1792 + 1344 + 2688 + 448 + 3472 + 2240 + 5
+    # two int64 positions per slot: 14 slots x 2 KV heads x 2 layers
+    assert p["positions_bytes"] == 16 * 14 * 2 * 2 == 896
+    # an eviction: per layer 2 KV heads x the larger of scoring 14 slots (48 B each) and copying 10 kept keys
+    # (16 B) with their two int64 indices; both layers at once (one chunk), and a few small tensors
+    assert p["eviction_scratch_bytes"] == 2 * 2 * max(14 * 48, 10 * (16 + 16)) + 4096 == 6784
+    assert p["predicted_peak_bytes"] == 20_000 + 1792 + 1344 + 2688 + 448 + 896 + 6784 + 3472 + 2240 + 5
 
 
 def test_largest_budget_consistent_and_monotonic() -> None:
@@ -308,8 +311,8 @@ def test_plan_counts_original_keys_in_allocation_peak_and_budget_search() -> Non
 
 
 def test_profile_measured_allocation_matches_plan_bf16_compact(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_dir: Path
-) -> None:  # noqa: F811
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tiny_dir: Path  # noqa: F811 (the fixture, by name)
+) -> None:
     """``kvtool profile --doc`` with a bf16 cache at compact positions: the real buffers (the original keys'
     copy included) are exactly the plan's allocated K/V, which counts the copy."""
     from tests.test_profile import _run, _tiny_doc

@@ -214,7 +214,10 @@ def test_load_tiny_checkpoint(tiny_dir: Path) -> None:
     # The tiny tokenizer has no template of its own: a base model, asked with a plain prompt (no chat markup).
     assert not loaded.tokenizer.chat_template
     assert prompt.document_prefix(loaded.tokenizer) == ""
-    assert prompt.question_suffix(loaded.tokenizer, "hello world") == "\n\nQuestion: hello world\nAnswer:"
+    # the question stays a piece of its own (data, never template text)
+    assert prompt.question_suffix(loaded.tokenizer, "hello world") == prompt.Rendered(
+        ("\n\nQuestion: ", "hello world", "\nAnswer:")
+    )
     ids = loaded.tokenizer("hello world", return_tensors="pt").input_ids
     with torch.no_grad():
         assert loaded.model(ids).logits.shape == (1, ids.shape[1], 32)

@@ -12,6 +12,7 @@ import torch
 from kvtool.cli.app import main
 from kvtool.errors import UsageError
 from kvtool.runtime import prompt
+from kvtool.runtime.tokens import encode_text
 from tests.helpers import strip_chat_template, tiny_checkpoint, tiny_tokenizer
 
 TEXT = "The cache is small and the pass key is 12345. Hello world, the cache is small."
@@ -106,11 +107,11 @@ def test_a_base_model_is_asked_with_a_plain_prompt(base_dir: Path, tmp_path: Pat
     tok = session.tokenizer
     assert prompt.document_prefix(tok) == ""  # the tiny tokenizer puts no start-of-text token first
     suffix = prompt.question_suffix(tok, "What is the pass key?")
-    assert suffix == "\n\nQuestion: What is the pass key?\nAnswer:"
+    assert suffix == prompt.Rendered(("\n\nQuestion: ", "What is the pass key?", "\nAnswer:"))  # the question apart
     answer = _ask(session, doc)
-    expected = _greedy(session.model, prompt.encode(tok, TEXT) + prompt.encode(tok, suffix), 8, session.eos)
+    expected = _greedy(session.model, encode_text(tok, TEXT) + prompt.encode(tok, suffix), 8, session.eos)
     assert answer.ids == expected
-    assert prompt.summary_suffix(tok, "short") == "\n\nSummary of the text above, in two or three sentences:"
+    assert prompt.summary_suffix(tok, "short").text == "\n\nSummary of the text above, in two or three sentences:"
 
 
 def test_a_base_models_prompt_starts_with_the_start_token_its_tokenizer_adds() -> None:

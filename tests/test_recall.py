@@ -745,8 +745,8 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     assert "recall_tokens" not in p and r["recall_tokens"] == 24
     heads = r["kv_bytes_per_token"]["per_layer"] // r["kv_bytes_per_token"]["per_layer_per_head"]
     layers = per_token // r["kv_bytes_per_token"]["per_layer"]
-    # budget + recall + block per head: K and V, and the policy's state (h2o: one float32 field)
-    assert r["recall_slots_bytes"] == 24 * (per_token + 4 * heads * layers)
+    # budget + recall + block per head: K and V, two int64 positions, and the policy's state (h2o: one float32 field)
+    assert r["recall_slots_bytes"] == 24 * (per_token + (16 + 4) * heads * layers)
     assert r["recall_kv_bytes"] == 24 * per_token
 
     def peak(plan):  # the runtime baseline is a measured RSS: it differs between the two runs
@@ -761,7 +761,18 @@ def test_profile_plans_the_recall_slots(kvenv, tmp_path, capsys, monkeypatch):
     # archive has its temporaries
     seen = sum(r[k] - p[k] for k in ("attention_scratch_bytes", "sdpa_scratch_bytes"))
     assert seen > 0 and r["recall_scratch_bytes"] > 0
-    assert peak(r) - peak(p) == r["recall_slots_bytes"] + rotated + seen + r["recall_scratch_bytes"]
+    # a recalling layer evicts alone, over its recalled slots too; making room holds the old keys a moment; the
+    # archive's appends have their buffers
+    evict = r["eviction_scratch_bytes"] - p["eviction_scratch_bytes"]
+    assert peak(r) - peak(p) == (
+        r["recall_slots_bytes"]
+        + rotated
+        + seen
+        + r["recall_scratch_bytes"]
+        + evict
+        + r["recall_growth_bytes"]
+        + r["archive_work_bytes"]
+    )
     assert r["archive_bytes_per_evicted_token"]["file"] == per_token  # the model's dtype
     rc, default, err = run_cli(capsys, *args)  # recall auto: 256 slots, an int8 archive
     assert rc == 0, err

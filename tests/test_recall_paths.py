@@ -402,8 +402,7 @@ def test_a_byte_budget_holds_the_kept_and_the_recalled_tokens(dims, kv_dtype, re
     """Oracle by hand: K+V of the kept tokens (every layer; a sliding layer holds min(W - 1, kept)) plus int4's
     window, plus K+V of the recalled ones (global layers only), fit the bytes — and one more kept token would
     not. ``auto`` recalls at most half of what the bytes hold."""
-    from kvtool.config import kv_token_head_bytes, kv_window_bytes
-    from kvtool.runtime.budget import budget_tokens_for
+    from kvtool.core.costs import CacheCosts, kv_token_head_bytes, kv_window_bytes
     from kvtool.runtime.profiling import ModelInfo, plan
     from kvtool.runtime.settings import resolve_settings
 
@@ -419,7 +418,7 @@ def test_a_byte_budget_holds_the_kept_and_the_recalled_tokens(dims, kv_dtype, re
     for text, nbytes in (("100KiB", 100 << 10), ("200KiB", 200 << 10), ("1MiB", 1 << 20)):
         p = plan(info, resolve_settings(None, {"budget": text, "recall": recall_setting, "kv_dtype": kv_dtype}))
         kept, recalled = p["budget_tokens"], p["recall_tokens"]
-        whole = budget_tokens_for(nbytes, dims, 4, kv_dtype)
+        whole = CacheCosts.of(dims, 4, kv_dtype).budget_tokens(nbytes)
         assert recalled == (min(256, whole // 2) if recall_setting == "auto" else 40)
         assert held(kept, recalled) <= nbytes < held(kept + 1, recalled), text
         assert p["recall_kv_bytes"] == glob * recalled * per
@@ -504,10 +503,10 @@ def test_a_session_with_a_byte_budget_holds_kept_and_recalled_tokens_inside_it(t
 def test_a_kvc_budget_in_bytes_matches_with_the_recall_it_was_split_for():
     """A ``.kvc`` prefilled with a byte budget and recall stores the kept tokens; the same bytes spelled
     another way still name it (converted with the archive's recall inside them), other bytes do not."""
+    from kvtool.core.costs import CacheCosts
     from kvtool.runtime import store
-    from kvtool.runtime.budget import budget_with_recall
 
-    kept, recalled = budget_with_recall(100 << 10, HAND, 4, "auto", 256, auto=True)
+    kept, recalled = CacheCosts.of(HAND, 4).kept_and_recalled(100 << 10, 256, auto=True)
     stored = {"budget_tokens": kept, "budget": "100KiB", "dtype": "float32", "kv_dtype": "auto"}
     meta = {"model": {"dims": HAND}, "archive": {"recall": recalled}}
     assert store._same_budget("102400B", stored, meta)

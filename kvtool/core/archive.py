@@ -402,8 +402,9 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     pages, done = -(-(lead + n) // P), (lead + n) // P  # pages the keys touch, and complete
     counts = (n, n, n, done)  # the parts: key rows, value rows, positions, completed pages' summaries
     at = a0._offsets(counts)  # the same layout in every layer's row of ``packed``
-    stride = -(-(at[3] + (n // P + 1) * a0.summaries.row_bytes) // ALIGN) * ALIGN  # the most an append of n needs
-    packed = work.get("packed", (L, stride), torch.uint8, device)
+    most = -(-(at[3] + (n // P + 1) * a0.summaries.row_bytes) // ALIGN) * ALIGN  # the most an append of n needs
+    stride = at[-1]  # rows packed back to back: the staging copy below is of one contiguous range on both sides
+    packed = work.get("packed", (L * most,), torch.uint8, device)[: L * stride].view(L, stride)  # sized for the most
     pb = a0.part_bytes
     _write_rows(a0.dtype, packed[:, at[0] : at[0] + n * pb].view(L, n, pb), packed[:, at[1] : at[1] + n * pb].view(
         L, n, pb), keys.detach(), values.detach(), work)
@@ -421,7 +422,9 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
         a0._stage(packed[0], counts, at[-1])
         return
     staging, event = a0.stack_staging(L * stride, device)
-    staging.view(L, stride)[:, : at[-1]].copy_(packed[:, : at[-1]], non_blocking=device.type == "cuda")
+    # both sides contiguous: a device-to-pinned copy of a strided tensor would go through a pageable temporary
+    # (a hidden host sync each block), and a strided copy on the host walks row by row
+    staging.copy_(packed.view(L * stride), non_blocking=device.type == "cuda")
     if event is not None:
         event.record(torch.cuda.current_stream(device))
     for layer, a in enumerate(archives):

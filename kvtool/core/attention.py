@@ -12,6 +12,12 @@ appended the block's keys/values. For each head group of the layer it
 3. hands them to the layer, which lets the policy score and evicts down to capacity — right away,
    so at most one layer's probabilities exist at a time.
 
+A policy that reads its rows' probabilities only summed (``rows_summed``: H2O, SnapKV's window) gets, on a cache
+whose ``two_pass`` is set (a CUDA cache where Triton imports), the output and those column sums from two passes
+that never hold a probability matrix (``core/column_sums.py``: a forward that returns each row's log-sum-exp,
+then a key-major sum of ``exp(q·k·scale − lse)``); blocks under ``column_sums.MIN_ROWS`` rows, softcapped layers
+and RazorAttention's compensated groups keep the explicit path.
+
 SDPA gets no ``enable_gqa``: the query heads that share a KV head are folded into the query length
 (``[1, kv_heads, q_per_kv · m, d]``) and the mask is repeated along the folded axis, as an additive
 mask in the queries' dtype whose rows are 16-element aligned. On CUDA, masked GQA (``enable_gqa`` with
@@ -42,7 +48,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kvtool.config import probs_chunk_rows
+from kvtool.core import column_sums
 from kvtool.core.cache import BoundedCache, BoundedLayer, HeadGroup
+from kvtool.core.column_sums import MIN_ROWS, Visibility
 from kvtool.errors import UsageError
 
 NAME = "kvtool"
@@ -247,6 +255,32 @@ def _explicit_chunked(cache: BoundedCache, g: HeadGroup, q: Tensor, k: Tensor, v
     return out, sums
 
 
+def _two_pass(cache: BoundedCache, g: HeadGroup, q: Tensor, k: Tensor, v: Tensor, scaling: float,
+              rows: int) -> tuple[Tensor, Tensor]:
+    """The block's output and the column sums of its last ``rows`` query rows ([h, 1, n]) without the probability
+    matrix (``core/column_sums.py``): the forward returns each row's log-sum-exp, then a key-major pass sums
+    ``exp(q·k·scale − lse)``. ``cache.two_pass``: ``"triton"`` (the kernels; a CUDA cache) or ``"torch"``.
+
+    Only the second pass is the statistic's cost (timed as ``probs``): the first is the block's attention."""
+    h, n, m = k.shape[1], k.shape[2], q.shape[2]
+    vis = Visibility(n - m, g.window)
+    impl = column_sums if cache.two_pass == "torch" else _kernels()
+    lse = cache.buffer("lse", torch.float32, q.shape[1], m)
+    out = impl.forward(q, k, v, scaling, vis, lse)
+    t0 = cache.timer.start()
+    sums = impl.column_sums(q, k, lse, scaling, vis, m - rows, cache.buffer("column_sums", torch.float32, h, n))
+    cache.counters.prob_rows += rows
+    cache.timer.stop("probs", t0)
+    return out, sums.unsqueeze(1)
+
+
+def _kernels() -> Any:
+    """The Triton kernels' module, imported on first use: only a cache whose ``two_pass`` is ``"triton"`` asks."""
+    from kvtool.core import column_sums_triton
+
+    return column_sums_triton
+
+
 def _reduce_gqa(p: Tensor, off: int) -> Tensor:
     """[h, q_per_kv, r, off + n] → [h, r, n]: the engine's one rule for query heads sharing a KV head (mean)."""
     return p[..., off:].mean(1)
@@ -262,6 +296,10 @@ def _attend_group(layer: BoundedLayer, g: HeadGroup, query: Tensor, scaling: flo
     policy = g.policy
     evicting = g.evicts_now(cache.lazy, cache.lazy_limit)
     rows = min(policy.query_rows(m), m) if (evicting or policy.observe_every_step) else 0
+    if rows and cache.two_pass is not None and policy.rows_summed and m >= MIN_ROWS and softcap is None and not g.off:
+        out, sums = _two_pass(cache, g, q, k, v, scaling, rows)  # no probability matrix, no mask tensor
+        layer.after_attention(g, sums)
+        return out
     bias = g.comp_bias() if g.off else None
     if g.window is not None:
         mask = _window_mask(cache, m, n, g.window, q.device)

@@ -98,8 +98,14 @@ class TokenBuffers:
         return self.items[name].data
 
     def bytes_per_slot(self) -> int:
-        return sum(b.data.numel() // max(1, b.data.shape[b.axis]) * b.data.element_size()
-                   for b in self.items.values())
+        return sum(_slot_bytes(b) for b in self.items.values())
+
+    def resize_bytes(self, slots: int) -> int:
+        """The most ``resize(slots)`` holds beyond the buffers it had (``resize_peak``): every buffer of this registry
+        or, in a stack, of every layer (the stacked tensors and each layer's own buffers)."""
+        if self.stack is not None:
+            return self.stack.resize_bytes(slots)
+        return resize_peak(self.items.values(), slots)
 
     def resize(self, slots: int, keep: int) -> None:
         """Reallocate every buffer with ``slots`` slots, keeping the first ``keep`` tokens (and leading slots).
@@ -109,6 +115,15 @@ class TokenBuffers:
             self.stack.resize(slots)
             return
         _resize(self.items.values(), slots, keep)
+        self._slots = slots
+
+    def renew(self, slots: int) -> None:
+        """Every buffer zeroed with ``slots`` slots, nothing kept (an emptied cache given back its first size); each
+        old tensor is let go before its new one is made, so the memory in use never holds both."""
+        if self.stack is not None:
+            self.stack.renew(slots)
+            return
+        _renew(self.items.values(), slots)
         self._slots = slots
 
     def write(self, start: int, values: dict[str, Tensor | float], written: Collection[str] = ()) -> int:
@@ -142,13 +157,25 @@ class TokenBuffers:
         self.gather(order, order.shape[1])
 
     def saved(self, name: str, n: int) -> Tensor:
-        """The leading slots and first ``n`` tokens of a buffer, contiguous (snapshots, ``.kvc``)."""
+        """The leading slots and first ``n`` tokens of a buffer, a view (snapshots and ``.kvc`` copy it)."""
         b = self.items[name]
-        return b.data.narrow(b.axis, 0, b.lead + n).contiguous()
+        return b.data.narrow(b.axis, 0, b.lead + n)
 
     def load(self, name: str, t: Tensor, n: int) -> None:
         b = self.items[name]
         b.data.narrow(b.axis, 0, b.lead + n).copy_(t)
+
+
+def resize_peak(buffers: Collection[TokenBuffer], slots: int) -> int:
+    """The most reallocating ``buffers`` to ``slots`` slots holds beyond what they held: they are reallocated one by
+    one, each old one freed once copied, so every buffer's growth plus, at most, the largest old buffer."""
+    sizes = [(_slot_bytes(b) * (b.lead + slots), b.data.numel() * b.data.element_size()) for b in buffers]
+    return sum(new - old for new, old in sizes) + max((old for _, old in sizes), default=0)
+
+
+def _slot_bytes(b: TokenBuffer) -> int:
+    """Bytes one slot of buffer ``b`` takes (every head, and every layer of a stacked buffer)."""
+    return b.data.numel() // max(1, b.data.shape[b.axis]) * b.data.element_size()
 
 
 def _resize(buffers: Collection[TokenBuffer], slots: int, keep: int) -> None:
@@ -162,6 +189,16 @@ def _resize(buffers: Collection[TokenBuffer], slots: int, keep: int) -> None:
         b.data = data
 
 
+def _renew(buffers: Collection[TokenBuffer], slots: int) -> None:
+    """Replace ``buffers`` with zeroed ones of ``slots`` slots, each old tensor let go first (nothing else may hold
+    it: a stack's views are dropped before)."""
+    for b in buffers:
+        shape, dtype, device = list(b.data.shape), b.data.dtype, b.data.device
+        shape[b.axis] = b.lead + slots
+        b.data = b.data.new_empty(0)
+        b.data = torch.zeros(shape, dtype=dtype, device=device)
+
+
 class LayerStack:
     """The shared buffers of ``layers`` head groups of one layout, one per layer (module docstring)."""
 
@@ -170,7 +207,7 @@ class LayerStack:
         self.slots = 0
         self.items: dict[str, TokenBuffer] = {}  # the stacked tensors: the layer axis right before the heads'
         self.views: list[TokenBuffers] = []
-        self._rows: Tensor | None = None  # [L, h, 1]: each (layer, head)'s row of a flattened stacked buffer
+        self._rows: dict[tuple[int, ...], Tensor] = {}  # [L', h, 1]: each (layer, head)'s row in a run of L' layers
 
     def registry(self, layer: int, slots: int) -> TokenBuffers:
         """Layer ``layer``'s registry (the first one sets the stack's slot count; all must agree)."""
@@ -194,37 +231,69 @@ class LayerStack:
     def _view(b: TokenBuffer, layer: int) -> TokenBuffer:
         return TokenBuffer(b.data.select(b.axis - 2, layer), b.axis - 1, b.lead)
 
+    def resize_bytes(self, slots: int) -> int:
+        """The most ``resize(slots)`` holds beyond the stack's buffers (``resize_peak``): the stacked tensors and every
+        layer's own buffers, one after the other."""
+        return resize_peak([*self.items.values(), *(b for view in self.views for b in view.own())], slots)
+
     def resize(self, slots: int) -> None:
-        """Every layer's buffers with ``slots`` slots (contents kept), the views re-pointed."""
-        _resize(self.items.values(), slots, self.slots)
-        for layer, view in enumerate(self.views):
+        """Every layer's buffers with ``slots`` slots (contents kept), the views re-pointed: one stacked tensor at a
+        time, its views re-pointed before the next, so the old one is freed once copied (the stack's largest
+        buffer, not all of them, is held twice)."""
+        for name, b in self.items.items():
+            _resize([b], slots, self.slots)
+            for layer, view in enumerate(self.views):
+                if name in view.items:
+                    view.items[name] = self._view(b, layer)
+        for view in self.views:
             _resize(view.own(), slots, self.slots)
+        self.slots = slots
+
+    def renew(self, slots: int) -> None:
+        """Every layer's buffers zeroed with ``slots`` slots (``TokenBuffers.renew``), the views re-pointed."""
+        for view in self.views:  # the layers' views hold the stacked tensors too: let them go first
+            for name in self.items:
+                if name in view.items:
+                    view.items[name] = TokenBuffer(view.items[name].data.new_empty(0), 0)
+            _renew(view.own(), slots)
+        _renew(self.items.values(), slots)
+        for layer, view in enumerate(self.views):
             for name, b in self.items.items():
                 if name in view.items:
                     view.items[name] = self._view(b, layer)
         self.slots = slots
 
-    def gather(self, keep: Tensor, n: int) -> None:
-        """Keep tokens ``keep`` [L, h, c] (indices into the first ``n`` of each layer) in every layer at once;
-        each layer's own buffers with its slice.
+    def widest_token_bytes(self, heads: int) -> int:
+        """The most bytes one token of one (layer, head) takes in a stacked buffer (the keys, or the values)."""
+        return max((b.data.numel() * b.data.element_size() // (self.layers * heads * b.data.shape[b.axis])
+                    for b in self.items.values() if b.data.numel()), default=0)
 
-        A stacked buffer is contiguous, so its (layer, head, token) axes flatten into one and the kept tokens
-        are whole rows of it: ``index_select`` copies them as rows (K/V: 64 or 128 values each), where
-        ``gather`` with an index expanded over the head dimension reads an index per element (2.5× the time
-        for K/V on a CPU). One flat index serves every buffer of the same slot count and leading slots."""
-        c = keep.shape[-1]
-        if self._rows is None or self._rows.device != keep.device:
-            self._rows = torch.arange(keep.shape[0] * keep.shape[1], device=keep.device).view(*keep.shape[:2], 1)
+    def gather(self, keep: Tensor, n: int, first: int = 0) -> None:
+        """Keep tokens ``keep`` [L', h, c] (indices into the first ``n`` of each layer) in layers ``first`` … ``first
+        + L' − 1`` at once; each layer's own buffers with its slice.
+
+        A stacked buffer is contiguous, so the (layer, head, token) axes of a run of its layers flatten into one
+        and the kept tokens are whole rows of it: ``index_select`` copies them as rows (K/V: 64 or 128 values
+        each), where ``gather`` with an index expanded over the head dimension reads an index per element (2.5×
+        the time for K/V on a CPU). One flat index serves every buffer of the same slot count and leading slots.
+        The copy of one buffer's kept rows is the only temporary, and it is gone before the next buffer's."""
+        layers, c = keep.shape[0], keep.shape[-1]
+        rows = self._rows.get(keep.shape[:2])
+        if rows is None or rows.device != keep.device:
+            rows = self._rows[keep.shape[:2]] = torch.arange(layers * keep.shape[1], device=keep.device).view(
+                *keep.shape[:2], 1)
         flat: dict[tuple[int, int], Tensor] = {}
         for b in self.items.values():
-            size, axis = b.data.shape[b.axis], b.axis
+            axis = b.axis
+            data = b.data.narrow(axis - 2, first, layers)
+            size = data.shape[axis]
             idx = flat.get((size, b.lead))
             if idx is None:  # row of (layer, head) · slots per row + leading slots + the kept token
-                idx = flat[size, b.lead] = torch.add(keep if b.lead == 0 else keep + b.lead, self._rows,
-                                                     alpha=size).view(-1)
-            rows = b.data.flatten(axis - 2, axis).index_select(axis - 2, idx)
-            b.tokens(0, c).copy_(rows.view(*b.data.shape[: axis - 2], *keep.shape, *b.data.shape[axis + 1 :]))
-        for layer, view in enumerate(self.views):
+                idx = flat[size, b.lead] = torch.add(keep if b.lead == 0 else keep + b.lead, rows, alpha=size).view(-1)
+            kept = data.flatten(axis - 2, axis).index_select(axis - 2, idx)
+            data.narrow(axis, b.lead, c).copy_(kept.view(*data.shape[: axis - 2], *keep.shape, *data.shape[axis + 1 :]))
+            del kept
+        for layer, view in enumerate(self.views[first : first + layers]):
             for b in view.own():
                 if b.data.numel():
                     b.tokens(0, c).copy_(b.tokens(0, n).gather(b.axis, b.index(keep[layer])))

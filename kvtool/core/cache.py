@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.config import batch_split
+from kvtool.core.column_sums import default_form
 from kvtool.core.contract import GroupSpec, ScoreContext
 from kvtool.core.evict import evict_step, protection_rank
 from kvtool.core.positions import CompactPositions, Rotator
@@ -220,6 +222,10 @@ class BoundedCache(Cache):
         # kernel and the probabilities are computed for the sums alone (``core/attention.py``): on a GPU, where
         # memory traffic and not the product's FLOPs is the cost; a CPU keeps the one pass that gives both
         self.fused_output = device.type == "cuda"
+        # where such a policy's block has at least ``column_sums.MIN_ROWS`` rows: the output and each row's
+        # log-sum-exp from one fused forward, then the column sums key-major (``core/column_sums.py``), no
+        # probability matrix at all; "triton" on CUDA where Triton imports, else None (the explicit path above)
+        self.two_pass: str | None = default_form(device)
         self.num_kv_heads = num_kv_heads
         self.num_attention_heads = num_attention_heads
         self.head_dim = head_dim
@@ -322,7 +328,7 @@ class BoundedCache(Cache):
         return self.protection(pos, g)[0]
 
     def protection(self, pos: Tensor, g: HeadGroup) -> tuple[Tensor, Tensor]:
-        """The protected tokens [h, n] and their priority [h, n] int64 (see ``keep_top``).
+        """The protected tokens [h, n] and their priority [h, n] (int32, or int64 past 2^28 tokens: ``keep_top``).
 
         Grades, highest kept first when protected tokens exceed a head's capacity: sinks (oldest
         first), the pinned question and recalled tokens, the recent window (engine's and the
@@ -342,7 +348,7 @@ class BoundedCache(Cache):
             at = torch.searchsorted(g.recalled, pos.contiguous()).clamp_(max=g.recalled.shape[1] - 1)
             pinned = pinned | (g.recalled.gather(1, at) == pos)
         mask = sinks | newest | pinned
-        return mask, protection_rank(pos, sinks, pinned, newest)
+        return mask, protection_rank(pos, sinks, pinned, newest, end)
 
     @property
     def lazy_limit(self) -> int:
@@ -497,12 +503,18 @@ class BoundedCache(Cache):
 
     # -- snapshots and persistence ------------------------------------------------------------------
     def state_dict(self, origin: bool = False) -> dict[str, Tensor]:
-        """Every group's persisted buffers (``origin``: with the original keys' copy, for snapshots)."""
+        """Every group's persisted buffers, contiguous copies (``origin``: with the original keys' copy)."""
         out: dict[str, Tensor] = {}
         for li, layer in enumerate(self.layers):
             for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
                 out.update(g.state_dict(f"l{li}.g{gi}", origin))
         return out
+
+    def saved_views(self, origin: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """``state_dict``'s names and tensors as views of the buffers, group by group (nothing copied)."""
+        for li, layer in enumerate(self.layers):
+            for gi, g in enumerate(layer.groups):  # type: ignore[attr-defined]
+                yield from g.saved_views(f"l{li}.g{gi}", origin)
 
     def scalars(self) -> dict[str, Any]:
         return {"seen": self.seen, **self.rope.state(), "pin_start": self.pin_start, "pin_end": self.pin_end}
@@ -524,11 +536,15 @@ class BoundedCache(Cache):
         On a GPU the copy lives in pinned host memory: it is as large as the cache, and a GPU's memory is what
         bounds the budget; a restore copies it back, once per question. ``store``: flat buffers kept from an
         earlier snapshot, written over and grown in place (the copy is then valid until the next one): a run
-        over many documents makes this, a read's largest allocation, once instead of once per document."""
+        over many documents makes this, a read's largest allocation, once instead of once per document.
+
+        Each buffer is copied straight from the cache into its storage, one at a time: on a CPU nothing else is
+        allocated; on a GPU the copy to the host makes one layer's buffer contiguous on the device first (the
+        memory plan's ``snapshot_bytes`` there)."""
         pinned = self.device.type == "cuda"
         store = {} if store is None else store
         out = {}
-        for key, t in self.state_dict(origin=True).items():
+        for key, t in self.saved_views(origin=True):
             buf = store.get(key)
             if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
                 buf = store[key] = torch.empty(t.numel(), dtype=t.dtype, device="cpu" if pinned else t.device,
@@ -540,19 +556,32 @@ class BoundedCache(Cache):
         self.load(*snap)
 
     def clear(self) -> None:
-        """Empty the cache for another document, keeping every buffer it has allocated.
+        """Empty the cache for another document: exactly a new cache's state, its first K/V buffers kept.
 
         One run over many documents then allocates its K/V buffers once (the process does not grow from
-        document to document). The empty state is restored the way a question restores the post-document
-        one, and the counters start again. The archive is the engine's to close and renew (``Engine.reuse_cache``).
+        document to document), and nothing of a document reaches the next one, whether it was answered or
+        failed anywhere (in a layer's forward, halfway through a block): the stacks' deferred evictions and
+        stashed probabilities, recall's extra capacity and slots (the K/V bytes are a new cache's again),
+        pins, positions, citation mass, counters and timings all go. Work buffers that hold no state (one
+        layer's probabilities, the archive's append buffers, the stacks' score rows) are kept at the largest
+        size a document needed: made again for every document, they made the process's RSS creep (freed and
+        re-made blocks fragment the CPU allocator's heap). The archive is the engine's to close and renew
+        (``Engine.reuse_cache``).
         """
+        for st in self.stacks:
+            st.reset()
         self.restore(self._blank)
+        self.kv_scratch = Scratch(self.dtype, self.device)  # counted in ``allocated_bytes``: sized by the slots
+        for g in self.groups():  # the slots a group started with: what recall or a long document grew goes back
+            g.stop_mass()
+            g.deferred_probs = None
+            g.scratch = self.kv_scratch
+            if g.slots != g.start_slots:
+                g.buffers.renew(g.start_slots)
         self.counters = CacheCounters()
         self.timer.reset()
         self.step = StepInfo()
         self.lazy = False
         self.query_log = None
-        for g in self.groups():
-            if g.mass is not None:
-                g.stop_mass()
         self.mass_gate = None
+        self.rope.host_reads = self.device.type == "cpu"

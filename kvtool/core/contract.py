@@ -16,6 +16,7 @@ lives in the cache next to K/V, so eviction gathers it and ``.kvc`` files save i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -149,6 +150,12 @@ class Policy:
         """Extra most-recent tokens this policy always keeps (on top of the engine's window)."""
         return 0
 
+    def score_slot_bytes(self, head_dim: int) -> int:
+        """Bytes per (KV head, stored token) that ``score``/``select`` allocate beyond one float32 score and a few
+        masks (``core/costs.py``'s ``SCORE_SLOT_BYTES``, which the engine's part of an eviction fits in): a policy
+        that works over each token's value vector says so here. The eviction's chunks and the memory plan add it."""
+        return 0
+
     def extra_protected(self, ctx: ScoreContext) -> Tensor | None:
         """Tokens this policy always keeps beyond the engine's set ([h, n] bool), e.g. VATP's first F.
 
@@ -195,8 +202,7 @@ class Policy:
         choice is not a fixed ranking (CAOTE's greedy joint eviction) override this.
         """
         assert ctx.protected is not None, "select runs only on evicting steps, which carry the protection"
-        scores = self.score(ctx).float()
-        return keep_top(scores, ctx.protected, ctx.capacity, ctx.priority)
+        return keep_top(self.score(ctx).float(), ctx.protected, ctx.capacity, ctx.priority)
 
     # -- persistence of non-per-token state -----------------------------------------------------
     def options(self) -> dict[str, Any]:
@@ -273,6 +279,13 @@ class Modifier(Policy):
     def protected_recent(self, capacity: int) -> int:
         return self.base.protected_recent(capacity)
 
+    def score_slot_bytes(self, head_dim: int) -> int:
+        return self.base.score_slot_bytes(head_dim) + self.own_slot_bytes(head_dim)
+
+    def own_slot_bytes(self, head_dim: int) -> int:
+        """This modifier's own ``score_slot_bytes``."""
+        return 0
+
     def observe(self, ctx: ScoreContext) -> None:
         self.base.observe(ctx)
 
@@ -300,22 +313,38 @@ class Modifier(Policy):
         return f"{self.base.spec}+{self.name}"
 
 
+#: what a protected token's int64 key adds to its priority: every key of an unprotected token's score is below it
+PROTECTED_KEY = 1 << 31
+
+
 def keep_top(scores: Tensor, protected: Tensor, capacity: int, priority: Tensor | None = None) -> Tensor:
     """Indices [h, capacity], ascending, of the protected tokens plus the best-scored others.
 
-    ``priority`` ([h, n] int64, distinct per head among protected tokens) orders the protected tokens
-    when more of them than ``capacity`` exist, so which are kept is defined (the same on every
-    device) rather than topk's tie-break among equal +inf keys.
+    ``priority`` ([h, n] int32 or int64, distinct per head among protected tokens) orders the protected tokens
+    when more of them than ``capacity`` exist, so which are kept is defined (the same on every device) rather
+    than topk's tie-break among equal +inf keys. Every token then gets one exact int64 key: a float32 score's
+    bits turned into an int32 of the same order (-0.0 made +0.0 first: the two tie, as floats do; nan one below
+    -inf), a protected token ``PROTECTED_KEY`` + its priority, above every score (+inf included): no float64
+    copies, and the order (ties included) of the float64 keys this replaced.
     """
-    # nan scores (e.g. 0/0) are treated as "least worth keeping", never as keep-me.
-    if priority is not None:  # float64: every finite float32 score < 1e100 ≤ any protected key
-        keyed = torch.nan_to_num(scores.double(), nan=float("-inf"), posinf=1e99)
-        forced = torch.where(protected, (priority.double() + 1.0) * 1e100, keyed)
+    if priority is None:
+        keys = torch.nan_to_num(scores.masked_fill(protected, float("inf")), nan=float("-inf"), posinf=float("inf"))
     else:
-        forced = scores.masked_fill(protected, float("inf"))
-        forced = torch.nan_to_num(forced, nan=float("-inf"), posinf=float("inf"))
-    idx = torch.topk(forced, capacity, dim=-1, sorted=False).indices
+        keys = _keyed(scores.float(), protected, priority)
+    del scores  # the caller's own copy when it handed its score over (``Policy.select``): gone before the top-k
+    idx = torch.topk(keys, capacity, dim=-1, sorted=False).indices
+    del keys
     return torch.sort(idx, dim=-1).values
+
+
+def _keyed(scores: Tensor, protected: Tensor, priority: Tensor) -> Tensor:
+    """int64 keys: a protected token's priority above every score, nan scores (e.g. 0/0) "least worth keeping",
+    never keep-me (``keep_top``)."""
+    bits = torch.nan_to_num(scores, nan=-math.inf, posinf=math.inf, neginf=-math.inf).add_(0.0).view(torch.int32)
+    bits ^= (bits >> 31) & 0x7FFFFFFF  # negative floats' bits count down: flip them to count up
+    bits -= scores.isnan().view(torch.uint8)  # nan one below -inf (the int32 keys below -inf's are free)
+    keys = priority.long().add_(PROTECTED_KEY)
+    return torch.where(protected, keys, bits, out=keys)
 
 
 def normalise(scores: Tensor, eps: float = 1e-12) -> Tensor:

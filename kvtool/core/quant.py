@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvtool.config import KV_WINDOW_TOKENS, kv_token_head_bytes
+from kvtool.config import KV_WINDOW_TOKENS
+from kvtool.core.costs import kv_token_head_bytes
 from kvtool.errors import UsageError
 
 #: a layer's RoPE rotation: keys [h, n, d] turned by [h, n] positions (``positions.Rotator.rotate``)

@@ -12,9 +12,11 @@
 
 A group holds at most ``capacity + recalled + block`` tokens per head during an answer, where
 ``recalled`` ≤ min(recall, archived tokens): its slots grow once, at the first recall, by what the
-archive can give (``HeadGroup.make_room``); ``capacity`` is raised by the recalled count for that answer
-only and lowered again by the next restore (``HeadGroup.load_state_dict``). Only global, budgeted,
-uncompensated groups archive and recall (``recallable``).
+archive can give (``HeadGroup.make_room``); ``capacity`` and the room a group may fill (``max_slots``) are
+raised by the recalled count for that answer only and lowered again by the next restore
+(``HeadGroup.load_state_dict``), so a question decodes as it would right after the read; the grown slots
+serve the document's next questions and are given back when the cache is cleared for another document
+(``BoundedCache.clear``). Only global, budgeted, uncompensated groups archive and recall (``recallable``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from torch import Tensor
 from kvtool.core.archive import GroupArchive, dropped_indices
 from kvtool.core.buffers import LayerStack, TokenBuffers
 from kvtool.core.contract import GroupSpec, Policy
+from kvtool.core.costs import slot_head_bytes
 from kvtool.core.positions import Rotator
 from kvtool.core.quant import SCALE_DTYPE, KVCodec, RecentWindow, Scratch
 from kvtool.errors import UsageError
@@ -69,15 +70,17 @@ def free_device_bytes(device: torch.device) -> int | None:
 
 
 def _check_free(g: HeadGroup, new_slots: int, recalled: int = 0) -> None:
-    need = (new_slots - g.slots) * g.buffers.bytes_per_slot()
+    """Refuse a growth to ``new_slots`` the device cannot hold: what the resize allocates (every buffer it reallocates,
+    every layer of a stack), beside the old buffers it frees only after the copy."""
+    need = g.buffers.resize_bytes(new_slots)
     free = free_device_bytes(g.device)
     if free is not None and need > free:
         if recalled:
             raise UsageError(
-                f"recalling {recalled:,} tokens per head needs {need / 2**30:.1f} GiB more, but {g.device} has "
-                f"{free / 2**30:.1f} GiB free; lower the recall", field="recall")
+                f"recalling {recalled:,} tokens per head needs {need / 2**30:.1f} GiB of new buffers, but {g.device} "
+                f"has {free / 2**30:.1f} GiB free; lower the recall", field="recall")
         raise UsageError(
-            f"the KV cache needs {need / 2**30:.1f} GiB more for {new_slots:,} tokens per head, but "
+            f"the KV cache needs {need / 2**30:.1f} GiB of new buffers for {new_slots:,} tokens per head, but "
             f"{g.device} has {free / 2**30:.1f} GiB free; lower the budget or the block size", field="budget")
 
 
@@ -119,7 +122,7 @@ class HeadGroup:
         # allocates only what the document fills (growth happens a few times per run, never per token).
         self.max_slots = None if self.capacity is None else self.capacity + block_size
         self.block_size = block_size
-        per_slot = h * (2 * self.bytes_per_token_head() + 16 + 4 * len(self.state_fields))
+        per_slot = h * slot_head_bytes(self.bytes_per_token_head(), len(self.state_fields))
         slots = 4 * block_size + block_size if self.max_slots is None else self.max_slots
         if slots * per_slot > LAZY_GROUP_BYTES:
             slots = min(slots, LAZY_START_SLOTS)
@@ -127,6 +130,7 @@ class HeadGroup:
         # the stack's probabilities this group's eviction reads, when it was left to the block's end
         self.deferred_probs: Tensor | None = None
         self.buffers = TokenBuffers(slots) if stack is None else stack[0].registry(stack[1], slots)
+        self.start_slots = slots  # what ``BoundedCache.clear`` gives back (recall and lazy growth make more)
         for name in ("keys", "values"):
             self._add_coded(name, self.off, shared=True)
         self.persisted = PERSISTED + (("key_scale", "value_scale") if codec is not None and codec.integer else ())
@@ -528,16 +532,20 @@ class HeadGroup:
 
     # -- persistence -----------------------------------------------------------------------------
     def state_dict(self, prefix: str, origin: bool = False) -> dict[str, Tensor]:
-        """The stored tokens' persisted buffers (``.kvc``); ``origin``: also the original keys' copy and its
-        scales, when the group keeps one (an in-memory snapshot: a restore then needs no rebuild)."""
+        """The stored tokens' persisted buffers (``.kvc``), each a contiguous copy; ``origin``: also the original
+        keys' copy and its scales, when the group keeps one (an in-memory snapshot: a restore then needs no rebuild)."""
+        return {key: t.clone() if t.is_contiguous() else t.contiguous() for key, t in self.saved_views(prefix, origin)}
+
+    def saved_views(self, prefix: str, origin: bool = False) -> list[tuple[str, Tensor]]:
+        """``state_dict``'s tensors as views of the buffers (valid until the cache changes): a snapshot copies each
+        into its own storage, so nothing holds a second copy of the cache while it is taken."""
         names = self.persisted + (self._coded_names("origin") if origin and "origin" in self.buffers else ())
-        out = {f"{prefix}.{name}": self.buffers.saved(name, self.length) for name in names}
+        out = [(f"{prefix}.{name}", self.buffers.saved(name, self.length)) for name in names]
         if self.recent is not None:
-            out.update({f"{prefix}.{name}": t.clone() for name, t in self.recent.state().items()})
+            out += [(f"{prefix}.{name}", t) for name, t in self.recent.state().items()]
         if self.comp_key_sum is not None and self.comp_value_sum is not None:
-            out[f"{prefix}.comp_key_sum"] = self.comp_key_sum.clone()
-            out[f"{prefix}.comp_value_sum"] = self.comp_value_sum.clone()
-            out[f"{prefix}.comp_count"] = torch.tensor([self.comp_count], dtype=torch.long)
+            out += [(f"{prefix}.comp_key_sum", self.comp_key_sum), (f"{prefix}.comp_value_sum", self.comp_value_sum),
+                    (f"{prefix}.comp_count", torch.tensor([self.comp_count], dtype=torch.long))]
         return out
 
     def _load_origin(self, tensors: dict[str, Tensor], prefix: str, n: int) -> None:
@@ -559,6 +567,7 @@ class HeadGroup:
     def load_state_dict(self, tensors: dict[str, Tensor], prefix: str) -> None:
         keys = tensors[f"{prefix}.keys"]
         self.capacity = self.base_capacity
+        self.max_slots = None if self.capacity is None else self.capacity + self.block_size  # recall's room back
         self.recalled = None
         n = keys.shape[1] - self.off
         stored = self.buffers["keys"]

@@ -3,7 +3,8 @@
 For each of K windows of N + M tokens taken at seeded offsets from one or more texts (round-robin):
 
 * **dense reference**: one plain transformers forward over the N + M tokens with ``attn_implementation="sdpa"``
-  (no kvtool cache, no eviction), keeping the logits that predict the M continuation tokens;
+  (no kvtool cache, no eviction), keeping the logits that predict the M continuation tokens; past
+  ``2 · DENSE_CHUNK`` tokens transformers' own chunked prefill (its ``DynamicCache``), the same attention;
 * **policy run** (every (policy, budget) of the grid, ``full`` included when listed): the engine feeds the N
   context tokens in blocks of ``--block-size`` (evicting after each block), then the continuation **one token
   at a time** (``Engine.step(cache, ids[i:i+1], 1)``) so eviction runs exactly as in generation. The first
@@ -21,6 +22,7 @@ tokens), so the model sees what it was trained to see at the start of a sequence
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from torch import Tensor
 
 from kvtool.errors import UsageError
@@ -113,13 +116,38 @@ def make_windows(task: WindowTask, tokenizer: Any) -> list[Window]:
 # --------------------------------------------------------------------------------------------- forward passes
 
 
+#: a window longer than twice this is read by the dense reference in chunks of this many tokens
+DENSE_CHUNK = 4096
+
+
 @torch.inference_mode()
 def dense_logits(model: torch.nn.Module, ids: Tensor, m: int) -> Tensor:
-    """Logits [m, V] predicting the last ``m`` tokens of ``ids``: one plain SDPA forward, no eviction."""
+    """Logits [m, V] predicting the last ``m`` tokens of ``ids`` with transformers' own SDPA, no eviction.
+
+    Up to ``2 · DENSE_CHUNK`` tokens: one plain forward. Longer: transformers' own chunked prefill into its
+    ``DynamicCache`` (the same attention, summed in another order), because one forward holds a T × T mask
+    and, on sliding-window layers, computes every masked score (SDPA cannot skip an explicit mask's blocks):
+    for Gemma 3 270M at 32K tokens that is ten times the work of the unmasked scores and gigabytes of mask.
+    """
     device = next(model.parameters()).device
-    # A plain forward: the engine's registered attention falls through to SDPA without its cache.
-    out = model(input_ids=ids.view(1, -1).to(device), use_cache=False, logits_to_keep=m + 1)
-    return out.logits[0, :m].float().cpu()
+    ids = ids.view(1, -1).to(device)
+    total = ids.shape[1]
+    if total <= 2 * DENSE_CHUNK:
+        # A plain forward: the engine's registered attention falls through to SDPA without its cache.
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=m + 1)
+        return out.logits[0, :m].float().cpu()
+    cache = transformers.DynamicCache(config=model.config)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    first_kept = total - (m + 1)  # the logits of positions first_kept .. total-1 are kept (as logits_to_keep=m+1)
+    rows = []
+    for start in range(0, total, DENSE_CHUNK):
+        end = min(total, start + DENSE_CHUNK)
+        keep = end - max(start, first_kept)
+        # logits_to_keep=0 would mean every row; a chunk before the kept positions computes its last only
+        out = model(input_ids=ids[:, start:end], **{keyword: cache}, use_cache=True, logits_to_keep=max(keep, 1))
+        if keep > 0:
+            rows.append(out.logits[0, -keep:].float().cpu())
+    return torch.cat(rows)[:m]
 
 
 def stream_logits(engine: Any, ids: Tensor, n_context: int) -> Tensor:
@@ -180,7 +208,8 @@ def run_ppl(task: WindowTask, reporter: Reporter) -> dict[str, Any]:
         reporter.say(f"note: context + continuation = {n + m} exceeds the model's {limit} positions; the dense "
                      "reference runs past its trained range")
     settings = {**model_settings(loaded), **task.settings(), "windows": [w.key for w in windows],
-                "reference": "dense transformers forward (sdpa, no eviction)"}
+                "reference": "dense transformers forward (sdpa, no eviction)"
+                + (f"; chunks of {DENSE_CHUNK} through its DynamicCache" if n + m > 2 * DENSE_CHUNK else "")}
     log = CellLog(task.resume, "ppl", {**settings, "identity": loaded.identity})
     dense_nll: list[float] = []
     per_run: list[list[dict[str, Any]]] = [[] for _ in runs]

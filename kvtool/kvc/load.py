@@ -61,7 +61,7 @@ def load_into(header: KvcHeader, cache: BoundedCache) -> None:
     p, meta = header.path, header.meta
     check_layout(p, meta["layout"], cache)
     tensors = load_tensors(header)
-    expected = set(cache.state_dict())
+    expected = {name for name, _ in cache.saved_views()}
     if set(tensors) != expected:
         missing = sorted(expected - set(tensors))
         raise corrupt(p, f"missing tensor {missing[0]}" if missing else "unexpected tensors")

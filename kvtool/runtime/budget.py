@@ -1,21 +1,24 @@
 """Budgets and sizes as the user writes them: ``--budget 4k`` or ``512MiB``, ``--recall``, ``--memory``.
 
 A byte budget becomes tokens per KV head only once the model's dimensions are known
-(``budget_tokens_from_bytes``); with recall on, it holds the kept and the recalled tokens together
-(``budget_with_recall``). Every count is capped so that it stays a 64-bit integer wherever torch meets it.
+(``resolve_budget_and_recall``, with ``core/costs.py``'s ``CacheCosts``: the bytes of a token); with recall on,
+it holds the kept and the recalled tokens together. Every count is capped so that it stays a 64-bit integer
+wherever torch meets it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtool.config import kv_token_head_bytes, kv_window_bytes
+from kvtool.core.costs import CacheCosts, dtype_bytes
 from kvtool.errors import UsageError, shown
 from kvtool.numbers import LIMITS, capped
+from kvtool.runtime.memory import format_bytes
+from kvtool.runtime.memory_cache import kv_bytes_at_budget
 
 
 @dataclass(frozen=True)
@@ -121,77 +124,35 @@ def parse_size(text: str | int) -> int:
     return _in_range("size", int(value * _BYTE_UNITS.get(unit, 1)), "memory", raw)
 
 
-def budget_tokens_from_bytes(nbytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                             sliding_layers: int = 0, sliding_window: int = 0,
-                             token_head_bytes: int | None = None, window_bytes: int = 0) -> int:
-    """Tokens per KV head such that K and V of every layer and KV head fit in ``nbytes``.
+def resolve_budget_and_recall(settings: Any, dims: Mapping[str, int],
+                              dtype: Any) -> tuple[int | None, int, str | None]:
+    """(kept tokens per KV head, tokens per KV head recall may add, a byte budget's conversion line) of a run's
+    ``settings`` (``runtime/settings.py``'s ``Settings``) for a model's ``dims`` and compute ``dtype``.
 
-    ``token_head_bytes``: bytes of one token's key (or value) in one head as stored (``--kv-dtype``:
-    ``config.kv_token_head_bytes``, scales included); by default ``head_dim · dtype_bytes``. So int8 holds
-    2·d/(d + 2) times the tokens of a 16-bit cache in the same bytes. ``window_bytes``: what every layer and
-    KV head holds whatever the budget (int4's full-precision window, ``config.kv_window_bytes``), taken
-    off first.
-
-    This is the budget's promise (see ``memory.kv_bytes_at_budget``), not the preallocated buffers,
-    so "--budget 2GiB" means the same thing whatever the block size. A hybrid model's sliding layers
-    hold at most ``W - 1`` tokens whatever the budget, so the bytes they do not need go to the
-    global layers: the largest ``t`` with ``global·t + sliding·min(W − 1, t) <= nbytes / token-layer``.
+    A token budget is what the cache keeps; recall's slots come on top (the plan shows them). A byte budget is the
+    memory K/V may take: kept and recalled tokens together stay inside it (``CacheCosts.kept_and_recalled``), and
+    the line says how it is split. The session and the plan resolve their budget here, both with ``CacheCosts``.
+    Policy ``full`` has no budget (None, 0, None): it evicts nothing, so nothing is recalled either.
     """
-    per_head = head_dim * dtype_bytes if token_head_bytes is None else token_head_bytes
-    per_token = 2 * num_layers * num_kv_heads * per_head
-    fixed = num_layers * num_kv_heads * window_bytes
-    if fixed and nbytes < fixed + per_token:
-        raise UsageError(f"budget of {nbytes} bytes holds no token: the full-precision window of every layer and"
-                         f" KV head takes {fixed} bytes, one token of K+V {per_token} more")
-    nbytes -= fixed
-    tokens = nbytes // per_token if per_token > 0 else 0
-    glob = num_layers - sliding_layers
-    if sliding_layers and glob > 0 and tokens > sliding_window - 1 > 0:
-        units = nbytes // (2 * num_kv_heads * per_head)  # tokens x layers that fit
-        tokens = (units - sliding_layers * (sliding_window - 1)) // glob
-    if tokens < 1:
-        raise UsageError(
-            f"budget of {nbytes} bytes holds no token: one token of K+V for all layers and KV heads"
-            f" takes {per_token} bytes"
-        )
-    return int(tokens)
-
-
-def budget_tokens_for(nbytes: int, dims: Any, compute_bytes: int, kv_dtype: str = "auto") -> int:
-    """``budget_tokens_from_bytes`` for a model's ``dims`` (``memory.DIM_KEYS``) and a ``--kv-dtype``: the
-    stored size of a token and int4's window come from ``config``."""
-    d = int(dims["head_dim"])
-    return budget_tokens_from_bytes(nbytes, int(dims["num_layers"]), int(dims["num_kv_heads"]), d, compute_bytes,
-                                    int(dims.get("sliding_layers", 0)), int(dims.get("sliding_window", 0)),
-                                    kv_token_head_bytes(kv_dtype, d, compute_bytes),
-                                    kv_window_bytes(kv_dtype, d, compute_bytes))
-
-
-def budget_with_recall(nbytes: int, dims: Any, compute_bytes: int, kv_dtype: str, recall: int,
-                       auto: bool) -> tuple[int, int]:
-    """(kept, recalled) tokens per KV head of a byte budget that must hold both.
-
-    A byte budget is what the user's memory allows K/V: the tokens the cache keeps and the ones recall adds
-    for an answer (in every global layer; sliding-window layers never recall) together stay inside it.
-    ``auto`` (``--recall auto``) recalls at most half of what the bytes hold, so a small budget still keeps
-    as many tokens as it recalls; an explicit ``--recall N`` takes its N and leaves the rest to kept tokens.
-    """
-    whole = budget_tokens_for(nbytes, dims, compute_bytes, kv_dtype)
-    recall = min(recall, whole // 2) if auto else recall
-    layers = int(dims["num_layers"]) - int(dims.get("sliding_layers", 0))
-    per_recalled = 2 * layers * int(dims["num_kv_heads"]) * kv_token_head_bytes(kv_dtype, int(dims["head_dim"]),
-                                                                                  compute_bytes)
-    if recall <= 0 or per_recalled == 0:
-        return whole, max(recall, 0)
-    left = nbytes - recall * per_recalled
-    kept = 0
-    if left > 0:
-        with contextlib.suppress(UsageError):
-            kept = budget_tokens_for(left, dims, compute_bytes, kv_dtype)
-    if kept < 1:
-        raise UsageError(f"budget of {nbytes} bytes holds {whole} tokens per KV head, and --recall {recall} takes "
-                         f"them all while answering: lower the recall or raise the budget", field="budget")
-    return kept, recall
+    if settings.policy.strip().lower() == "full":
+        return None, 0, None
+    recall = parse_recall(settings.recall)
+    b = settings.parsed_budget
+    if b.tokens is not None:
+        return b.tokens, recall, None
+    assert b.nbytes is not None
+    kv = settings.kv_dtype
+    costs = CacheCosts.of(dims, dtype_bytes(dtype), kv)
+    tokens, recall = costs.kept_and_recalled(b.nbytes, recall, settings.recall == "auto")
+    stored = str(dtype).removeprefix("torch.") if kv == "auto" else kv
+    if not recall:
+        note = f"budget {b.text} = {tokens} tokens per KV head ({costs.kv_token} bytes of K+V per token in {stored})"
+    else:
+        kept = kv_bytes_at_budget(dims, dtype, tokens, 0, kv_dtype=kv)["promised"]
+        note = (f"budget {b.text} = {tokens} tokens per KV head kept ({format_bytes(kept)}) + {recall} recalled while "
+                f"answering ({format_bytes(costs.recall_kv(recall))}; {costs.kv_token} bytes of K+V per token in "
+                f"{stored})")
+    return tokens, recall, note + sliding_note(dims)
 
 
 def sliding_note(dims: Any) -> str:

@@ -10,7 +10,7 @@ never the control token that ends a chat turn.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from kvtool.documents import Document, iter_parts
@@ -50,6 +50,24 @@ def iter_token_blocks(doc: Document, tokenizer, block_size: int, source: SourceM
     if buf:
         doc.tokens += len(buf)
         yield torch.tensor(buf, dtype=torch.long)
+
+
+def rechunk(pieces: Iterable[Tensor], size: int) -> Iterator[Tensor]:
+    """Regroup token tensors into blocks of exactly ``size`` (the last may be shorter)."""
+    import torch
+
+    buf: list[Tensor] = []
+    have = 0
+    for t in pieces:
+        buf.append(t)
+        have += t.numel()
+        while have >= size:
+            flat = torch.cat(buf)
+            yield flat[:size]
+            rest = flat[size:]
+            buf, have = ([rest] if rest.numel() else []), rest.numel()
+    if have:
+        yield torch.cat(buf)
 
 
 def _tokenize_spans(tokenizer, text: str, base: int) -> tuple[list[int], list[tuple[int, int]]]:

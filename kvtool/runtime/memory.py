@@ -1,7 +1,10 @@
-"""Memory formulas: one set shared by ``kvtool profile``, byte budgets and run statistics.
+"""Memory formulas: the plan's lines, one set shared by ``kvtool profile``, byte budgets and run statistics.
 
-Keeping every estimate here means the numbers a profile promises, the budget a "--budget 2GiB"
-turns into, and the prediction printed next to a run's measured peak cannot disagree.
+What a token, a slot, a layer and a block cost comes from ``kvtool/core/costs.py`` (the engine reads it too);
+``memory_cache.py`` prices the cache with it (K/V at a budget, positions, the snapshot, an eviction, recall's
+slots), this module the scratch of a block's forward, of recall's scoring, of coded K/V, and sums the peak
+(``predict_peak``). So the numbers a profile promises, the budget a
+"--budget 2GiB" turns into, and the prediction printed next to a run's measured peak cannot disagree.
 
 All functions work on a ``dims`` dict (see ``dims_from_config``) with the keys ``num_layers``,
 ``num_kv_heads``, ``num_attention_heads``, ``head_dim``, ``hidden_size``, ``intermediate_size`` and
@@ -16,13 +19,11 @@ Hybrid models (Gemma 2/3, Mistral and Phi-3 configs with a sliding window) add `
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtool.config import (
-    DTYPE_BYTES,
     KV_WINDOW_TOKENS,
     QUANT_BYTES_PER_PARAM,
     ROTATE_CHUNK,
@@ -31,12 +32,18 @@ from kvtool.config import (
     SCAN_CHUNK,
     SCORE_BYTES,
     batch_split,
-    dtype_name,
-    kv_token_head_bytes,
-    kv_window_bytes,
     probs_chunk_rows,
 )
-from kvtool.core.layout import layer_kinds, window_capacity
+from kvtool.core.costs import coded_kv, dtype_bytes
+from kvtool.core.layout import layer_kinds
+from kvtool.runtime.memory_cache import (
+    cache_parts,
+    kv_bytes_per_token,
+    layer_split,
+    recall_parts,
+    snapshot_bytes,
+    snapshot_copy_bytes,
+)
 
 DIM_KEYS: tuple[str, ...] = (
     "num_layers",
@@ -66,23 +73,6 @@ CUDA_RUNTIME_BYTES = 768 * 2**20
 #: held while the archive is scored (``recall_scratch_bytes``; a longer question adds its per-token share).
 PLANNED_QUESTION_TOKENS = 256
 Dims = Mapping[str, int]
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of a ``torch.dtype``, a dtype name ("bfloat16") or an int (returned as is)."""
-    if isinstance(dtype, bool):
-        raise TypeError(f"not a dtype: {dtype!r}")
-    if isinstance(dtype, int):
-        if dtype < 1:
-            raise ValueError(f"element size must be >= 1 byte: {dtype}")
-        return dtype
-    itemsize = getattr(dtype, "itemsize", None)
-    if isinstance(itemsize, int):
-        return itemsize
-    if isinstance(dtype, str):
-        with contextlib.suppress(ValueError):
-            return DTYPE_BYTES[dtype_name(dtype.lower())]
-    raise TypeError(f"not a dtype: {dtype!r}")
 
 
 def dims_from_config(config: Any) -> dict[str, int]:
@@ -118,18 +108,6 @@ def dims_from_config(config: Any) -> dict[str, int]:
     return dims
 
 
-def layer_split(dims: Dims, budget_tokens: int) -> dict[str, int]:
-    """Global and sliding layers, and the tokens per KV head each kind holds at ``budget_tokens``."""
-    sliding = int(dims.get("sliding_layers", 0))
-    window = int(dims.get("sliding_window", 0))
-    return {
-        "global_layers": dims["num_layers"] - sliding,
-        "sliding_layers": sliding,
-        "global_tokens": budget_tokens,
-        "sliding_tokens": window_capacity(window, budget_tokens) if sliding else 0,
-    }
-
-
 def llama_param_count(dims: Dims, tie_word_embeddings: bool) -> int:
     """Parameters of a Llama-style decoder (no biases, RMSNorm, gated MLP) from its ``dims``.
 
@@ -150,30 +128,8 @@ def embedding_params(dims: Dims, tie_word_embeddings: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# KV cache
+# scratch (the cache's own lines are in memory_cache.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def coded_kv(elem: Any, kv_dtype: str) -> bool:
-    """Whether ``--kv-dtype`` stores K/V in another format than the compute dtype ``elem`` (decoded to read)."""
-    if kv_dtype == "auto":
-        return False
-    if kv_dtype in ("int8", "int4"):
-        return True
-    name = None
-    with contextlib.suppress(ValueError, TypeError):
-        name = dtype_name(elem)
-    return name != kv_dtype if name is not None else DTYPE_BYTES[kv_dtype] != dtype_bytes(elem)
-
-
-def kv_bytes_per_token(dims: Dims, elem: Any, kv_dtype: str = "auto") -> dict[str, int]:
-    """Bytes of K plus V for one token: per (layer, KV head), per layer, and for the whole model.
-
-    ``kv_dtype`` (``--kv-dtype``): how the cache stores them; int8 / int4 count their float16 scales.
-    """
-    per_layer_per_head = 2 * kv_token_head_bytes(kv_dtype, dims["head_dim"], dtype_bytes(elem))
-    per_layer = per_layer_per_head * dims["num_kv_heads"]
-    return {"per_layer_per_head": per_layer_per_head, "per_layer": per_layer, "total": per_layer * dims["num_layers"]}
 
 
 def compact_positions(positions: str, max_positions: int | None = None, doc_tokens: int | None = None) -> bool:
@@ -200,46 +156,6 @@ def keeps_original_keys(elem: Any, positions: str, max_positions: int | None = N
     """
     stored = dtype_bytes(elem) if kv_dtype == "auto" else 1 if kv_dtype in ("int8", "int4") else dtype_bytes(kv_dtype)
     return stored < 4 and compact_positions(positions, max_positions, doc_tokens)
-
-
-def kv_bytes_at_budget(dims: Dims, elem: Any, budget_tokens: int, block_size: int,
-                       original_keys: bool = False, kv_dtype: str = "auto") -> dict[str, Any]:
-    """KV memory at a budget of ``budget_tokens`` per KV head.
-
-    ``promised``: what the budget guarantees after every eviction, the same for every policy
-    (per-head capacities that sum to budget x heads promise the same bytes). ``allocated``: the
-    preallocated buffers, capacity plus one block of scratch that the incoming block is appended to
-    before eviction brings the cache back to capacity. A hybrid model's sliding layers hold
-    ``min(W - 1, budget)`` tokens instead; ``by_layer_kind`` then splits both figures.
-
-    ``original_keys`` (see ``keeps_original_keys``): every buffer slot also holds the key at its
-    original position, one more key per token, so ``allocated`` is 1.5x; ``promised`` stays the
-    budget's K+V (what a byte budget buys), the copy being bookkeeping of the positions mode.
-    int4's full-precision window (``config.kv_window_bytes``) counts in both, once per layer.
-    """
-    per_layer = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer"]
-    window = kv_window_bytes(kv_dtype, dims["head_dim"], dtype_bytes(elem)) * dims["num_kv_heads"]
-    per_slot = per_layer + per_layer // 2 if original_keys else per_layer
-    s = layer_split(dims, budget_tokens)
-    glob = {"promised": s["global_layers"] * (budget_tokens * per_layer + window),
-            "allocated": s["global_layers"] * ((budget_tokens + block_size) * per_slot + window)}
-    out: dict[str, Any] = dict(glob)
-    if s["sliding_layers"]:
-        slide = {"promised": s["sliding_layers"] * (s["sliding_tokens"] * per_layer + window),
-                 "allocated": s["sliding_layers"] * ((s["sliding_tokens"] + block_size) * per_slot + window)}
-        out = {k: glob[k] + slide[k] for k in glob}
-        out["by_layer_kind"] = {"global": glob, "sliding": slide}
-    return out
-
-
-def snapshot_bytes(dims: Dims, elem: Any, tokens: int, n_fields: int, kv_dtype: str = "auto",
-                   original_keys: bool = False) -> int:
-    """A clone of ``tokens`` stored tokens per KV head: K and V as stored, int64 stream and RoPE positions,
-    float32 policy state (``BoundedCache.snapshot``); ``original_keys``: the keys' original copy too, as the
-    cache keeps it (``keeps_original_keys``), so a restore gives it back instead of rounding it again."""
-    kv = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"]
-    per_head_token = kv + (kv // 2 if original_keys else 0) + 2 * 8 + 4 * n_fields
-    return tokens * per_head_token * dims["num_kv_heads"] * dims["num_layers"]
 
 
 def attention_scratch_bytes(dims: Dims, block: int, budget: int, rows: int, rows_summed: bool = False) -> int:
@@ -332,24 +248,6 @@ def rotation_scratch_bytes(dims: Dims, elem: Any, tokens: int) -> int:
     return h * tokens * d * e + h * step * d * (12 + (8 if e != 4 else 0))
 
 
-def recall_slots_bytes(dims: Dims, elem: Any, recall: int, original_keys: bool = False, kv_dtype: str = "auto",
-                       n_fields: int = 0) -> int:
-    """The slots recall adds to every global layer's groups for an answer (``HeadGroup.make_room``): ``recall``
-    tokens per KV head of K and V as stored (with the original keys' copy when the cache keeps one) and the
-    policy's float32 state. Sliding-window layers never recall."""
-    per_head = kv_bytes_per_token(dims, elem, kv_dtype)["per_layer_per_head"]
-    per_head += (per_head // 2 if original_keys else 0) + 4 * n_fields
-    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
-    return recall * per_head * dims["num_kv_heads"] * layers
-
-
-def recall_kv_bytes(dims: Dims, elem: Any, recall: int, kv_dtype: str = "auto") -> int:
-    """K+V of ``recall`` recalled tokens per KV head in every global layer: what recall adds to the budget's
-    promise (a byte budget holds it; a token budget's plan shows it)."""
-    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
-    return recall * kv_bytes_per_token(dims, elem, kv_dtype)["per_layer"] * layers
-
-
 def recall_scratch_bytes(dims: Dims, elem: Any, budget: int, page: int, question: int = PLANNED_QUESTION_TOKENS,
                          archived: int | None = None) -> int:
     """Recall's temporaries while a question scores the archive (``core/recall.py``), for ``question`` tokens.
@@ -371,14 +269,6 @@ def recall_scratch_bytes(dims: Dims, elem: Any, budget: int, page: int, question
     archive_chunk = per_token * page * max(1, min(SCAN_CHUNK, SCORE_BYTES // (per_token * page)))
     kept_chunk = per_token * max(1, min(budget, SCORE_BYTES // per_token))
     return log + queries + held + 2 * max(archive_chunk, kept_chunk)
-
-
-def policy_state_bytes(dims: Dims, budget: int, block: int, n_fields: int) -> int:
-    """Per-token float32 policy state (``Policy.state_fields``) kept next to K/V, in the same
-    capacity-plus-one-block buffers, for every KV head of every global layer (sliding layers have
-    no policy)."""
-    layers = dims["num_layers"] - int(dims.get("sliding_layers", 0))
-    return n_fields * 4 * (budget + block) * dims["num_kv_heads"] * layers
 
 
 def activation_bytes(dims: Dims, block: int, elem: Any, logits_rows: int = 1) -> int:
@@ -437,6 +327,10 @@ def predict_peak(
     recall_tokens: int = 0,
     recall_page: int = 32,
     archived_tokens: int | None = None,
+    stacked: bool = True,
+    policy_slot_bytes: int = 0,
+    question_tokens: int = PLANNED_QUESTION_TOKENS,
+    archive_dtype: str = "auto",
 ) -> dict[str, int]:
     """Predicted peak memory of a budgeted run, with every component.
 
@@ -450,24 +344,29 @@ def predict_peak(
     ``kv_dtype``: how K/V are stored (``--kv-dtype``); a coded cache adds its decode scratch.
     ``compact``: keys move to compact positions (``compact_positions``), which adds the rotation's buffers.
     ``rows_summed``: the policy reads its probabilities summed over the rows (chunked: ``attention_scratch_bytes``).
-    ``device_type``: on ``cuda`` the snapshot lives in pinned host memory (``snapshot_host_bytes``), not on the GPU.
+    ``device_type``: on ``cuda`` the snapshot lives in pinned host memory (``snapshot_host_bytes``), not on the GPU;
+    copying it there holds one layer's keys on the GPU (``snapshot_copy_bytes``).
+    ``stacked``: the policy's layers share one layout (a batchable policy of its own layout) and evict a chunk of
+    layers at once (``eviction_scratch_bytes``); ``policy_slot_bytes``: its ``Policy.score_slot_bytes``.
     ``recall_tokens``: slots recall adds per KV head during an answer (``recall_slots_bytes``), which every
     buffer sized by a group's slots grows by, and its scoring's temporaries (``recall_scratch_bytes``, pages
-    of ``recall_page``; ``archived_tokens`` per head when the document's length is known).
+    of ``recall_page``; ``archived_tokens`` per head when the document's length is known; ``question_tokens``: the
+    question's, with its chat template, when it is known, else ``PLANNED_QUESTION_TOKENS``); ``archive_dtype``: how
+    the archive stores K/V (``--archive-dtype``), which its appends' work depends on (``archive_work_bytes``).
     """
-    kv = kv_bytes_at_budget(dims, elem, budget_tokens, block_size, original_keys, kv_dtype)
     held = budget_tokens + recall_tokens  # the keys a query sees during an answer
     snapshot_tokens = budget_tokens if snapshot_tokens is None else min(snapshot_tokens, budget_tokens)
     snapshot = snapshot_bytes(dims, elem, snapshot_tokens, n_fields, kv_dtype, original_keys)
+    cache = {"kv_dtype": kv_dtype, "n_fields": n_fields, "stacked": stacked, "policy_slot_bytes": policy_slot_bytes}
     parts = {
         "weights_bytes": weights_bytes(num_params, elem, quantize, unquantized_params),
-        "kv_promised_bytes": kv["promised"],
-        "kv_allocated_bytes": kv["allocated"],
+        **cache_parts(dims, elem, budget_tokens, block_size, original_keys=original_keys, recall=recall_tokens,
+                      **cache),
         "attention_scratch_bytes": attention_scratch_bytes(dims, block_size, held, rows, rows_summed),
         "sdpa_scratch_bytes": sdpa_scratch_bytes(dims, block_size, held, elem),
-        "policy_state_bytes": policy_state_bytes(dims, budget_tokens, block_size, n_fields),
         "activation_bytes": activation_bytes(dims, block_size, elem),
-        "snapshot_bytes": 0 if device_type == "cuda" else snapshot,
+        "snapshot_bytes": snapshot_copy_bytes(dims, elem, snapshot_tokens, kv_dtype) if device_type == "cuda"
+        else snapshot,
         "runtime_baseline_bytes": runtime_baseline_bytes,
     }
     if device_type == "cpu" and (rows or dims.get("softcap")):  # explicit probabilities on a CPU
@@ -478,9 +377,10 @@ def predict_peak(
     if compact:  # a group holding its recalled tokens is re-packed whole
         parts["rotation_scratch_bytes"] = rotation_scratch_bytes(dims, elem, held + block_size)
     if recall_tokens:
-        parts["recall_slots_bytes"] = recall_slots_bytes(dims, elem, recall_tokens, original_keys, kv_dtype, n_fields)
+        parts.update(recall_parts(dims, elem, budget_tokens, block_size, recall_tokens, original_keys=original_keys,
+                                  page=recall_page, archive_dtype=archive_dtype, **cache))
         parts["recall_scratch_bytes"] = recall_scratch_bytes(dims, elem, budget_tokens, recall_page,
-                                                             archived=archived_tokens)
+                                                             question_tokens, archived_tokens)
     # The promise is contained in the allocation, so it is not added twice.
     parts["predicted_peak_bytes"] = sum(v for k, v in parts.items() if k != "kv_promised_bytes")
     if device_type == "cuda":  # host memory: reported beside the peak, not in it
@@ -500,16 +400,26 @@ def dense_peak(
 ) -> int:
     """Peak of plain transformers reading ``n_tokens`` in one prefill pass with a growing cache.
 
-    Weights + KV for every token + activations for all ``n_tokens`` at once (same constants as
+    Weights + KV for every token (a sliding-window layer's window: ``dense_kv_bytes``) + activations for all
+    ``n_tokens`` at once (same constants as
     ``activation_bytes``) + one row of logits. Attention scores are not counted: without a mask,
     dense prefill gets SDPA's fused causal kernels, so this estimate is generous to dense.
     """
     return (
         weights_bytes(num_params, elem, quantize, unquantized_params)
-        + n_tokens * kv_bytes_per_token(dims, elem)["total"]
+        + dense_kv_bytes(dims, n_tokens, elem)
         + activation_bytes(dims, n_tokens, elem, logits_rows=1)
         + runtime_baseline_bytes
     )
+
+
+def dense_kv_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
+    """K/V plain transformers holds after reading ``n_tokens``: every token in a global layer, at most the
+    ``W - 1`` newest in a sliding-window layer (transformers' own cache keeps no more of them)."""
+    per_layer = kv_bytes_per_token(dims, elem)["per_layer"]
+    split = layer_split(dims, None)
+    return per_layer * (split["global_layers"] * n_tokens + split["sliding_layers"] * min(n_tokens,
+                                                                                        split["sliding_tokens"]))
 
 
 def _largest(fits: Callable[[int], bool]) -> int:

@@ -10,17 +10,25 @@ a run's statistics cannot disagree. The prediction is a sum the user can read li
                    + attention scratch           float32 probabilities the policy asked for (one layer)
                    + SDPA scratch                the block's attention call (one layer, worst case)
                    + policy state                float32 per-token score state next to K/V
+                   + positions                   two int64 positions per slot (stream and RoPE)
+                   + eviction scratch            an eviction's scores and kept-token copy (a chunk of layers)
                    + activations                 one block's hidden/MLP tensors + one row of logits
+                   + snapshot                    the post-document cache a question restores (CPU; on CUDA
+                                                 it lives in pinned host memory: one layer's copy on the GPU)
+                   (+ coded K/V's decode scratch, compact positions' rotation, recall's slots and scratch)
 
-Runtime baseline: on CPU the process RSS measured after torch/transformers/kvtool are imported and
-before the model is loaded (it is the only measured term: the Python runtime, torch's and
-transformers' code and their static data); on CUDA it is 0, because the figure compared with is the
-CUDA allocator's ``max_memory_allocated``, which knows nothing of the host process.
+The unit costs (a token, a slot, a layer, a block) come from :mod:`kvtool.core.costs`, which the engine reads too.
 
-What the formula leaves out (so the measured peak is usually a little higher on CPU): the tokenizer
-and the model's Python objects, model code that transformers imports lazily while loading, and the
-CPU allocator's and oneDNN's caches. On the embedded SmolLM2-135M this is about 10 % of the peak;
-tests check the measured peak stays within +-25 % of the prediction.
+Runtime baseline: on CPU the process RSS once the model is loaded and has run a few tokens, less the
+weights' bytes (``warm_baseline``; a plan from a config alone has none): the Python runtime, torch's and
+transformers' code and static data, the tokenizer, the model's Python objects, the math libraries'
+start-up. On CUDA it is 0, because the figure compared with is the CUDA allocator's
+``max_memory_allocated``, which knows nothing of the host process.
+
+The plan is a ceiling: ``kvtool profile --doc`` reads real documents and answers a question about each (``measure``)
+and reports the measured peak beside it; tests hold measured <= predicted <= 1.15 x measured for budgets of 1K
+and 4K, recall on and off, a ``.kvc`` load and a document read after a recalling one (tests/test_plan_measured.py:
+a tiny model's allocations tracked by torch's allocator, the embedded SmolLM2-135M's RSS).
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.archive import SUMMARY_DTYPE
+from kvtool.core.costs import dtype_bytes
 from kvtool.runtime import memory as _mem
+from kvtool.runtime import memory_cache as _cache
 from kvtool.runtime.archive_disk import archive_dir, fits
-from kvtool.runtime.budget import budget_with_recall, parse_recall, sliding_note
+from kvtool.runtime.budget import resolve_budget_and_recall
 from kvtool.runtime.settings import Settings, default_block_size
 
 
@@ -71,10 +81,12 @@ class ModelInfo:
     kv_dtype: str = "auto"  # how the cache stores K/V (``--kv-dtype``; auto: ``dtype``)
     rows_summed: bool = False  # the policy reads its probabilities summed over rows (chunked on a long block)
     block_auto: bool = False  # the session chose the block for its device (``--block-size auto``)
+    stacked: bool = True  # the policy's layers share one layout and evict a chunk of layers at once
+    policy_slot_bytes: int = 0  # its scoring's own work per (head, token) (``Policy.score_slot_bytes``)
 
     @property
     def elem(self) -> int:
-        return _mem.dtype_bytes(self.dtype)
+        return dtype_bytes(self.dtype)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -117,7 +129,15 @@ def model_info(session: Any) -> ModelInfo:
         kv_dtype=session.settings.kv_dtype,
         rows_summed=bool(policy.rows_summed),
         block_auto=session.block_auto,
+        stacked=stacks_layers(policy),
+        policy_slot_bytes=policy.score_slot_bytes(session.dims["head_dim"]),
     )
+
+
+def stacks_layers(policy: Any) -> bool:
+    """Whether the cache stacks the policy's layers (``core/stacks.py``'s ``stack_layout``): one layout in every
+    layer, scored across layers."""
+    return bool(policy.batchable) and not policy.own_layout
 
 
 def parameter_bytes(model: Any) -> tuple[int, int]:
@@ -132,6 +152,7 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     count = 0
     storages: dict[int, int] = {}
+    counted: set[int] = set()  # a tied weight (the output head that is the input embedding) is one parameter
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
@@ -139,6 +160,9 @@ def parameter_bytes(model: Any) -> tuple[int, int]:
 
     for module in model.modules():
         for p in module.parameters(recurse=False):
+            if id(p) in counted:
+                continue
+            counted.add(id(p))
             add(p)
             state = getattr(p, "quant_state", None)
             if state is not None and getattr(state, "shape", None) is not None:
@@ -199,7 +223,8 @@ def model_info_from_config(directory: Path, settings: Settings, name: str | None
                      n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, budget_note=note, resolved=True,
                      recall_tokens=recall if budget is not None else 0,
                      max_positions=getattr(text, "max_position_embeddings", None), kv_dtype=settings.kv_dtype,
-                     rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None)
+                     rows_summed=bool(policy.rows_summed), block_auto=settings.block_size is None,
+                     stacked=stacks_layers(policy), policy_slot_bytes=policy.score_slot_bytes(dims["head_dim"]))
 
 
 def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None, memory: int | None,
@@ -212,40 +237,12 @@ def plan_from_config(directory: Path, settings: Settings, doc_tokens: int | None
     return out
 
 
-def resolve_budget_and_recall(settings: Settings, dims: Mapping[str, int],
-                              dtype: Any) -> tuple[int | None, int, str | None]:
-    """(kept tokens per KV head, tokens per KV head recall may add, a byte budget's conversion line).
-
-    A token budget is what the cache keeps; recall's slots come on top (the plan shows them). A byte budget
-    is the memory K/V may take: kept and recalled tokens together stay inside it (``settings.
-    budget_with_recall``), and the line says how it is split. The session resolves its budget here too.
-    Policy ``full`` has no budget (None, 0, None): it evicts nothing, so nothing is recalled either.
-    """
-    if settings.policy.strip().lower() == "full":
-        return None, 0, None
-    recall = parse_recall(settings.recall)
-    b = settings.parsed_budget
-    if b.tokens is not None:
-        return b.tokens, recall, None
-    assert b.nbytes is not None
-    elem, kv = _mem.dtype_bytes(dtype), settings.kv_dtype
-    tokens, recall = budget_with_recall(b.nbytes, dims, elem, kv, recall, settings.recall == "auto")
-    per_token = _mem.kv_bytes_per_token(dims, elem, kv)["total"]
-    stored = dtype_name(dtype) if kv == "auto" else kv
-    if not recall:
-        note = f"budget {b.text} = {tokens} tokens per KV head ({per_token} bytes of K+V per token in {stored})"
-    else:
-        kept = _mem.kv_bytes_at_budget(dims, elem, tokens, 0, kv_dtype=kv)["promised"]
-        note = (f"budget {b.text} = {tokens} tokens per KV head kept ({_mem.format_bytes(kept)}) + {recall} "
-                f"recalled while answering ({_mem.format_bytes(_mem.recall_kv_bytes(dims, elem, recall, kv))}; "
-                f"{per_token} bytes of K+V per token in {stored})")
-    return tokens, recall, note + sliding_note(dims)
-
-
-def _dense_plan(dims: Any, doc_tokens: int, kv_per_token: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
-    """Dense transformers on the same document: its K/V and predicted peak (``offset``: baseline + weights')."""
+def _dense_plan(dims: Any, doc_tokens: int, offset: int, common: dict[str, Any]) -> dict[str, Any]:
+    """Dense transformers on the same document: its K/V (in the compute dtype; a sliding layer's window only)
+    and predicted peak (``offset``: baseline + weights')."""
     peak = _mem.dense_peak(dims, doc_tokens, runtime_baseline_bytes=0, **common) + offset
-    return {"doc_tokens": doc_tokens, "kv_bytes": doc_tokens * kv_per_token, "predicted_peak_bytes": peak}
+    return {"doc_tokens": doc_tokens, "kv_bytes": _mem.dense_kv_bytes(dims, doc_tokens, common["elem"]),
+            "predicted_peak_bytes": peak}
 
 
 def plan(
@@ -254,6 +251,7 @@ def plan(
     doc_tokens: int | None = None,
     memory: int | None = None,
     runtime_baseline: int | None = None,
+    question_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The predicted memory plan (the ``--json`` object of ``kvtool profile`` without ``measured``).
 
@@ -261,7 +259,8 @@ def plan(
     ``doc_tokens``: a document length for the dense comparison (and, for policy ``full``, which
     keeps every token, the cache size of the prediction). ``memory``: bytes
     available; adds the largest budget that fits and the longest document dense transformers could
-    hold. ``runtime_baseline``: bytes of the process before weights (None: 0, e.g. on CUDA).
+    hold. ``runtime_baseline``: bytes of the process before weights (None: 0, e.g. on CUDA). ``question_tokens``:
+    the question recall scores with, when known (else ``memory.PLANNED_QUESTION_TOKENS``).
     """
     limit, kv = memory, settings.kv_dtype
     info = session_or_model_info if isinstance(session_or_model_info, ModelInfo) else model_info(session_or_model_info)
@@ -287,7 +286,9 @@ def plan(
     # recall's slots and temporaries are priced in the peak and in the largest-budget search alike
     sized = {"original_keys": original_keys, "kv_dtype": kv, "compact": compact, "recall_tokens": recall,
              "recall_page": settings.recall_page, "archived_tokens": doc_tokens, "rows_summed": info.rows_summed,
-             "device_type": device_type}
+             "device_type": device_type, "stacked": info.stacked, "policy_slot_bytes": info.policy_slot_bytes,
+             "question_tokens": question_tokens or _mem.PLANNED_QUESTION_TOKENS,
+             "archive_dtype": settings.archive_dtype}
 
     out: dict[str, Any] = {
         "model": info.name,
@@ -301,18 +302,16 @@ def plan(
         "budget_tokens": budget,
         "budget_conversion": note,
         "num_params": info.num_params,
-        "kv_bytes_per_token": _mem.kv_bytes_per_token(dims, elem, kv),
+        "kv_bytes_per_token": _cache.kv_bytes_per_token(dims, elem, kv),
     }
     peak = _peak(info, dims, block, baseline, budget, doc_tokens, weights, weights_offset, {**common, **sized})
     out["kv_bytes_at_budget"] = _kv_at_budget(peak, dims, elem, budget if budget is not None else doc_tokens, block,
                                               original_keys, kv)
     out["original_keys"] = original_keys
     out.update(_components(peak, info, weights, baseline))
-    _add_recall(out, settings, info, peak, budget, recall, doc_tokens)
+    _add_recall(out, settings, info, peak, budget, recall, doc_tokens, sized["question_tokens"])
     if doc_tokens is not None:
-        out["dense"] = _dense_plan(dims, doc_tokens, _mem.kv_bytes_per_token(dims, elem)["total"],  # compute dtype
-                                   baseline + weights_offset,
-                                   common)
+        out["dense"] = _dense_plan(dims, doc_tokens, baseline + weights_offset, common)
     if limit is not None:
         out["memory"] = _fit_in(limit, out["predicted_peak_bytes"], info, block, baseline + weights_offset,
                                 {**common, **sized})
@@ -331,6 +330,8 @@ def _components(peak: Mapping[str, Any], info: ModelInfo, weights: int, baseline
         "rotation_scratch_bytes": peak.get("rotation_scratch_bytes", 0),
         "policy_state_fields": info.n_fields,
         "policy_state_bytes": peak["policy_state_bytes"],
+        "positions_bytes": peak["positions_bytes"],
+        "eviction_scratch_bytes": peak["eviction_scratch_bytes"],
         "activation_bytes": peak["activation_bytes"],
         "snapshot_bytes": peak["snapshot_bytes"],
         "snapshot_host_bytes": peak.get("snapshot_host_bytes", 0),
@@ -354,10 +355,10 @@ def _kv_at_budget(peak: Mapping[str, Any], dims: Mapping[str, int], elem: int, c
         return None
     out: dict[str, Any] = {"promised": peak["kv_promised_bytes"], "allocated": peak["kv_allocated_bytes"]}
     if cache_tokens is not None and dims.get("sliding_layers"):
-        split = _mem.layer_split(dims, cache_tokens)
+        split = _cache.layer_split(dims, cache_tokens)
         out["by_layer_kind"] = {
             kind: {**v, "layers": split[f"{kind}_layers"], "tokens_per_head": split[f"{kind}_tokens"]}
-            for kind, v in _mem.kv_bytes_at_budget(dims, elem, cache_tokens, block,
+            for kind, v in _cache.kv_bytes_at_budget(dims, elem, cache_tokens, block,
                                                    original_keys, kv_dtype)["by_layer_kind"].items()
         }
     return out
@@ -392,8 +393,8 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
     cache_tokens = budget if budget is not None else doc_tokens
     if cache_tokens is None:
         peak: dict[str, Any] = {k: None for k in ("kv_promised_bytes", "kv_allocated_bytes", "attention_scratch_bytes",
-                                                  "sdpa_scratch_bytes", "policy_state_bytes", "snapshot_bytes",
-                                                  "predicted_peak_bytes")}
+                                                  "sdpa_scratch_bytes", "policy_state_bytes", "positions_bytes",
+                                                  "eviction_scratch_bytes", "snapshot_bytes", "predicted_peak_bytes")}
         peak["weights_bytes"] = weights
         peak["activation_bytes"] = _mem.activation_bytes(dims, block, info.elem)
         return peak
@@ -407,15 +408,16 @@ def _peak(info: ModelInfo, dims: Mapping[str, int], block: int, baseline: int, b
 
 
 def _add_recall(out: dict[str, Any], settings: Settings, info: ModelInfo, peak: Mapping[str, Any], budget: int | None,
-                recall: int, doc_tokens: int | None) -> None:
+                recall: int, doc_tokens: int | None, question_tokens: int) -> None:
     """Recall's part of the plan, in place: its slots and temporaries (already in the peak), the K/V it adds to
     the budget's promise, and a document's archive on disk."""
     if not recall or budget is None:
         return
     out.update(_recall_plan(settings, info, info.dims, recall))
-    out.update({"recall_slots_bytes": peak["recall_slots_bytes"], "recall_kv_bytes": _mem.recall_kv_bytes(
+    out.update({"recall_slots_bytes": peak["recall_slots_bytes"], "recall_kv_bytes": _cache.recall_kv_bytes(
         info.dims, info.elem, recall, settings.kv_dtype), "recall_scratch_bytes": peak["recall_scratch_bytes"],
-        "recall_question_tokens": min(_mem.PLANNED_QUESTION_TOKENS, budget)})
+        "archive_work_bytes": peak["archive_work_bytes"], "recall_growth_bytes": peak["recall_growth_bytes"],
+        "recall_question_tokens": min(question_tokens, budget)})
     if doc_tokens is not None:  # the archive of such a document, and whether ``auto`` would keep it
         out.update(_archive_on_disk(out["archive_bytes_per_evicted_token"], doc_tokens, budget, settings.recall))
 
@@ -439,7 +441,7 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
     global_layers = dims["num_layers"] - dims.get("sliding_layers", 0)
     heads = dims["num_kv_heads"] * global_layers
     int8 = settings.archive_dtype == "int8"  # one byte per element + a float32 scale per token, head, K/V
-    archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else _mem.dtype_bytes(
+    archive_elem = elem if settings.archive_dtype == "auto" else 1 if int8 else dtype_bytes(
         settings.archive_dtype)
     per_head_token = 2 * dims["head_dim"] * archive_elem + (2 * 4 if int8 else 0)
     return {
@@ -451,3 +453,69 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
             "index": heads * (4 + 2 * SUMMARY_DTYPE.itemsize * dims["head_dim"] // settings.recall_page),
         },
     }
+
+
+def warm_baseline(session: Any, before_load: int) -> int:
+    """A CPU plan's runtime baseline: the process's RSS once the model is loaded and has run a few tokens, less its
+    weights' bytes, and never less than ``before_load`` (the RSS before the model loaded). The tokenizer, the model's
+    Python objects, the code transformers imports while loading and the math libraries' start-up are then in it: a
+    baseline taken before the model loaded left them out, and a run's measured peak passed its plan."""
+    import gc
+
+    import psutil
+    import torch
+
+    with torch.inference_mode():  # a plain forward (no kvtool cache): transformers' own attention
+        session.model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=session.loaded.device))
+    gc.collect()
+    return max(before_load, int(psutil.Process().memory_info().rss) - parameter_bytes(session.model)[1])
+
+
+#: what ``kvtool profile --doc`` asks about each document (``--question``): an answer is decoded and measured too
+DEFAULT_QUESTION = "What is this document about?"
+
+
+def measure(session: Any, inputs: list[tuple[str, Any]], question: str) -> dict[str, Any]:
+    """Read each input in turn (``("document", Document)``, or ``("kvc", path)`` for a saved cache) and answer
+    ``question`` about it, under the session's meter (RSS on a CPU, the CUDA allocator's peak on a GPU): the
+    measured side of the plan. Several inputs share one cache, emptied between them, as a run over many documents
+    reads them (``Session.reuse_cache``). Returns ``kvtool profile``'s ``measured`` object but its ratio."""
+    from kvtool.runtime import store
+
+    meter = session.engine.meter
+    session.reuse_cache = len(inputs) > 1
+    docs: list[dict[str, Any]] = []
+    first: dict[str, Any] = {}
+    with meter.track():
+        for kind, source in inputs:
+            read = store.load_cache(source, session) if kind == "kvc" else session.read(source)
+            try:
+                if not first:  # the plan's K/V is the read's (recall adds its slots only while answering)
+                    first = {"kv_allocated_bytes": read.cache.allocated_bytes(),
+                             "kv_promised_bytes": read.cache.promised_bytes()}
+                session.reset_counters()
+                docs.append({"name": read.name, "loaded_from": read.loaded_from, "document_tokens":
+                             read.document_tokens, "prefix_tokens": read.prefix_tokens,
+                             "seconds": round(read.seconds, 3), **_answer(session, read, question)})
+            finally:
+                read.close()
+    on_cuda = session.loaded.device.type == "cuda"
+    return {"peak_bytes": int(meter.peak_bytes()), "metric": "cuda_max_allocated" if on_cuda else "rss_peak",
+            "document_tokens": docs[0]["document_tokens"], "prefix_tokens": docs[0]["prefix_tokens"],
+            "seconds": docs[0]["seconds"], **first, "question": question, "documents": docs}
+
+
+def _answer(session: Any, read: Any, question: str) -> dict[str, Any]:
+    """Answer ``question`` about ``read`` for ``measure``: what it decoded and recalled, the K/V then held; a question
+    the budget cannot hold beside its windows is not asked, and ``note`` says why (the read is measured alone)."""
+    from kvtool.errors import UsageError, first_line
+
+    try:
+        answer = session.ask(read, question)
+    except UsageError as e:
+        if e.field != "budget":
+            raise
+        return {"answer_tokens": None, "recalled_tokens": 0, "question_tokens": None,
+                "kv_allocated_bytes": read.cache.allocated_bytes(), "note": f"not answered: {first_line(e)}"}
+    return {"answer_tokens": answer.tokens, "recalled_tokens": session.recalled_tokens_max,
+            "question_tokens": answer.prompt_tokens, "kv_allocated_bytes": read.cache.allocated_bytes()}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtool.errors import UsageError, first_line
-from kvtool.runtime.tokens import encode_prompt
+from kvtool.runtime.tokens import bos_prefix, encode_prompt
 
 MARK = "\u2063KVTOOL_DOCUMENT\u2063"
 QUESTION_MARK = "\u2063KVTOOL_QUESTION\u2063"
@@ -206,10 +206,7 @@ def base_model_note(name: str) -> str:
 def plain_parts(tokenizer, tail: str) -> PromptParts:
     """A base model's prompt: the tokenizer's own start-of-text token (where it puts one), the document, ``tail``."""
     bos = getattr(tokenizer, "bos_token", None)
-    starts = False
-    if isinstance(bos, str) and bos:
-        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-        starts = bool(ids) and ids[0] == tokenizer.bos_token_id
+    starts = isinstance(bos, str) and bool(bos) and bool(bos_prefix(tokenizer))
     return PromptParts(prefix=bos if starts else "", suffix=tail)
 
 

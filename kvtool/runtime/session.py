@@ -30,14 +30,14 @@ from kvtool.errors import UsageError, first_line
 from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
+from kvtool.runtime.budget import resolve_budget_and_recall
 from kvtool.runtime.citations import Citation, SourceMap, cite, held_positions
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.detokenize import Detokenizer, letter_tokens
-from kvtool.runtime.document import estimate_tokens, iter_token_blocks
+from kvtool.runtime.document import estimate_tokens, iter_token_blocks, rechunk
 from kvtool.runtime.events import CalibrationProgress, DecodeStarting
 from kvtool.runtime.memory import dims_from_config, format_bytes
 from kvtool.runtime.model import LoadedModel, load_model, resolve_dtype, set_threads, usable_cores
-from kvtool.runtime.profiling import resolve_budget_and_recall
 from kvtool.runtime.settings import TABLE_BLOCK, Settings, default_block_size
 
 
@@ -102,22 +102,6 @@ class ReadResult:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def rechunk(pieces: Iterable[Tensor], size: int) -> Iterator[Tensor]:
-    """Regroup token tensors into blocks of exactly ``size`` (the last may be shorter)."""
-    buf: list[Tensor] = []
-    have = 0
-    for t in pieces:
-        buf.append(t)
-        have += t.numel()
-        while have >= size:
-            flat = torch.cat(buf)
-            yield flat[:size]
-            rest = flat[size:]
-            buf, have = ([rest] if rest.numel() else []), rest.numel()
-    if have:
-        yield torch.cat(buf)
 
 
 class Session:
@@ -262,7 +246,7 @@ class Session:
         for note in (self.budget_note, self.block_note):
             if note:
                 self.emit(Note(note))
-        cache = self._new_cache()
+        cache = self.new_cache()
         prefix = torch.tensor(prompt.prefix_ids(self.tokenizer), dtype=torch.long)
         watch = self._auto_recall(cache, estimate_tokens(doc), prefix.numel())
         source = SourceMap(first_position=prefix.numel())
@@ -309,14 +293,23 @@ class Session:
             fmt=doc.fmt,
             notes=doc.notes,
         )
-        # with reuse_cache written over the last read's (a read is then valid until the next one)
-        result.snapshot = cache.snapshot(self._snapshot_store if self.reuse_cache else None)
+        result.snapshot = self.snapshot(cache)
         self.last_read = result
         return result
 
-    def _new_cache(self) -> BoundedCache:
-        """A new cache; with ``--recall auto``, one without an archive (and a line saying why) when the
-        archive cannot be created (an unwritable directory, too few descriptors) instead of an error."""
+    def snapshot(self, cache: BoundedCache) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """``cache``'s post-document snapshot; with ``reuse_cache`` written over the last one's buffers (a read is
+        then valid until the next one): a run over many documents holds one snapshot."""
+        return cache.snapshot(self._snapshot_store if self.reuse_cache else None)
+
+    def new_cache(self) -> BoundedCache:
+        """The empty cache a document is read (or a ``.kvc`` loaded) into: with ``reuse_cache`` the run's one cache,
+        emptied to a new one's state (``Engine.reuse_cache``), else a new one. With ``--recall auto``, one without
+        an archive (and a line saying why) when the archive cannot be created (an unwritable directory, too few
+        descriptors) instead of an error. Recall starts again too: a disk that ran short turned it off for its
+        document only."""
+        self.recall_tokens = self.engine_config.recall
+        self.recall_note = None
         spare = self._spare
 
         def make() -> BoundedCache:
@@ -342,7 +335,6 @@ class Session:
         from the document's estimated length), and watch the disk while reading; else recall off."""
         if self.recall_mode != "auto" or not recall.archives(cache):
             return None
-        self.recall_tokens = self.engine_config.recall  # a previous read's disk may have turned it off
         where = self.archive_dir
         if expected is None:
             self.recall_note = f"recall {self.recall_tokens} tokens per KV head (default); length unknown: " \

@@ -5,7 +5,7 @@ command line. Everything the user can get wrong is reported as a one-line ``Usag
 names the offending field, so a typo in a profile never surfaces as a traceback deep in the engine.
 
 Budgets are kept as text in ``Settings.budget`` because a byte budget ("2GiB") can only be turned
-into tokens per head once the model's dimensions are known (``budget_tokens_from_bytes``).
+into tokens per head once the model's dimensions are known (``budget.resolve_budget_and_recall``).
 """
 
 from __future__ import annotations

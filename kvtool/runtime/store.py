@@ -146,7 +146,8 @@ def _norm_policy(spec: str) -> str:
 def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bool:
     """Whether ``--budget`` names the file's budget: its text, its tokens, or bytes that convert to them (with the
     archive's recall held inside them, as the prefill converted them, or without)."""
-    from kvtool.runtime.budget import budget_tokens_for, budget_with_recall, parse_budget
+    from kvtool.core.costs import CacheCosts
+    from kvtool.runtime.budget import parse_budget
 
     if stored["budget_tokens"] is None:  # policy full: the budget never mattered
         return True
@@ -165,9 +166,9 @@ def _same_budget(given: Any, stored: dict[str, Any], meta: dict[str, Any]) -> bo
         if with_recall and not (isinstance(recall, int) and recall > 0):
             continue
         try:
-            elem, kv = DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"])
-            tokens.add(budget_with_recall(b.nbytes or 0, dims, elem, kv, recall, auto=False)[0] if with_recall
-                       else budget_tokens_for(b.nbytes or 0, dims, elem, kv))
+            costs = CacheCosts.of(dims, DTYPE_BYTES[stored["dtype"]], str(stored["kv_dtype"]))
+            tokens.add(costs.kept_and_recalled(b.nbytes or 0, recall, auto=False)[0] if with_recall
+                       else costs.budget_tokens(b.nbytes or 0))
         except (KeyError, TypeError, ValueError, UsageError):
             continue
     return stored["budget_tokens"] in tokens
@@ -271,7 +272,8 @@ def save_cache(path: str | os.PathLike[str], session: Session, read: ReadResult,
 
 
 def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
-    """Load a ``.kvc`` into a fresh cache of ``session``'s engine; returns a ``ReadResult`` like ``read``.
+    """Load a ``.kvc`` into an empty cache of ``session`` (``Session.new_cache``: the one cache of a run over many
+    documents); returns a ``ReadResult`` like ``read``.
 
     Checks, each a one-line ``UsageError``: the model identity and dtype, the engine settings (policy,
     options, budget, block size, sinks, recent, positions), the chat-template prefix and the head layout.
@@ -285,7 +287,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     p, meta = header.path, header.meta
     require(meta, p, "model", "dtype", "settings", "policy", "prompt", "document", "cache", "layout")
     _check_fits(header, session)
-    cache = session.engine.new_cache()
+    cache = session.new_cache()  # many documents: the run's one cache, not a second one beside it
     what = f"loading {os.path.basename(p)}"
     session.emit(PhaseProgress(what, 0, header.size, "bytes"))
     load_into(header, cache)  # read whole and checksummed: the budget bounds it
@@ -306,7 +308,7 @@ def load_cache(path: str | os.PathLike[str], session: Session) -> ReadResult:
     if session.recall_tokens:
         for warning in _load_archive(p, meta, cache, session):
             session.emit(Note(f"warning: {warning}"))
-    result.snapshot = cache.snapshot()
+    result.snapshot = session.snapshot(cache)
     session.last_read = result
     session.emit(Note(
         f"loaded {p}: {doc.get('name')} ({result.document_tokens:,} tokens), {format_bytes(header.size)}, "

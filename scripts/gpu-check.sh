@@ -18,7 +18,7 @@
 #               against H2O's statistic (the column-sum kernel), the Triton forward against SDPA, the explicit
 #               statistic; the share statistic / forward (target <= 10%) and the counted traffic (<= 1.2x)
 #   decode      bench/decode_step.py --config llama-3.1-8b: transformers' own decode after 32K, then decode tok/s
-#               after DECODE_LENGTHS (4k,32k,128k) for h2o and sink: the step captured / eager / the block path
+#               after DECODE_LENGTHS (32k,4k,128k) for h2o and sink: the step captured / eager / the block path
 #   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
 #               4K/32K/128K against transformers' dense SDPA (all lengths) and chunked prefill (to 32K), every
 #               row warmed up once in its own child and timed between synchronisations; tok/s, MFU, the
@@ -50,7 +50,7 @@ BUDGET=${BUDGET:-4k}
 BLOCK=${BLOCK:-auto}
 DECODE_TOKENS=${DECODE_TOKENS:-32}
 ONLY=${ONLY:-preflight,tests,equality,syncs,probs,decode,bench,smi}
-DECODE_LENGTHS=${DECODE_LENGTHS:-4k,32k,128k}
+DECODE_LENGTHS=${DECODE_LENGTHS:-32k,4k,128k}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(

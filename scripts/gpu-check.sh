@@ -6,8 +6,9 @@
 #
 # Steps, each in its own child with a timeout (a hang costs its step, not the lease), in this order:
 #   preflight   bench/preflight.py: python, torch/CUDA, the device, every module (one line each)
-#   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py (oracles in bf16/fp16, the
-#               archive's sync-debug and staging-contiguity tests, bitsandbytes loading, device_map), then
+#   tests       pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py (oracles in
+#               bf16/fp16, the archive's sync-debug and staging-contiguity tests, bitsandbytes loading, device_map,
+#               the captured decode step against the eager one), then
 #               tests/test_column_sums.py natively (the Triton kernels against float64 brute force in fp16/bf16,
 #               reads through them against the explicit path, dense equality and the masking reference); the
 #               step's exit code is the worse of the two and is recorded as "tests_exit_code"
@@ -16,6 +17,8 @@
 #   probs       bench/probs_cost.py --measure: per block at the 8B shape (4 layers), the model's own forward
 #               against H2O's statistic (the column-sum kernel), the Triton forward against SDPA, the explicit
 #               statistic; the share statistic / forward (target <= 10%) and the counted traffic (<= 1.2x)
+#   decode      bench/decode_step.py --config llama-3.1-8b: transformers' own decode after 32K, then decode tok/s
+#               after DECODE_LENGTHS (32k,4k,128k) for h2o and sink: the step captured / eager / the block path
 #   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
 #               4K/32K/128K against transformers' dense SDPA (all lengths) and chunked prefill (to 32K), every
 #               row warmed up once in its own child and timed between synchronisations; tok/s, MFU, the
@@ -46,17 +49,20 @@ LENGTHS=${LENGTHS:-4k,32k,128k}
 BUDGET=${BUDGET:-4k}
 BLOCK=${BLOCK:-auto}
 DECODE_TOKENS=${DECODE_TOKENS:-32}
-ONLY=${ONLY:-preflight,tests,equality,syncs,probs,bench,smi}
+ONLY=${ONLY:-preflight,tests,equality,syncs,probs,decode,bench,smi}
+DECODE_LENGTHS=${DECODE_LENGTHS:-32k,4k,128k}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(
   "preflight|30|5|$PY bench/preflight.py --json \$W/preflight.json"
-  "tests|180|100|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py -p no:cacheprovider -q -rs; \
+  "tests|180|100|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs; \
 a=\$?; $PY -m pytest tests/test_column_sums.py -p no:cacheprovider -q -rs; b=\$?; exit \$(( a > b ? a : b ))"
   "equality|90|30|$PY bench/real_equality.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/equality.json"
   "syncs|90|30|$PY bench/sync_debug.py --config llama-3.1-8b --layers 4 --json \$W/syncs.json"
   "probs|90|25|$PY bench/probs_cost.py --measure --config llama-3.1-8b --layers 4 --budget $BUDGET --blocks 128,1024 \
 --json \$W/probs.json"
+  "decode|240|150|$PY bench/decode_step.py --config llama-3.1-8b --lengths $DECODE_LENGTHS --policies h2o,sink \
+--budget $BUDGET --decode-tokens 256 --baseline-lengths 32k --json \$W/decode.json"
   "bench|300|250|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
 --budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 32k --memory-lengths 4k,128k --warmup on \
 --concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 150 --json \$W/bench.json"

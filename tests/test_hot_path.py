@@ -79,7 +79,9 @@ def _count_syncs(monkeypatch) -> tuple[dict[str, int], list[int]]:
 )
 def test_per_layer_path_makes_no_host_sync(monkeypatch, policy, positions):
     model = tiny_llama()
-    engine = make_engine(model, policy, 40, block_size=8, positions=positions)
+    # decoded through the block path, the per-layer path this counts (the fixed-shape decode step has its own
+    # dispatch trace in tests/test_decode_step.py)
+    engine = make_engine(model, policy, 40, block_size=8, positions=positions, decode_step="blocks")
     cache = engine.new_cache()
     cache.host_reads = False  # the accelerator path (on CPU, compact re-packing reads host memory, which is free)
     ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(1))

@@ -360,6 +360,10 @@ def kvtool_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Attention over the bounded cache; returns ``[batch, m, heads, d]`` like transformers' SDPA path."""
+    step = kwargs.get("kvtool_step")
+    if step is not None:  # the fixed-shape decode step (kvtool/core/decode_step.py): every slot, masked
+        return step.attend(module, query, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                           kwargs.get("softcap")), None
     cache = kwargs.get("kvtool_cache")
     softcap = kwargs.get("softcap")
     if kwargs.get("s_aux") is not None:  # check_supported refuses these models up front; never compute wrongly

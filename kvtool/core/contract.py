@@ -113,6 +113,11 @@ class Policy:
     state_fields: ClassVar[tuple[str, ...]] = ()
     #: True if ``observe`` must run on every block (running statistics), not only when evicting
     observe_every_step: ClassVar[bool] = False
+    #: True if ``observe`` is tensor work on ``probs`` and ``state`` alone (no host value such as ``seen``, no
+    #: slicing by one): the fixed-shape decode step (``kvtool/core/decode_step.py``) then runs it over every slot,
+    #: unfilled ones with probability 0, inside a captured graph. A policy that observes and leaves this False
+    #: decodes with the eager step
+    observe_fixed: ClassVar[bool] = False
     #: True if ``layer_groups`` lays out heads itself (RazorAttention's retrieval/other groups); a modifier
     #: may wrap such a base only if it forwards the layout (``Modifier.forwards_layout``)
     own_layout: ClassVar[bool] = False
@@ -243,6 +248,10 @@ class Modifier(Policy):
     @property
     def observe_every_step(self) -> bool:  # type: ignore[override]
         return self.base.observe_every_step
+
+    @property
+    def observe_fixed(self) -> bool:  # type: ignore[override]
+        return self.base.observe_fixed and type(self).observe is Modifier.observe
 
     @property
     def own_layout(self) -> bool:  # type: ignore[override]

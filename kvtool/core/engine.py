@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from kvtool.core.archive import DEFAULT_PAGE_SIZE
 from kvtool.core.archive_stores import FILES_PER_GROUP, FileStore, MemoryStore, reserve_descriptors
 from kvtool.core.cache import BoundedCache
 from kvtool.core.contract import Policy, PolicyEnv
+from kvtool.core.decode_step import DecodeStep, moves_positions, unsupported
 from kvtool.core.events import DecodeProgress, Listener, Note, PrefillProgress
 from kvtool.core.families import check_supported, window_specs
 from kvtool.core.layout import layer_windows, text_config
@@ -45,6 +47,9 @@ from kvtool.core.timing import time_split
 from kvtool.errors import UsageError
 
 POSITION_MODES = ("absolute", "compact", "auto")
+#: how tokens are decoded: the fixed-shape step, captured as a CUDA graph on a GPU ("capture") or always run
+#: eagerly ("eager"), or a block of one token through the block path ("blocks": the step's reference)
+DECODE_STEPS = ("capture", "eager", "blocks")
 #: tokens decoded between two reads of the answer on an accelerator when nothing streams it (``--json``): a read
 #: waits for the device, so the host stops queueing work; the price is at most this many − 1 steps past the end
 READ_EVERY = 8
@@ -67,6 +72,7 @@ class EngineConfig:
     archive_dtype: torch.dtype | None = None  # dtype of archived K/V (None: the cache's)
     archive_dir: str | None = None  # where the archive file lives (None: host memory)
     kv_dtype: str = "auto"  # how the cache stores K/V: auto (the compute dtype), a float dtype, int8, int4
+    decode_step: str = "capture"  # DECODE_STEPS
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -84,6 +90,9 @@ class EngineConfig:
             raise UsageError(f"recall must be non-negative (got {self.recall})", field="recall")
         if self.page_size < 1:
             raise UsageError(f"archive page size must be at least 1 (got {self.page_size})", field="page_size")
+        if self.decode_step not in DECODE_STEPS:
+            raise UsageError(f"decode step must be one of {', '.join(DECODE_STEPS)} (got {self.decode_step!r})",
+                             field="decode_step")
         if self.recall_placement not in RECALL_PLACEMENTS:
             raise UsageError(f"recall placement must be one of {', '.join(RECALL_PLACEMENTS)} "
                              f"(got {self.recall_placement!r})", field="recall_placement")
@@ -149,6 +158,10 @@ class Engine:
         self.layer_specs = [policy.layer_groups(i, self.env) if w is None else window_specs(w, self.env)
                             for i, w in enumerate(self.windows[: self.env.num_layers])]
         self._check_capacities()
+        # the fixed-shape decode step (and its graph) of each live cache: weak keys, and a step holds its cache
+        # weakly, so a cache's buffers and graph are freed with its last use (the memory plan counts one cache)
+        self._decode_steps: weakref.WeakKeyDictionary[BoundedCache, DecodeStep] = weakref.WeakKeyDictionary()
+        self._noted: set[str] = set()  # why decoding was eager, said once per engine
 
     # -- set-up ----------------------------------------------------------------------------------
     def _check_capacities(self) -> None:
@@ -440,20 +453,21 @@ class Engine:
     def _decode(self, cache: BoundedCache, logits: Tensor, max_new_tokens: int, eos_ids: set[int], choose: Chooser,
                 on_token: Callable[[int], None] | None, out: list[int], t0: float, every: int,
                 again: Callable[[list[int]], Tensor] | None = None) -> None:
+        eos = self._on_device(torch.tensor(sorted(eos_ids), dtype=torch.long)) if cache.citing else None  # no sync
+        step = self._decode_step(cache, choose, eos) if again is None else None  # a second recall changes the cache
+        if step is not None:
+            self._decode_fixed(step, cache, logits, max_new_tokens, eos_ids, eos, on_token, out, t0, every)
+            return
         read = 0  # tokens of the answer read back so far
         quiet = cache.quiet_steps()  # single-token steps from here that evict nothing
-        eos = self._on_device(torch.tensor(sorted(eos_ids), dtype=torch.long)) if cache.citing else None  # no sync
         for t in range(max_new_tokens):
             tok = choose(logits[-1], t)
             last = t + 1 == max_new_tokens
             turn = again is not None and t + 1 == AGAIN_AFTER
             if last or turn or quiet == 0 or choose.reads_each_token or t + 1 - read >= every:
-                ended = _read_answer(choose.read(read, t + 1), eos_ids, out, on_token)  # the one host read
-                read = t + 1
-                if self.listener is not None:
-                    self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
-                if ended or last:
+                if self._read(choose.read(read, t + 1), eos_ids, out, on_token, t0) or last:
                     return
+                read = t + 1
             elif eos is not None:
                 cache.close_mass_on(tok, eos)  # an unread end token: the steps after it add no citation mass
             if turn:
@@ -462,6 +476,65 @@ class Engine:
                 continue
             logits = self.step(cache, tok, 1)
             quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
+
+    def _decode_fixed(self, step: DecodeStep, cache: BoundedCache, logits: Tensor, max_new_tokens: int,
+                      eos_ids: set[int], eos: Tensor | None, on_token: Callable[[int], None] | None, out: list[int],
+                      t0: float, every: int) -> None:
+        """``_decode`` with the fixed-shape step: replayed while nothing evicts; the step that evicts, or moves
+        compact positions, takes the block path (``DecodeStep.eager``), host work between steps."""
+        read = 0
+        quiet = cache.quiet_steps()
+        step.start(logits[-1], eos)
+        fixed = True
+        for t in range(max_new_tokens):
+            last = t + 1 == max_new_tokens
+            if last or quiet == 0 or t + 1 - read >= every:
+                if self._read(step.choose.read(read, t + 1), eos_ids, out, on_token, t0) or last:
+                    return
+                read = t + 1
+            step.ensure_room(t + 1)
+            if quiet == 0 or not fixed or moves_positions(cache):
+                step.eager(self.step)
+                fixed = fixed and step.signature == DecodeStep.key(cache, step.choose, eos)  # a switch to compact
+            else:
+                step.run()
+                if step.failure is not None:
+                    self._note(f"decode: the step could not be captured ({step.failure}); decoding eagerly")
+            quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
+
+    def _read(self, chosen: list[int], eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None,
+              t0: float) -> bool:
+        """Append the answer's tokens read back (the one host read); True at an end token."""
+        ended = _read_answer(chosen, eos_ids, out, on_token)
+        if self.listener is not None:
+            self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
+        return ended
+
+    def _decode_step(self, cache: BoundedCache, choose: Chooser, eos: Tensor | None) -> DecodeStep | None:
+        """The fixed-shape step for ``cache`` (the one kept when its buffers are the same: its graph replays), or
+        None where the configuration decodes through the block path (noted on an accelerator)."""
+        if self.config.decode_step == "blocks":
+            return None
+        why = unsupported(cache, choose)
+        if why is not None:
+            if self.device.type != "cpu":
+                self._note(f"decode: eager block path ({why})")
+            return None
+        step = self._decode_steps.get(cache)
+        if step is None or step.signature != DecodeStep.key(cache, choose, eos):
+            step = self._decode_steps[cache] = DecodeStep(self.model, self.cache_keyword, cache, choose, eos,
+                                            capture=self.config.decode_step == "capture")
+        step.adopt(choose)
+        return step
+
+    def decode_step_of(self, cache: BoundedCache) -> DecodeStep | None:
+        """The fixed-shape step ``cache`` decoded with last (None: none yet, or the block path)."""
+        return self._decode_steps.get(cache)
+
+    def _note(self, message: str) -> None:
+        if message not in self._noted:
+            self._noted.add(message)
+            self.emit(Note(message))
 
 
 def _read_answer(chosen: list[int], eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None) -> bool:

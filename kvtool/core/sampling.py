@@ -43,6 +43,7 @@ class Chooser:
         self.letters = None if letters is None else letters.to(device)
         self.gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
         self.sampled: list[int] = []  # sampling: the tokens, already on the host
+        self.works: dict[str, Tensor] = {}  # ``_work``'s buffers (a decode step hands its own)
 
     @property
     def reads_each_token(self) -> bool:
@@ -61,6 +62,48 @@ class Chooser:
             self.sampled.append(self._sample(logits))
             out.fill_(self.sampled[-1])
         return out
+
+    def choose_at(self, logits: Tensor, t: Tensor, out: Tensor) -> None:
+        """``__call__``'s greedy choice at a device index ``t`` [1], written to ``ids[t]`` and ``out`` (any shape of
+        one element): the decode step's form (``kvtool/core/decode_step.py``). The guard and the penalty read the
+        whole of ``ids`` with the tokens at ``t`` and after masked out, so no shape depends on ``t``, nothing is
+        read back and the same ops replay at every token; ``ids`` must have room for ``t``."""
+        best = torch.argmax(self.guarded_at(self.penalised_at(logits, t), t), dim=-1, keepdim=True)
+        self.ids.index_copy_(0, t, best)
+        out.view(1).copy_(best)
+
+    def penalised_at(self, logits: Tensor, t: Tensor) -> Tensor:
+        """``penalised`` over the whole buffer, tokens from ``t`` on left out (none before the first token)."""
+        if self.penalty == 1.0:
+            return logits
+        logits = logits.float()
+        written = (self._work("slots", self.ids.numel()) < t).float()
+        hit = self._work("hit", logits.numel(), torch.float32).zero_().scatter_reduce_(0, self.ids, written, "amax") > 0
+        return torch.where(hit, torch.where(logits > 0, logits / self.penalty, logits * self.penalty), logits)
+
+    def guarded_at(self, logits: Tensor, t: Tensor) -> Tensor:
+        """``guarded`` over every n-gram of the whole buffer, those not wholly before ``t`` allowed."""
+        n = self.n
+        if n < 1 or self.ids.numel() < n:
+            return logits
+        grams = self.ids.unfold(0, n, 1)  # [R − n + 1, n]
+        written = self._work("slots", grams.shape[0]) <= t - n  # the gram ends before token t
+        last = self.ids.index_select(0, (self._work("slots", n - 1) + (t - n + 1)).clamp_(min=0))
+        repeat = (grams[:, :-1] == last).all(-1) & written
+        if self.letters is not None:
+            repeat &= self.letters[grams].any(-1)
+        ban = torch.where(repeat, float("-inf"), float("inf"))
+        return logits.float().scatter_reduce(0, grams[:, -1], ban, "amin")
+
+    def _work(self, name: str, n: int, dtype: torch.dtype | None = None) -> Tensor:
+        """A reused buffer of ``n`` elements: ``0 … n − 1`` (``dtype`` None, int64) or a float32 one to overwrite;
+        made once (before a capture), so a step allocates none."""
+        store = self.works.get(name)
+        if store is None or store.numel() < n:
+            store = torch.arange(n, device=self.ids.device) if dtype is None else torch.empty(n, dtype=dtype,
+                                                                                                device=self.ids.device)
+            self.works[name] = store
+        return store[:n]
 
     def _grow(self) -> None:
         """Twice the room for the answer's tokens (at most ``limit``): a copy once per doubling, so a few per answer."""

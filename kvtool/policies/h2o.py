@@ -33,6 +33,7 @@ class H2O(Policy):
     paper = "Zhang et al. 2023, H2O: Heavy-Hitter Oracle (VATP eq. 2, CAOTE §2, KeyDiff App. A.1)"
     state_fields = ("acc",)
     observe_every_step = True
+    observe_fixed = True  # one add of the row sums: the decode step runs it over every slot
     rows_summed = True  # ``observe`` adds Aᵀ1 only
 
     recent_ratio: float = 0.5

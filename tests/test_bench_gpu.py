@@ -89,12 +89,14 @@ def test_the_statistic_counted_at_the_8b_shape_meets_its_targets_only_with_two_p
     assert 1 + costs("llama-3.1-8b", 4096, 1024, 4.3e12, 790e12, l2=False)["two_pass_bytes"] / c["fwd_bytes"] > 1.2
 
 
-def test_gpu_check_plan_runs_the_tests_first_and_this_work_within_eight_minutes():
+def test_gpu_check_plan_runs_the_tests_first_and_fits_one_device_call():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0
     steps = [line.split()[0] for line in out.stderr.splitlines() if line.startswith("  ") and "(timeout" in line]
-    assert steps == ["preflight", "tests", "equality", "syncs", "probs", "bench", "smi"]
-    assert "tests/test_column_sums.py" in out.stderr and "--warmup on" in out.stderr
+    assert steps == ["preflight", "tests", "probs", "decode", "bench", "smi"]
+    assert "tests/test_column_sums.py" in out.stderr and "tests/test_decode_step.py" in out.stderr
+    assert "--warmup on" in out.stderr and "bench/decode_step.py" in out.stderr
     predicted = int(out.stderr.split("predicted: ~")[1].split()[0])
-    assert predicted <= 450
+    deadline = int(out.stderr.split("DEADLINE=")[1].split()[0])
+    assert predicted <= deadline <= 540  # one device call is at most 600 s, the machine's hand-over included

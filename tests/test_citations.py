@@ -242,3 +242,18 @@ def test_progress_counts_pages_and_the_source_map_stays_bounded(model_dir, tmp_p
     assert source.count == read.document_tokens > 5 * 48
     held = held_positions(read.cache)
     assert torch.equal(source.positions, held[held >= source.first_position])  # exactly the held document tokens
+
+
+def test_cli_cite_with_recall_again_says_it_recalls_once(model_dir, tmp_path):
+    """``--recall-select again`` moves the cache after the answer's first tokens, which citations cannot follow:
+    with ``--cite`` the answer recalls once, the same answer as the default selection's, and a note says so."""
+    doc = tmp_path / "d.md"
+    doc.write_text("# One\n" + "the cache is small. " * 40 + "\n\n# Two\nthe pass key is 12345.\n", encoding="utf-8")
+    args = ["ask", str(doc), "What is the pass key?", "--cite", "--json", "--model", model_dir, "--recall", "32",
+            "--budget", "160", "--block-size", "16", "--max-new-tokens", "8"]
+    again = runner.invoke(app, [*args, "--recall-select", "again"])
+    shared = runner.invoke(app, args)
+    assert again.exit_code == 0 and shared.exit_code == 0, again.output
+    assert "--recall-select again: not with --cite; this answer recalls once" in again.stderr
+    assert "--recall-select again" not in shared.stderr
+    assert json.loads(again.stdout)["answers"][0]["answer"] == json.loads(shared.stdout)["answers"][0]["answer"]

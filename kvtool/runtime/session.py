@@ -393,7 +393,10 @@ class Session:
             raise UsageError(f"{read.loaded_from or read.name} has no source map (a .kvc from an older kvtool?); "
                              "prefill it again to use --cite")
         cache, logits, suffix_tokens = self._begin_answer(read, suffix_prompt, max_new_tokens, focus)
-        again = None if cite_spans else self._again(read, suffix_prompt, focus)
+        again = self._again(read, suffix_prompt, focus)
+        if cite_spans and again is not None:  # the second recall would move the citation mass's tokens
+            again = None
+            self.emit(Note("--recall-select again: not with --cite; this answer recalls once"))
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:

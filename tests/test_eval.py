@@ -210,29 +210,9 @@ def test_full_matches_dense_and_eviction_does_not() -> None:
 
 
 def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_json(
-        [
-            "eval",
-            "ppl",
-            "--text",
-            str(text_file),
-            "--model",
-            str(tiny_dir),
-            "--context",
-            "64",
-            "--continuation",
-            "6",
-            "--samples",
-            "2",
-            "--policies",
-            "full,sink",
-            "--budgets",
-            "24",
-            "--block-size",
-            "32",
-        ],
-        capsys,
-    )
+    argv = ["eval", "ppl", "--text", str(text_file), "--model", str(tiny_dir), "--context", "64", "--continuation",
+            "6", "--samples", "2", "--policies", "full,sink", "--budgets", "24", "--block-size", "32"]
+    rep = run_json(argv, capsys)
     assert rep["task"] == "ppl"
     s = rep["settings"]
     assert s["context"] == 64 and s["continuation"] == 6 and s["samples"] == 2 and len(s["windows"]) == 2
@@ -268,29 +248,7 @@ def test_cli_ppl_json(tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFix
     lo, hi = sink["window_gap_pct"]["low"], sink["window_gap_pct"]["high"]
     assert lo <= sink["window_gap_pct"]["value"] <= hi
     # deterministic under --seed
-    again = run_json(
-        [
-            "eval",
-            "ppl",
-            "--text",
-            str(text_file),
-            "--model",
-            str(tiny_dir),
-            "--context",
-            "64",
-            "--continuation",
-            "6",
-            "--samples",
-            "2",
-            "--policies",
-            "full,sink",
-            "--budgets",
-            "24",
-            "--block-size",
-            "32",
-        ],
-        capsys,
-    )
+    again = run_json(argv, capsys)
     assert again["results"][1]["ppl"] == sink["ppl"] and again["settings"]["windows"] == s["windows"]
 
 

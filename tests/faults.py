@@ -65,7 +65,8 @@ class Fault:
         return self
 
     def _model_forward(self, module, args, kwargs) -> None:
-        cache = kwargs.get("kvtool_cache")
+        step = kwargs.get("kvtool_step")  # the fixed-shape decode step hands its cache through itself
+        cache = kwargs.get("kvtool_cache") if step is None else step.cache
         if cache is None:
             return
         if not any(c is cache for c in self.caches):

@@ -69,7 +69,6 @@ def run_profile(
     from kvtool.cli.ask import _open_input
     from kvtool.runtime import store
     from kvtool.runtime.budget import parse_size
-    from kvtool.runtime.profiling import DEFAULT_QUESTION
     from kvtool.runtime.settings import resolve_settings
 
     # Bad input fails before torch is imported and before seconds are spent loading the model.
@@ -85,7 +84,7 @@ def run_profile(
             if kind == "kvc" and len(inputs) == 1:  # its settings are the run's, as `ask` reads it
                 overrides = store.settings_overrides(source, overrides)
         settings = resolve_settings(profile, overrides)
-        return _plan_and_measure(settings, inputs, doc_tokens, limit, json_out, quiet, question or DEFAULT_QUESTION)
+        return _plan_and_measure(settings, inputs, doc_tokens, limit, json_out, quiet, question)
     finally:
         for kind, source in inputs:
             if kind == "document":
@@ -93,8 +92,9 @@ def run_profile(
 
 
 def _plan_and_measure(settings: Any, inputs: list[tuple[str, Any]], doc_tokens: int | None, limit: int | None,
-                      json_out: bool, quiet: bool, question: str) -> dict[str, Any]:
-    """The plan (from a config alone, or from the loaded model) and, with documents, the measured reads and answers."""
+                      json_out: bool, quiet: bool, question: str | None) -> dict[str, Any]:
+    """The plan (from a config alone, or from the loaded model) and, with documents, the measured reads and answers
+    (``question``: None asks ``profiling.DEFAULT_QUESTION``)."""
     # Everything heavy is imported before the baseline so that it counts the runtime, not the model.
     import rich.console  # noqa: F401 (counted in the baseline, as the table drawn later needs it)
     import torch  # noqa: F401
@@ -120,7 +120,7 @@ def _plan_and_measure(settings: Any, inputs: list[tuple[str, Any]], doc_tokens: 
         resolved = session.settings  # the block chosen for the device
         result = profiling.plan(session, resolved, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
         if inputs:
-            measured = profiling.measure(session, inputs, question)
+            measured = profiling.measure(session, inputs, question or profiling.DEFAULT_QUESTION)
             docs = measured["documents"]
             n = doc_tokens if doc_tokens is not None else max(d["document_tokens"] + d["prefix_tokens"] for d in docs)
             # the plan of what was read and asked: policy full keeps every token read, the snapshot and recall's

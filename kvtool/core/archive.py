@@ -32,6 +32,7 @@ from torch import Tensor
 
 from kvtool.config import SCAN_CHUNK, SCORE_BYTES
 from kvtool.core.archive_stores import ArchiveStore, SplitRows
+from kvtool.core.staging import to_device
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
@@ -256,24 +257,34 @@ class GroupArchive:
 
     # -- recall -------------------------------------------------------------------------------------
     def page_scores(self, queries: Tensor) -> Tensor:
-        """Upper bound of q·k over each page, maximised over the query rows: [h, pages].
+        """Upper bound of q·k over each page, maximised over the query rows: [h, pages], on the queries' device.
 
         ``queries`` [h, r, d] (float, original-position frame), all rows of the query heads that share
-        each KV head. Summaries are read ``SUMMARY_CHUNK`` pages at a time.
+        each KV head. Completed pages' summaries are read ``SUMMARY_CHUNK`` pages at a time and sent to the
+        queries' device with one copy each (``to_device``); the open page's summary is already there.
         """
-        q = queries.float().cpu()
+        self.flush()
+        q = queries.float()
         pos, neg = q.clamp(min=0), q.clamp(max=0)
-        out = torch.empty(self.h, self.pages)
+        out = torch.empty(self.h, self.pages, device=q.device)
+        done = self.summaries.rows
         for first in range(0, self.pages, SUMMARY_CHUNK):
             last = min(first + SUMMARY_CHUNK, self.pages)
-            kmin, kmax = self.page_summaries(first, last)
-            bound = torch.bmm(pos, kmax.float().transpose(1, 2)) + torch.bmm(neg, kmin.float().transpose(1, 2))
+            stop = min(last, done)
+            rows = self.summaries.read(torch.arange(first, stop)) if stop > first else torch.empty(
+                0, self.summaries.row_bytes, dtype=torch.uint8)
+            (rows,) = to_device([rows], q.device)
+            s = rows.view(SUMMARY_DTYPE).view(-1, 2, self.h, self.d).permute(1, 2, 0, 3)  # [2, h, pages, d]
+            if last > done:  # the open page
+                s = torch.cat((s, self.tail.to(q.device).unsqueeze(2)), dim=2)
+            bound = torch.bmm(pos, s[1].float().transpose(1, 2)) + torch.bmm(neg, s[0].float().transpose(1, 2))
             out[:, first:last] = bound.nan_to_num_(nan=float("inf")).amax(1)
         return out
 
     def candidate_pages(self, queries: Tensor, scan: int | None) -> Tensor:
-        """The pages to score exactly, per head [h, k] in file order: all of them, or (an archive longer than
-        ``scan`` tokens) the ``scan // P`` whose Quest bound is highest, so the work per question stays bounded.
+        """The pages to score exactly, per head [h, k] in file order: all of them (on the host), or (an archive
+        longer than ``scan`` tokens) the ``scan // P`` whose Quest bound is highest (on the queries' device: the
+        caller reads every group's back at once), so the work per question stays bounded.
 
         ``scan=None``: all pages whatever the length. The bound holds only where the queries and the
         summaries share a frame (absolute positions); compact-mode recall passes None (``recall.recall``).
@@ -285,21 +296,24 @@ class GroupArchive:
 
     def scores(self, queries: Tensor, pages: Tensor,
                place: Callable[[Tensor, Tensor], Tensor] | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """Exact ``q·k`` of the tokens on ``pages`` [h, k], ``SCAN_CHUNK`` pages at a time (fewer for many rows).
+        """Exact ``q·k`` of the tokens on ``pages`` [h, k] (host), ``SCAN_CHUNK`` pages at a time (fewer for many
+        rows), on the queries' device.
 
         Yields the tokens' original positions [h, a] and their scores per query row [h, r, a] (−inf for
         a tail page's missing tokens): the transient buffer is one chunk, at most ``SCORE_BYTES`` (or one
-        page's), however many pages.
+        page's), however many pages. Each chunk's keys, positions and validity are read on the host and
+        sent with one copy (``to_device``).
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
-        q = queries.float().cpu()
+        q = queries.float()
         span = torch.arange(min(P, self.length))  # a page longer than the archive holds only what was archived
         step = max(1, min(SCAN_CHUNK, SCORE_BYTES // (4 * self.h * max(q.shape[1], 1) * P)))
         for lo in range(0, pages.shape[1], step):
             idx = (pages[:, lo : lo + step].unsqueeze(-1) * P + span).reshape(self.h, -1)
             valid = idx < self.length
             keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
+            keys, pos, valid = to_device([keys, pos, valid], q.device)
             if place is not None:
                 keys = place(keys, pos)
             yield pos, torch.bmm(q, keys.float().transpose(1, 2)).masked_fill_(~valid.unsqueeze(1), float("-inf"))

@@ -35,6 +35,7 @@ from kvtool.config import DEFAULT_RECALL_PLACEMENT, SCAN, SCAN_BYTES, SCORE_BYTE
 from kvtool.core.archive import AppendWork, GroupArchive
 from kvtool.core.archive_stores import ArchiveStore
 from kvtool.core.cache import BoundedCache, HeadGroup
+from kvtool.core.staging import to_device
 
 StoreFactory = Callable[[int], ArchiveStore]  # row bytes → a fresh store
 #: stream positions before and after a matching token that come back with it (the rest of its sentence)
@@ -255,7 +256,7 @@ def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] 
     if not compact:
         return None
     assert g.rotator is not None
-    kept = g.positions[:, : g.length].cpu().contiguous()
+    kept = g.positions[:, : g.length].contiguous()  # on the device, where the archived keys are scored
     floor, rotator = g.rotary_floor, g.rotator
 
     def place(keys: Tensor, positions: Tensor) -> Tensor:
@@ -311,13 +312,18 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     at its positions). ``trace``: filled with what was seen and chosen (a diagnosis; changes nothing).
     ``select``: the variants of ``--recall-select`` (``selection``; none: the shared ranking below).
 
-    Two passes over the groups. First, each KV head scores its archive exactly (``GroupArchive.
-    scores``: every page, or with absolute positions past ``SCAN`` tokens the pages Quest's bound
-    ranks best) and turns the scores into the attention its question rows would give each
-    archived token beside the kept ones (``_attention``); those probabilities are summed per
-    stream position over every head of every layer. Second, a position's relevance is the best sum
-    within ``SPAN`` of it (so a match brings back the rest of its sentence), and every head recalls
-    its archived tokens at the most relevant positions.
+    Two passes over the groups. First, each KV head scores its archive exactly (every page, or with
+    absolute positions past ``SCAN`` tokens the pages Quest's bound ranks best) and turns the scores
+    into the attention its question rows would give each archived token beside the kept ones
+    (``_attention``); those probabilities are summed per stream position over every head of every
+    layer. Second, a position's relevance is the best sum within ``SPAN`` of it (so a match brings
+    back the rest of its sentence), and every head recalls its archived tokens at the most relevant
+    positions.
+
+    All of it is computed on the cache's device (``GroupArchive.scores``: the archive's rows are sent there
+    chunk by chunk, one copy each); the host waits for the device twice per question, whatever the
+    number of layers: for the candidate pages of every group at once (only past ``SCAN``), and for the
+    rankings. The recalled K/V of every group go back with one copy.
 
     Why one ranking for all heads: a needle is usually pointed at by a few retrieval heads, but
     copying it out takes the needle's tokens in the other layers too; with each head choosing by its
@@ -329,51 +335,96 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     for layer_idx, q, scale in log:
         by_layer.setdefault(layer_idx, []).append(q)
         scaling[layer_idx] = scale
-    relevance = torch.zeros(cache.seen + 1)
-    own_relevance: dict[int, Tensor] = trace.layer_relevance if trace is not None else {}
+    work = [(li, g, _group_queries(g, by_layer[li], focus or slice(None)).float())
+            for li, layer in enumerate(cache.layers) for g in layer.groups  # type: ignore[attr-defined]
+            if g.archive is not None and g.archive.length and by_layer.get(li)]
+    holds = [max(g.archive.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1]))) for _, g, q in work]
+    relevance = torch.zeros(cache.seen + 1, device=cache.device)
+    own_relevance: dict[int, Tensor] = {}
     per_layer = "layer" in select or trace is not None
-    chosen: list[tuple[int, HeadGroup, int]] = []
-    for li, layer in enumerate(cache.layers):
-        entries = by_layer.get(li)
-        for g in layer.groups:  # type: ignore[attr-defined]
-            a = g.archive
-            if a is None or a.length == 0 or not entries:
-                continue
-            q = _group_queries(g, entries, focus or slice(None)).float().cpu()
-            hold = max(a.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1])))
-            # Quest's bound needs the queries and the summaries in one frame: absolute positions only
-            pages = a.candidate_pages(q, None if cache.compact else hold)
-            place = _landing(g, cache.compact)
-            own = own_relevance.setdefault(li, torch.zeros(cache.seen + 1)) if per_layer else None
-            pool = "sum" if "sum" in select else "max"
-            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold, pool):
-                relevance.scatter_add_(0, positions.flatten(), probs.flatten())
-                if own is not None:
-                    own.scatter_add_(0, positions.flatten(), probs.flatten())
-            chosen.append((li, g, min(grown(tokens, a.length) if "grow" in select else tokens, a.length)))
-    ranking = passage_ranking(relevance)
+    pool = "sum" if "sum" in select else "max"
+    for (li, g, q), hold, pages in zip(work, holds, _candidates(cache, work, holds), strict=True):
+        a = g.archive
+        assert a is not None
+        place = _landing(g, cache.compact)
+        own = own_relevance.setdefault(li, torch.zeros_like(relevance)) if per_layer else None
+        for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold,
+                                           pool):
+            relevance.scatter_add_(0, positions.flatten(), probs.flatten())
+            if own is not None:
+                own.scatter_add_(0, positions.flatten(), probs.flatten())
+    ranking, layer_ranking, own_host = _rankings(relevance, own_relevance, "layer" in select)
     if trace is not None:
-        trace.ranking = ranking
+        trace.ranking = ranking[0]
+        trace.layer_relevance.update(own_host)
+    out = _bring_back(cache, [(li, g) for li, g, _ in work], tokens, ranking, layer_ranking, placement, trace,
+                      select)
+    out.seconds = cache.timer.now() - t0
+    return out
+
+
+def _bring_back(cache: BoundedCache, groups: list[tuple[int, HeadGroup]], tokens: int, ranking: tuple[Tensor, Tensor],
+                layer_ranking: dict[int, tuple[Tensor, Tensor]], placement: str, trace: RecallTrace | None,
+                select: frozenset[str]) -> RecallResult:
+    """Recall into each of ``groups`` (layer, group) its archived tokens at the best-ranked positions: read on the
+    host, every group's K/V (in the cache's dtype) sent to the device with one copy, then inserted."""
     out = RecallResult()
-    layer_ranking = {li: passage_ranking(rel) for li, rel in own_relevance.items()} if "layer" in select else {}
-    for li, g, T in chosen:
+    chosen = [(li, g, min(grown(tokens, g.archive.length) if "grow" in select else tokens, g.archive.length))
+              for li, g in groups]
+    picks = [(g.archive.top_by_position(layer_ranking.get(li, ranking)[0], T), g) for li, g, T in chosen]
+    reads = [(a.read(idx), g.dtype) for idx, g in picks if (a := g.archive) is not None]
+    sent = to_device([t for (k, v, p), dt in reads for t in (k.to(dt), v.to(dt), p)], cache.device)
+    for n, ((li, g, T), (idx, _)) in enumerate(zip(chosen, picks, strict=True)):
         a = g.archive
         assert a is not None
         g.make_room(T)
         rank = layer_ranking.get(li, ranking)
-        idx = a.top_by_position(rank, T)
-        keys, values, pos = a.read(idx)
+        keys, values, pos = sent[3 * n : 3 * n + 3]
         # compact positions: a selection is placed by relevance (``_placement``); the whole archive goes back
         # where it was, so recalling everything is the document again
         by_relevance = placement == "relevance" and cache.compact and idx.shape[1] < a.length
-        insert(g, keys, values, pos, rank if by_relevance else None)
+        insert(g, keys, values, pos, rank[1] if by_relevance else None)
         cache.rope.settle(g)
         if trace is not None:
-            trace.note(li, g, a.all_positions(), pos, rank)
+            trace.note(li, g, a.all_positions(), reads[n][0][2], rank[0])
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
-    out.seconds = cache.timer.now() - t0
     return out
+
+
+def _candidates(cache: BoundedCache, work: list[tuple[int, HeadGroup, Tensor]], holds: list[int]) -> list[Tensor]:
+    """The pages each group scores exactly, [h, k] on the host: all of them, or with absolute positions past
+    its ``hold`` the ones Quest's bound ranks best (``GroupArchive.candidate_pages``' choice). The bounds are
+    computed on the device for every group first and read back with one copy."""
+    pages: list[Tensor | None] = []
+    best: list[Tensor] = []
+    for (_, g, q), hold in zip(work, holds, strict=True):
+        a = g.archive
+        assert a is not None
+        # Quest's bound needs the queries and the summaries in one frame: absolute positions only
+        if cache.compact or a.length <= hold:
+            pages.append(torch.arange(a.pages).expand(a.h, -1))
+        else:
+            pages.append(None)
+            best.append(a.candidate_pages(q, hold))
+    if best:
+        back = iter(torch.cat([b.flatten() for b in best]).cpu().split([b.numel() for b in best]))
+        shapes = iter([b.shape for b in best])
+        pages = [p if p is not None else next(back).view(next(shapes)) for p in pages]
+    return pages  # type: ignore[return-value]
+
+
+def _rankings(relevance: Tensor, own: dict[int, Tensor], by_layer: bool
+              ) -> tuple[tuple[Tensor, Tensor], dict[int, tuple[Tensor, Tensor]], dict[int, Tensor]]:
+    """The shared ranking and, with ``by_layer``, each layer's own (``--recall-select layer``), each as (host,
+    device) tensors, and each layer's relevance on the host: computed on the device, read back with one copy."""
+    layers = sorted(own)
+    rows = [passage_ranking(relevance)] + [passage_ranking(own[li]) for li in layers if by_layer]
+    stacked = torch.stack(rows + [own[li] for li in layers])
+    host = stacked.cpu()
+    ranking = (host[0], stacked[0])
+    layer_ranking = {li: (host[1 + i], stacked[1 + i]) for i, li in enumerate(layers)} if by_layer else {}
+    return ranking, layer_ranking, {li: host[len(rows) + i] for i, li in enumerate(layers)}
 
 
 def passage_ranking(relevance: Tensor) -> Tensor:
@@ -387,15 +438,15 @@ def passage_ranking(relevance: Tensor) -> Tensor:
 def _kept_logsumexp(g: HeadGroup, q: Tensor, scaling: float) -> Tensor:
     """log Σ exp(scaled q·k) over the group's kept tokens, per query row: [h, r, 1] float32.
 
-    Scored ``SCORE_BYTES`` at a time (a chunk of kept keys, copied to the host as float32), never as one
+    Scored ``SCORE_BYTES`` at a time (a chunk of kept keys as float32, on the queries' device), never as one
     [h, r, kept] matrix: with an 8B model's 8K-token budget and a 500-token question that would be 0.5 GB.
     """
     keys = g.stored_keys()
     h, r = q.shape[0], q.shape[1]
     step = max(1, SCORE_BYTES // (4 * h * max(r, 1)))
-    z = torch.full((h, r, 1), -float("inf"))
+    z = torch.full((h, r, 1), -float("inf"), device=q.device)
     for a in range(0, keys.shape[1], step):
-        scores = torch.bmm(q, keys[:, a : a + step].float().cpu().transpose(1, 2)).mul_(scaling)
+        scores = torch.bmm(q, keys[:, a : a + step].float().transpose(1, 2)).mul_(scaling)
         z = torch.logaddexp(z, torch.logsumexp(scores, dim=2, keepdim=True))
     return z
 

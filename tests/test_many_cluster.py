@@ -3,6 +3,7 @@ mid-document, and runs interrupted by SIGINT and SIGKILL then resumed. Each pair
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -343,14 +344,19 @@ def test_a_stopped_worker_removes_the_cache_and_archive_it_was_writing(model_dir
     assert os.listdir(out) == []  # the temp file and the archive are gone
 
 
-def test_sigterm_kills_a_ray_worker_blocked_on_a_fifo_after_the_grace_period(cluster, model_dir, tmp_path):
-    """A worker blocked opening a FIFO nobody writes cannot look at its stop flag: after the grace period the
-    driver kills it, says so in one line, and exits 143; no worker is left running."""
-    fifo = tmp_path / "pipe.txt"
-    os.mkfifo(fifo)
-    proc = kvtool("ask", fifo, "--question", QUESTIONS[0], *base(model_dir), "--ray", "auto", "--workers", "1")
+def test_sigterm_kills_a_hung_ray_worker_after_the_grace_period(cluster, model_dir, tmp_path):
+    """A worker that does not answer (hung in a system call or a library; here stopped with SIGSTOP mid-read,
+    since a FIFO document is now refused at open) cannot look at its stop flag: after the grace period the driver
+    kills it, says so in one line, and exits 143; no worker is left running."""
+    doc = tmp_path / "long.txt"
+    doc.write_text(" ".join(f"The cat number {j} sat on mat {j}." for j in range(40_000)), encoding="utf-8")
+    proc = kvtool("ask", doc, "--question", QUESTIONS[0], *base(model_dir), "--ray", "auto", "--workers", "1")
     wait_until(lambda: ray_workers("run") or proc.poll() is not None)
+    time.sleep(1.0)  # into the prefill
     assert proc.poll() is None, proc.communicate()
+    hung = ray_workers("run")
+    for p in hung:
+        p.send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
@@ -358,9 +364,13 @@ def test_sigterm_kills_a_ray_worker_blocked_on_a_fifo_after_the_grace_period(clu
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+    finally:
+        for p in hung:
+            with contextlib.suppress(Exception):
+                p.send_signal(signal.SIGCONT)
     assert proc.returncode == 143, err
     assert 4 < time.monotonic() - t0 < 30, err
-    assert f"ray: the worker reading {fifo} did not stop within 5 s; killed it" in err
+    assert f"ray: the worker reading {doc} did not stop within 5 s; killed it" in err
     assert err.strip().endswith("kvtool: terminated (SIGTERM)"), err
     wait_until(lambda: not ray_workers(), timeout=30)
 

@@ -14,31 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.gpu import CONFIGS, config_model, random_ids, timed  # noqa: E402
 from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill import parse_tokens  # noqa: E402
-
-
-def timed(fn, cuda: bool) -> float:
-    """Seconds of one call of ``fn`` (CUDA events on a GPU, so launches queue as they would in a read)."""
-    import torch
-
-    if not cuda:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000
 
 
 def main() -> int:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Any
 
@@ -91,6 +92,22 @@ def config_model(name: str, device_spec: str, dtype_spec: str, layers: int | Non
         model.init_weights()  # random weights on the device; RoPE inv_freq recomputed (to_empty left it garbage)
     model.eval().requires_grad_(False)
     return model, device
+
+
+def timed(fn, cuda: bool) -> float:
+    """Seconds of one call of ``fn`` (CUDA events on a GPU, so launches queue as they would in a read)."""
+    import torch
+
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
 
 
 def random_ids(vocab: int, n: int, seed: int = 0):

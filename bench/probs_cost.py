@@ -34,13 +34,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import CONFIGS, config_model, random_ids  # noqa: E402
+from bench.gpu import CONFIGS, config_model, random_ids, timed  # noqa: E402
 from bench.jsonfile import write_json  # noqa: E402
 from bench.prefill import parse_tokens  # noqa: E402
 
@@ -98,22 +98,8 @@ def print_counts(args, budget: int) -> list[dict]:
 
 
 def _timer(device):
-    """``fn`` → seconds of one call: CUDA events on a GPU (launches queue as in a read), the host clock elsewhere."""
-    import torch
-
-    def timed(fn) -> float:
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
-
-    return timed
+    """``fn`` → seconds of one call (``bench.gpu.timed``: CUDA events on a GPU, the host clock elsewhere)."""
+    return partial(timed, cuda=device.type == "cuda")
 
 
 def median_seconds(fn, timed, repeat: int) -> float:

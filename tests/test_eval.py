@@ -338,55 +338,13 @@ def test_cli_needle_json(tiny_dir: Path, text_file: Path, capsys: pytest.Capture
 def test_cli_needle_recall_runs_each_bounded_policy_with_and_without(
     tiny_dir: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rep = run_json(
-        [
-            "eval",
-            "needle",
-            "--haystack",
-            str(text_file.parent),
-            "--model",
-            str(tiny_dir),
-            "--lengths",
-            "300",
-            "--depths",
-            "0.5",
-            "--policies",
-            "sink",
-            "--budgets",
-            "160",
-            "--max-new-tokens",
-            "3",
-            "--recall",
-            "0,64",
-        ],
-        capsys,
-    )
+    argv = ["eval", "needle", "--haystack", str(text_file.parent), "--model", str(tiny_dir), "--lengths", "300",
+            "--depths", "0.5", "--policies", "sink", "--budgets", "160", "--max-new-tokens", "3", "--recall"]
+    rep = run_json([*argv, "0,64"], capsys)
     assert rep["settings"]["recalls"] == [0, 64]
     assert {(c["policy"], c["recall"]) for c in rep["results"]} == {("full", 0), ("sink", 0), ("sink", 64)}
     # the eviction-only answers come from the read that also archived: the same as a run without recall
-    alone = run_json(
-        [
-            "eval",
-            "needle",
-            "--haystack",
-            str(text_file.parent),
-            "--model",
-            str(tiny_dir),
-            "--lengths",
-            "300",
-            "--depths",
-            "0.5",
-            "--policies",
-            "sink",
-            "--budgets",
-            "160",
-            "--max-new-tokens",
-            "3",
-            "--recall",
-            "0",
-        ],
-        capsys,
-    )
+    alone = run_json([*argv, "0"], capsys)
     shared = next(c for c in rep["results"] if c["policy"] == "sink" and c["recall"] == 0)
     plain = next(c for c in alone["results"] if c["policy"] == "sink")
     assert shared["answers"] == plain["answers"]

@@ -401,4 +401,9 @@ class DecodeStep:
             return
         self.graph = graph
 
+    def take_failure(self) -> str | None:
+        """Why the capture failed, once (the engine notes it once; the step then stays eager)."""
+        failure, self.failure = self.failure, None
+        return failure
+
     failure: str | None = None

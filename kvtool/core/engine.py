@@ -498,8 +498,8 @@ class Engine:
                 fixed = fixed and step.signature == DecodeStep.key(cache, step.choose, eos)  # a switch to compact
             else:
                 step.run()
-                if step.failure is not None:
-                    self._note(f"decode: the step could not be captured ({step.failure}); decoding eagerly")
+                if (failure := step.take_failure()) is not None:
+                    self._note(f"decode: the step could not be captured ({failure}); decoding eagerly")
             quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
 
     def _read(self, chosen: list[int], eos_ids: set[int], out: list[int], on_token: Callable[[int], None] | None,

@@ -11,9 +11,12 @@ ALIGN = 16
 
 def to_device(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
     """Host tensors on ``device`` with one copy: packed back to back into one host buffer (pinned on CUDA, the
-    copy non-blocking), sent, and viewed in their dtypes and shapes there. On the CPU the packing alone runs
-    (the same code path, no copy to wait for). The pinned buffer comes from torch's caching host allocator,
-    which reuses a block only once the copies recorded on it have finished."""
+    copy non-blocking), sent, and viewed in their dtypes and shapes there. Tensors already on ``device`` (a CPU
+    cache) are returned as they are: packing them would only copy every scored row once more. The pinned
+    buffer comes from torch's caching host allocator, which reuses a block only once the copies recorded on it
+    have finished."""
+    if all(t.device == device for t in tensors):
+        return list(tensors)
     sizes = [t.numel() * t.element_size() for t in tensors]
     at, offsets = 0, []
     for n in sizes:

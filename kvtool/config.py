@@ -94,8 +94,9 @@ ROTATE_CHUNK = 1024
 # -- recall's scoring (``core/archive.py``, ``core/recall.py``; ``runtime/memory.py`` plans them) -----------------
 #: archived tokens per head whose exact scores recall holds at once; past it, with absolute positions
 #: only the pages Quest's bound ranks best are scored (bounded work per question), and with compact
-#: positions every token is, in two passes (the bound's summaries sit at original positions, the
-#: question at compact ones, so the bound does not hold across the two frames)
+#: positions every token is, held up to ``SCAN_BYTES`` of scores and else in two passes (the bound's
+#: summaries sit at original positions, the question at compact ones, so the bound does not hold across
+#: the two frames)
 SCAN = 32768
 #: the held scores ([h, rows, scanned] float32) are recall's largest transient buffer: a long
 #: question holds fewer tokens' scores rather than allocate more than this

@@ -205,6 +205,39 @@ def test_compact_recall_scores_every_archived_token_past_the_scan(monkeypatch):
     assert not all(torch.equal(a, b) for a, b in zip(chosen["absolute-10000"], chosen["absolute-8"], strict=True))
 
 
+def test_compact_recall_scores_the_archive_once_when_its_scores_fit(monkeypatch):
+    """Compact positions score every archived token: past ``SCAN`` they are held (one read and rotation of the
+    archive per group) while their scores fit ``SCAN_BYTES``, and read a second time only when not. The same
+    tokens come back either way."""
+    model = tiny_llama(max_positions=64)
+    monkeypatch.setattr(recall, "SCAN", 8)
+    real, insert = GroupArchive.scores, recall.insert
+    runs: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    for scan_bytes in (64 << 20, 64):  # 64 bytes: fewer than one page's scores, so a second pass
+        monkeypatch.setattr(recall, "SCAN_BYTES", scan_bytes)
+        reads, chosen = [0], []
+
+        def scores(self, *args, reads=reads, **kw):
+            reads[0] += 1
+            return real(self, *args, **kw)
+
+        def spy(g, keys, values, positions, ranking=None, chosen=chosen):
+            chosen.append(positions.clone())
+            insert(g, keys, values, positions, ranking)
+
+        monkeypatch.setattr(GroupArchive, "scores", scores)
+        monkeypatch.setattr(recall, "insert", spy)
+        engine = recall_engine(model, "sink", 24, 8, positions="compact")
+        cache, snap = read(engine, ids_of(150, 5))
+        assert min(a.length for a in recall.archives(cache)) > 8
+        engine.feed_question(cache, ids_of(6, 6), functools.partial(cache.restore, snap))
+        monkeypatch.setattr(recall, "insert", insert)
+        runs[scan_bytes] = (reads[0], chosen)
+    groups = len(runs[64][1])
+    assert groups and runs[64 << 20][0] == groups and runs[64][0] == 2 * groups
+    assert all(torch.equal(a, b) for a, b in zip(runs[64 << 20][1], runs[64][1], strict=True))
+
+
 def test_every_head_recalls_the_span_around_the_relevant_positions():
     """One ranking (by stream position) for every head, whatever order each archived its tokens in; the
     tokens after a match (the rest of its sentence) and a few before come with it."""

@@ -338,7 +338,7 @@ def recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], tokens
     work = [(li, g, _group_queries(g, by_layer[li], focus or slice(None)).float())
             for li, layer in enumerate(cache.layers) for g in layer.groups  # type: ignore[attr-defined]
             if g.archive is not None and g.archive.length and by_layer.get(li)]
-    holds = [max(g.archive.page_size, min(SCAN, SCAN_BYTES // (4 * q.shape[0] * q.shape[1]))) for _, g, q in work]
+    holds = [_hold(g, q, cache.compact) for _, g, q in work]
     relevance = torch.zeros(cache.seen + 1, device=cache.device)
     own_relevance: dict[int, Tensor] = {}
     per_layer = "layer" in select or trace is not None
@@ -390,6 +390,19 @@ def _bring_back(cache: BoundedCache, groups: list[tuple[int, HeadGroup]], tokens
         out.tokens = max(out.tokens, idx.shape[1])
         out.pages += a.touched(idx)
     return out
+
+
+def _hold(g: HeadGroup, q: Tensor, compact: bool) -> int:
+    """Archived tokens per head whose exact scores ``_attention`` holds between its softmax's two passes.
+
+    At most ``SCAN_BYTES`` of scores ([h, rows] float32 per token; at least a page's). With absolute positions
+    also at most ``SCAN``: past it the Quest bound picks that many tokens' pages, and only those are scored.
+    With compact positions every archived token is scored: a question whose scores fit ``SCAN_BYTES`` is
+    scored once, not read, rotated and scored a second time (the plan, ``memory.recall_scratch_bytes``,
+    already holds ``SCAN_BYTES`` for its planned question).
+    """
+    fits = SCAN_BYTES // (4 * q.shape[0] * q.shape[1])
+    return max(g.archive.page_size, fits if compact else min(SCAN, fits))  # type: ignore[union-attr]
 
 
 def _candidates(cache: BoundedCache, work: list[tuple[int, HeadGroup, Tensor]], holds: list[int]) -> list[Tensor]:

@@ -27,7 +27,6 @@ from kvtool.config import (
     KV_WINDOW_TOKENS,
     QUANT_BYTES_PER_PARAM,
     ROTATE_CHUNK,
-    SCAN,
     SCAN_BYTES,
     SCAN_CHUNK,
     SCORE_BYTES,
@@ -254,7 +253,8 @@ def recall_scratch_bytes(dims: Dims, elem: Any, budget: int, page: int, question
 
     The query log: the question's rows of every global layer, all attention heads, in the compute dtype. One
     group's rows gathered and in float32. The archive scores held between the softmax's two passes: at most
-    ``SCAN_BYTES``, or every archived token's (``archived`` per head, when known) if fewer. The scores being
+    ``SCAN_BYTES``, or every archived token's (``archived`` per head, when known) if fewer (with compact
+    positions every archived token is scored, so ``SCAN`` does not bound what is held). The scores being
     computed, a chunk of at most ``SCORE_BYTES`` (or one page), and their softmax's temporary. The question
     cannot exceed the budget (it is pinned in it).
     """
@@ -264,7 +264,7 @@ def recall_scratch_bytes(dims: Dims, elem: Any, budget: int, page: int, question
     log = layers * heads * q * d * e
     queries = heads * q * d * (e + 4)
     per_token = 4 * h * (heads // h) * q  # one token's scores: every row of every KV head
-    hold = max(page, min(SCAN, SCAN_BYTES // per_token))
+    hold = max(page, SCAN_BYTES // per_token)
     held = per_token * (hold if archived is None else min(hold, archived))
     archive_chunk = per_token * page * max(1, min(SCAN_CHUNK, SCORE_BYTES // (per_token * page)))
     kept_chunk = per_token * max(1, min(budget, SCORE_BYTES // per_token))

@@ -12,17 +12,12 @@ needle table (``full`` beside the default settings, paired on the same trials) o
 from __future__ import annotations
 
 import math
-import os
-import shlex
 import sys
-from pathlib import Path
 
 import gemma_tables
-from recall_logs import read_log, task_data
+from recall_logs import logged, task_data
 
 from kvtool.eval.stats import bootstrap_mean
-
-HERE = Path(__file__).resolve().parent
 
 
 def ppl_lines(records: dict[str, dict]) -> list[str]:
@@ -48,15 +43,9 @@ def ppl_lines(records: dict[str, dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    logs = Path(argv[1]) if len(argv) > 1 else HERE / "results-runs"
     needles = {}
-    for task, args in gemma_tables.TASKS.items():
-        path = logs / f"{task}.jsonl"
-        if not path.is_file():
-            continue
-        command = f"kvtool {shlex.join(args)} --resume {os.path.relpath(path)} --json"
+    for task, args, command, records in logged(gemma_tables.TASKS, argv):
         print(f"### {task}\n\n`{command}`\n")
-        records = read_log(path)
         if args[1] == "ppl":
             print("\n".join(ppl_lines(records)) + "\n")
         else:

@@ -28,9 +28,10 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a
 
 
 def tokens(text: str) -> int:
-    """"4k" → 4096; capped at 1M tokens (a bench, not a stress test)."""
-    text = text.strip().lower()
-    n = int(float(text[:-1]) * 1024) if text.endswith("k") else int(text)
+    """"4k" → 4096 (``bench.prefill.parse_tokens``); capped at 1M tokens (a bench, not a stress test)."""
+    from bench.prefill import parse_tokens
+
+    n = parse_tokens(text)
     if not 0 < n <= 1 << 20:
         raise SystemExit(f"length must be between 1 and 1M tokens (got {text})")
     return n

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import recall_variants
@@ -81,14 +83,18 @@ def rates(data: dict, task: str) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> int:
+def logged(tasks: dict[str, list[str]], argv: list[str]) -> Iterator[tuple[str, list[str], str, dict[str, dict]]]:
+    """(task, its argv, its command, its records) for each of ``tasks`` with a ``TASK.jsonl`` in the log directory
+    ``argv[1]`` (default bench/results-runs)."""
     logs = Path(argv[1]) if len(argv) > 1 else HERE / "results-runs"
-    data = {}
-    for task, args in recall_variants.TASKS.items():
+    for task, args in tasks.items():
         path = logs / f"{task}.jsonl"
         if path.is_file():
-            command = f"kvtool {' '.join(args)} --resume {os.path.relpath(path)} --json"
-            data[task] = task_data(read_log(path), command)
+            yield task, args, f"kvtool {shlex.join(args)} --resume {os.path.relpath(path)} --json", read_log(path)
+
+
+def main(argv: list[str]) -> int:
+    data = {task: task_data(records, command) for task, _, command, records in logged(recall_variants.TASKS, argv)}
     for task in data:
         print(f"### {task}\n\n`{data[task]['command']}`\n")
         print("\n".join(rates(data, task)) + "\n")

@@ -1,20 +1,20 @@
 """The host path recall took before it scored on the cache's device, kept as an oracle.
 
 Every group's queries go to the host (``.float().cpu()``), the archive is scored there
-(``GroupArchive.candidate_pages``, ``GroupArchive.scores``), the kept keys' log-sum-exp is summed on the
-host chunk by chunk, and the relevance is a host tensor. ``kvtool.core.recall.recall`` must choose the same
+(``GroupArchive.candidate_pages``, ``GroupArchive.scores``) in two passes past ``SCAN`` tokens, and the
+relevance is a host tensor. ``kvtool.core.recall.recall`` must choose the same
 positions and give the same answer (tests/test_recall_device.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from kvtool.config import DEFAULT_RECALL_PLACEMENT, SCAN_BYTES, SCORE_BYTES
+from kvtool.config import DEFAULT_RECALL_PLACEMENT, SCAN_BYTES
 from kvtool.core import recall as recall_module
 from kvtool.core.cache import BoundedCache, HeadGroup
 from kvtool.core.recall import RecallResult, _group_queries, grown, passage_ranking
@@ -47,7 +47,9 @@ def host_recall(cache: BoundedCache, log: Iterable[tuple[int, Tensor, float]], t
             place = _landing(g, cache.compact)
             own = own_relevance.setdefault(li, torch.zeros(cache.seen + 1)) if per_layer else None
             pool = "sum" if "sum" in select else "max"
-            for positions, probs in _attention(g, q, partial(a.scores, q, pages, place), scaling[li], hold, pool):
+            # the softmax over kept and scored tokens is recall's own (tested against brute force in test_recall)
+            for positions, probs in recall_module._attention(g, q, partial(a.scores, q, pages, place), scaling[li],
+                                                             hold, pool):
                 relevance.scatter_add_(0, positions.flatten(), probs.flatten())
                 if own is not None:
                     own.scatter_add_(0, positions.flatten(), probs.flatten())
@@ -79,32 +81,3 @@ def _landing(g: HeadGroup, compact: bool) -> Callable[[Tensor, Tensor], Tensor] 
         return rotator.rotate(keys, floor + torch.searchsorted(kept, positions.contiguous()) - positions)
 
     return place
-
-
-def _kept_logsumexp(g: HeadGroup, q: Tensor, scaling: float) -> Tensor:
-    keys = g.stored_keys()
-    h, r = q.shape[0], q.shape[1]
-    step = max(1, SCORE_BYTES // (4 * h * max(r, 1)))
-    z = torch.full((h, r, 1), -float("inf"))
-    for a in range(0, keys.shape[1], step):
-        scores = torch.bmm(q, keys[:, a : a + step].float().cpu().transpose(1, 2)).mul_(scaling)
-        z = torch.logaddexp(z, torch.logsumexp(scores, dim=2, keepdim=True))
-    return z
-
-
-def _attention(g: HeadGroup, q: Tensor, chunks: Callable[[], Iterator[tuple[Tensor, Tensor]]], scaling: float,
-               hold: int, pool: str = "max") -> Iterator[tuple[Tensor, Tensor]]:
-    z = _kept_logsumexp(g, q, scaling)
-    held: list[tuple[Tensor, Tensor]] = []
-    count = 0
-    for positions, scores in chunks():
-        z = torch.logaddexp(z, torch.logsumexp(scores.mul_(scaling), dim=2, keepdim=True))
-        count += scores.shape[2]
-        if count <= hold:
-            held.append((positions, scores))
-        else:
-            held.clear()
-    again = held if count <= hold else ((p, s.mul_(scaling)) for p, s in chunks())
-    for positions, scores in again:
-        probs = scores.sub_(z).exp_()
-        yield positions, probs.sum(1) if pool == "sum" else probs.amax(1)

@@ -298,7 +298,7 @@ def gpu_targets(rows: list[dict], budget: int, report, find) -> None:
             report(f"peak allocated 128K / (weights + budget KV + one block's activations), {label}",
                    r["peak_bytes"] / bound, 1.10, higher_is_better=False)
         floor = find(rows, "dense", budget)
-        if r and floor and r.get("decode_seconds") and floor.get("decode_seconds"):
+        if r and floor and all(x.get("decode_tokens") and x.get("decode_seconds") for x in (r, floor)):
             report(f"decode after 128K at budget {budget} / transformers' decode after {budget} tokens, {label}",
                    (r["decode_tokens"] / r["decode_seconds"]) / (floor["decode_tokens"] / floor["decode_seconds"]),
                    0.95)

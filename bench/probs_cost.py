@@ -146,7 +146,7 @@ def layer_paths(q, k, v, scaling: float, rows_per_chunk: int):
              "pass 1 (forward + lse)": lambda: impl.forward(q, k, v, scaling, vis, lse),
              "pass 2 (statistic)": lambda: impl.column_sums(q, k, lse, scaling, vis, 0, sums)}
     if q.device.type == "cuda":  # a yardstick for pass 1, not a path kvtool takes: the op is private to torch
-        bias = folded.view(1, 1, qk * m, n)
+        bias = folded.view(1, 1, qk * m, n).expand(1, h, qk * m, n)  # the op checks the bias's head dimension
         efficient = torch.ops.aten._scaled_dot_product_efficient_attention
         folded_q = q.reshape(1, h, qk * m, d)
         paths["sdpa efficient + lse (private aten op)"] = lambda: efficient(folded_q, k, v, bias, True, scale=scaling)

@@ -23,8 +23,8 @@ from bench.launches import SYNC_OPS
 
 KVTOOL = str(Path(__file__).resolve().parents[1] / "kvtool") + "/"
 #: functions of kvtool/core/archive.py whose tensors are host rows from the stores on every device
-HOST_SIDE = frozenset({"read", "_positions", "positions_of", "all_positions", "top_by_position", "touched", "flush",
-                       "_decode", "_dequantize"})
+HOST_SIDE = frozenset({"read", "_rows", "_positions", "positions_of", "all_positions", "top_by_position", "touched",
+                       "flush", "_decode", "_dequantize"})
 
 
 def _caller(depth: int) -> tuple[str, str] | None:

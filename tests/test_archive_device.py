@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+from concurrent import futures
 
 import pytest
 import torch
@@ -341,6 +342,118 @@ def test_close_and_release_with_staged_bytes_leave_no_descriptor(tmp_path):
     del dropped
     gc.collect()
     assert _open_descriptors() == before and os.listdir(tmp_path) == []
+
+
+# -- d2. written behind: the stack's stores written by the writer thread while the next block computes -----------
+class _Gate:
+    """A store factory whose stores' appends run on whichever thread calls them, noted, and can be held back
+    (``hold``) or made to fail once (``fail``): what the writer thread meets in a real file store."""
+
+    def __init__(self, tmp_path) -> None:
+        import threading
+
+        self.tmp_path = tmp_path
+        self.threads: set[str] = set()
+        self.open = threading.Event()
+        self.open.set()
+        self.fail = False
+
+    def __call__(self, row_bytes: int) -> FileStore:
+        store, real, gate = FileStore(row_bytes, self.tmp_path), FileStore.append, self
+
+        def append(rows: Tensor) -> None:
+            import threading
+
+            gate.threads.add(threading.current_thread().name)
+            assert gate.open.wait(10)
+            if gate.fail:
+                gate.fail = False
+                raise OSError(28, "No space left on device")
+            real(store, rows)
+
+        store.append = append  # type: ignore[method-assign]
+        return store
+
+
+def _stack(gate: _Gate, dtype: torch.dtype, layers: int = 3) -> list[GroupArchive]:
+    work = AppendWork(background=True)
+    return [GroupArchive(H, D, dtype, P, gate, work) for _ in range(layers)]
+
+
+def _layers(sizes: tuple[int, ...], layers: int = 3, seed: int = 13) -> list[tuple[Tensor, Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(layers, H, n, D, generator=g) * 3), torch.randn(layers, H, n, D, generator=g),
+             torch.randint(0, 1 << 20, (layers, H, n), generator=g)) for n in sizes]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_stack_written_behind_stores_what_writing_between_blocks_stores(dtype, tmp_path):
+    """Written on the writer thread (``AppendWork(background=True)``, CUDA's default), with reads between appends:
+    every layer's stores, summaries and reads equal the host reference's, and no append waited for a write."""
+    from kvtool.core.archive import append_layers
+
+    gate = _Gate(tmp_path)
+    ours = _stack(gate, dtype)
+    refs = [HostArchive(H, D, dtype, P, MemoryStore) for _ in range(3)]
+    data = _layers(STEADY)
+    for i, (k, v, p) in enumerate(data):
+        gate.open.clear()  # this append's writes cannot run yet
+        append_layers(ours, k, v, p)  # returns all the same: nothing waited for them
+        gate.open.set()
+        futures.wait(list(ours[0].work.jobs))  # before the next append stages in the buffer two appends back
+        for layer, ref in enumerate(refs):
+            ref.append(k[layer], v[layer], p[layer])
+        if i % 4 == 3:  # a read waits for every queued write first
+            assert torch.equal(ours[1].all_positions(), refs[1].all_positions())
+    assert gate.threads == {"kvtool-archive_0"}  # every store write ran on the writer thread
+    for arch, ref in zip(ours, refs, strict=True):
+        assert_same(arch, ref)
+    for arch in ours:
+        arch.close()
+    assert ours[0].work.writer is None and os.listdir(tmp_path) == []
+
+
+def test_a_failed_write_behind_stops_the_read_at_a_later_append_once(tmp_path):
+    """A write that fails on the writer thread (a full disk) raises from the next append that finds it done, once;
+    the appends after it go on (the failed rows are not written again)."""
+    from kvtool.core.archive import append_layers
+
+    gate = _Gate(tmp_path)
+    ours = _stack(gate, torch.int8)
+    data = _layers((8, 8, 8, 8))
+    append_layers(ours, *data[0])
+    ours[0].work.wait()
+    gate.fail = True
+    append_layers(ours, *data[1])
+    ours[0].work.jobs[0].exception(timeout=10)  # the failed write has run
+    with pytest.raises(OSError, match="No space left"):
+        append_layers(ours, *data[2])
+    append_layers(ours, *data[3])
+    ours[0].work.wait()  # nothing raises twice
+    assert ours[0].store.rows == 3 * 8 - 8  # one append's rows were lost with the failure, the others written
+    for arch in ours:
+        arch.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_closing_a_stack_with_writes_queued_waits_for_them_and_leaves_nothing_open(tmp_path):
+    import threading
+
+    from kvtool.core.archive import append_layers
+
+    before, writers = _open_descriptors(), {t for t in threading.enumerate() if t.name.startswith("kvtool-archive")}
+    gate = _Gate(tmp_path)
+    ours = _stack(gate, torch.float16)
+    for k, v, p in _layers((5, 11, 16)):
+        append_layers(ours, k, v, p)
+    gate.open.clear()
+    append_layers(ours, *_layers((7,), seed=3)[0])
+    threading.Timer(0.2, gate.open.set).start()  # the queued write finishes while close waits for it
+    for arch in ours:
+        arch.close()
+    assert not ours[0].work.jobs and ours[0].work.writer is None
+    assert _open_descriptors() == before and os.listdir(tmp_path) == []
+    assert {t for t in threading.enumerate() if t.name.startswith("kvtool-archive")} == writers  # its writer stopped
 
 
 # -- e. no allocation per block ----------------------------------------------------------------------------------

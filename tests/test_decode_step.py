@@ -95,6 +95,24 @@ def test_compact_positions_and_a_switch_inside_the_answer(positions):
     ]
 
 
+@pytest.mark.parametrize("positions", ["compact", "auto"])
+def test_compact_positions_in_16_bits_keep_the_original_keys_in_the_step(positions):
+    """A 16-bit cache at compact positions keeps each key at its original position too (re-packs turn keys from
+    there): the step writes it, turned back by the stream-minus-rotary delta exactly as the block path's append
+    does, so the answer, the rotary positions and the original keys are the block path's (the switch at the
+    question of a document past the model's range is what a 128K read of a 128K-position model does)."""
+    want = decode("llama3", "h2o", "blocks", new=90, positions=positions, max_positions=128, dtype=torch.bfloat16)
+    got = decode("llama3", "h2o", "eager", new=90, positions=positions, max_positions=128, dtype=torch.bfloat16)
+    assert got[3].compact and got[2].decode_step_of(got[3]) is not None  # the step ran, not the block path
+    assert all(g.origin_keys(g.length) is not None for g in got[3].groups())
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+    for mine, theirs in zip(got[3].groups(), want[3].groups(), strict=True):
+        assert torch.equal(mine.rotary[:, : mine.length], theirs.rotary[:, : theirs.length])
+        assert torch.equal(mine.origin_keys(mine.length), theirs.origin_keys(theirs.length))
+        assert torch.equal(mine.stored_keys()[:, : mine.length], theirs.stored_keys()[:, : theirs.length])
+
+
 def test_citation_mass_is_the_block_paths():
     want = decode("llama3", "tova", "blocks", cite=True)
     got = decode("llama3", "tova", "eager", cite=True)
@@ -246,12 +264,14 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["h2o", "sink"])
-def test_cuda_the_captured_step_is_the_eager_step(policy):
+@pytest.mark.parametrize(("policy", "positions"), [("h2o", "absolute"), ("sink", "absolute"), ("h2o", "compact")])
+def test_cuda_the_captured_step_is_the_eager_step(policy, positions):
     """bf16 on the GPU, 256 tokens: the replayed graph gives the eager step's tokens and kept positions after
-    every eviction (the same kernels, so exactly), and the step was captured."""
-    eager = decode("llama3", policy, "eager", new=256, device="cuda", dtype=torch.bfloat16)
-    captured = decode("llama3", policy, "capture", new=256, device="cuda", dtype=torch.bfloat16)
+    every eviction (the same kernels, so exactly), and the step was captured; at compact positions with a
+    128-token range, original keys kept and renormalised on the way (what a read past the range decodes with)."""
+    kw = {"positions": positions, "max_positions": 128 if positions == "compact" else 2048}
+    eager = decode("llama3", policy, "eager", new=256, device="cuda", dtype=torch.bfloat16, **kw)
+    captured = decode("llama3", policy, "capture", new=256, device="cuda", dtype=torch.bfloat16, **kw)
     step = captured[2].decode_step_of(captured[3])
     assert step is not None and step.graph is not None and step.failure is None
     assert len(eager[1]) >= 10

@@ -23,70 +23,25 @@ owner closes the descriptors when its cache is released (``recall.attach`` regis
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from kvtool.config import SCAN_CHUNK, SCORE_BYTES
 from kvtool.core.archive_stores import ArchiveStore, SplitRows
+from kvtool.core.archive_work import SUMMARY_DTYPE, AppendWork
 from kvtool.core.staging import to_device
 from kvtool.errors import UsageError
 
 DEFAULT_PAGE_SIZE = 32
-#: page summaries in float16 (rounded outward): half the host memory per evicted token of float32
-SUMMARY_DTYPE = torch.float16
-#: completed pages whose summaries are read at once while bounding
-SUMMARY_CHUNK = 4096
-
-
-class Constants(NamedTuple):
-    """``AppendWork.constants``: outward rounding's signs [1, 2, 1, 1] (minima −1, maxima +1, float32) and
-    limits (−inf, +inf in ``SUMMARY_DTYPE``), zero, and int8's largest code, as float32 tensors."""
-
-    sign: Tensor
-    limit: Tensor
-    zero: Tensor
-    top: Tensor
-
-
-class AppendWork:
-    """The buffers archive appends compute in, per device: grown to the largest block, never per block.
-
-    One append's packed bytes (K/V rows, positions, the summaries of the pages it completes) and the
-    float32 work of its summaries and int8 quantization, sized for the most pages a block can touch. A
-    cache's archives share one (``recall.attach``): layers append in turn, and on CUDA the copy out of
-    ``packed`` is queued before the next layer's kernels overwrite it.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.device], Tensor] = {}
-        self.limits: dict[torch.device, Constants] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Buffer ``name`` viewed as ``shape`` in ``dtype`` (contents undefined); replaced only when too small."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        key = (name, device)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes].view(dtype).view(shape)
-
-    def constants(self, device: torch.device) -> Constants:
-        """The append's constants on ``device``, made once (a Python number would be wrapped and cast per call)."""
-        got = self.limits.get(device)
-        if got is None:
-            sign = torch.ones(1, 2, 1, 1, device=device)  # filled on the device: no copy from the host
-            sign[:, 0] = -1.0
-            got = self.limits[device] = Constants(sign, (sign * float("inf")).to(SUMMARY_DTYPE),
-                                                  torch.zeros((), device=device), torch.full((), 127.0, device=device))
-        return got
-
-
 #: byte alignment of each part of an append's packed bytes (so each part can be viewed in its dtype)
 ALIGN = 16
+#: completed pages whose summaries are read at once while bounding
+SUMMARY_CHUNK = 4096
 
 
 class GroupArchive:
@@ -143,6 +98,10 @@ class GroupArchive:
         # append is staged in, and the event marking their copy's end
         self.stack_host = torch.empty(0, dtype=torch.uint8)
         self.stack_event: torch.cuda.Event | None = None
+        # writing behind (``AppendWork.background``): a second buffer and event, so the next append stages while
+        # the writer still reads the last one; each buffer's write job, waited for before it is staged in again
+        self.stack_spare: tuple[Tensor, torch.cuda.Event | None] = (torch.empty(0, dtype=torch.uint8), None)
+        self.stack_jobs: list[Future | None] = [None, None]
 
     @staticmethod
     def row_bytes(num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -214,19 +173,28 @@ class GroupArchive:
 
     @torch.inference_mode()
     def flush(self) -> None:
-        """Write the staged bytes of the last append to the stores, once their copy has landed.
+        """Write the staged bytes of the last append to the stores, once their copy has landed, after every write
+        the writer thread still has queued (``AppendWork.wait``).
 
         The staged rows are taken first, so a failed write (a full disk) is not repeated by the next call.
         """
+        self.work.wait()
+        self._flush_staged()
+
+    def _flush_staged(self) -> None:
         if self.staged is None:
             return
         counts, self.staged = self.staged, None
         if self.copied is not None:
             self.copied.synchronize()
+        self._write(self.staging, counts)
+
+    def _write(self, staging: Tensor, counts: tuple[int, ...]) -> None:
+        """One append's staged bytes (laid out by ``_offsets(counts)``) into the stores."""
         at = self._offsets(counts)
         for st, k, start in zip(self.parts, counts, at[:-1], strict=True):
             if k:
-                st.append(self.staging[start : start + k * st.row_bytes].view(k, st.row_bytes))
+                st.append(staging[start : start + k * st.row_bytes].view(k, st.row_bytes))
 
     def page_summaries(self, first: int = 0, last: int | None = None) -> tuple[Tensor, Tensor]:
         """Key minima and maxima [h, pages, d] (float16, CPU) of pages ``first`` … ``last`` − 1 (default: all)."""
@@ -302,18 +270,21 @@ class GroupArchive:
         Yields the tokens' original positions [h, a] and their scores per query row [h, r, a] (−inf for
         a tail page's missing tokens): the transient buffer is one chunk, at most ``SCORE_BYTES`` (or one
         page's), however many pages. Each chunk's keys, positions and validity are read on the host and
-        sent with one copy (``to_device``).
+        sent with one copy (``to_device``) as stored: int8 rows are dequantized on the queries' device, so a GPU
+        receives a quarter of the float32 bytes and the host converts nothing.
         ``place(keys, positions)`` moves keys into the queries' frame first (compact positions).
         """
         P = self.page_size
         q = queries.float()
         span = torch.arange(min(P, self.length))  # a page longer than the archive holds only what was archived
         step = max(1, min(SCAN_CHUNK, SCORE_BYTES // (4 * self.h * max(q.shape[1], 1) * P)))
+        heads = torch.arange(self.h, device=q.device).unsqueeze(1)
         for lo in range(0, pages.shape[1], step):
             idx = (pages[:, lo : lo + step].unsqueeze(-1) * P + span).reshape(self.h, -1)
             valid = idx < self.length
-            keys, _, pos = self.read(idx.clamp(max=self.length - 1), values=False)
-            keys, pos, valid = to_device([keys, pos, valid], q.device)
+            rows, _, inverse, pos = self._rows(idx.clamp(max=self.length - 1), values=False)
+            rows, inverse, pos, valid = to_device([rows, inverse, pos, valid], q.device)
+            keys = self._decode(rows)[inverse, heads]  # [h, a, d], as ``read`` gives them
             if place is not None:
                 keys = place(keys, pos)
             yield pos, torch.bmm(q, keys.float().transpose(1, 2)).masked_fill_(~valid.unsqueeze(1), float("-inf"))
@@ -338,12 +309,19 @@ class GroupArchive:
         """Keys, values [h, T, d] (None unless ``values``) and positions [h, T] of archive indices ``index`` [h, T].
 
         Without ``values`` only the key parts are read (and dequantized): scoring reads half the bytes."""
+        krows, vrows, inverse, pos = self._rows(index, values)
+        heads = torch.arange(self.h).unsqueeze(1)
+        keys = self._decode(krows)[inverse, heads]
+        return keys, None if vrows is None else self._decode(vrows)[inverse, heads], pos
+
+    def _rows(self, index: Tensor, values: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """The stored rows of archive indices ``index`` [h, T] as the stores hold them (host): the key parts
+        [u, part_bytes] of the u distinct rows, their value parts (None unless ``values``), where each index's
+        row is among them [h, T] and the positions [h, T]. Every head's i-th token shares row i: one read each."""
         self.flush()
         uniq, inverse = torch.unique(index, return_inverse=True)
-        heads = torch.arange(self.h).unsqueeze(1)
-        keys = self._decode(self.store.read_keys(uniq))[inverse, heads]
-        vals = self._decode(self.store.read_values(uniq))[inverse, heads] if values else None
-        return keys, vals, self._positions(uniq, inverse)  # the same rows: one unique, not two
+        vrows = self.store.read_values(uniq) if values else None
+        return self.store.read_keys(uniq), vrows, inverse, self._positions(uniq, inverse)
 
     def _decode(self, part: Tensor) -> Tensor:
         """Key (or value) parts [u, part_bytes] → [u, h, d]: int8 dequantized to float32, else viewed in the dtype."""
@@ -386,7 +364,9 @@ class GroupArchive:
         self.length = n
 
     def close(self) -> None:
-        """Close the stores; staged bytes are dropped with them (nothing can read either afterwards)."""
+        """Close the stores once the writer thread is done with them; staged bytes are dropped with them (nothing
+        can read either afterwards)."""
+        self.work.close()
         self.staged = None
         self.staging = torch.empty(0, dtype=torch.uint8)  # a copy still in flight keeps its pinned block
         for st in (self.store, self.index, self.summaries):
@@ -407,8 +387,14 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     a0, L, n = archives[0], len(archives), keys.shape[2]
     if n == 0:
         return
-    for a in archives:
-        a.flush()  # the previous append's bytes: their copy has overlapped the compute since
+    behind = len(archives) > 1 and a0.work.writes_behind(keys.device)
+    if behind:
+        a0.work.raise_failed()  # a write that failed since (a full disk) stops the read here
+    for a in archives:  # the previous append's bytes: their copy has overlapped the compute since
+        if behind:
+            a._flush_staged()  # bytes an append of this archive alone staged; the stack's are the writer's
+        else:
+            a.flush()
     if any(a.length != a0.length for a in archives):
         raise ValueError("archives appended together must hold the same number of tokens")
     h, d, P, device, work = a0.h, a0.d, a0.page_size, keys.device, a0.work
@@ -435,14 +421,32 @@ def append_layers(archives: list[GroupArchive], keys: Tensor, values: Tensor, po
     if L == 1:
         a0._stage(packed[0], counts, at[-1])
         return
+    if behind:  # the buffer two appends back: its write is done by now, or waited for here
+        a0.stack_host, a0.stack_event, a0.stack_spare = *a0.stack_spare, (a0.stack_host, a0.stack_event)
+        a0.stack_jobs.reverse()
+        if (job := a0.stack_jobs[0]) is not None:
+            wait_for([job])  # a failure raises from ``AppendWork`` (its queue), once
     staging, event = a0.stack_staging(L * stride, device)
     # both sides contiguous: a device-to-pinned copy of a strided tensor would go through a pageable temporary
     # (a hidden host sync each block), and a strided copy on the host walks row by row
     staging.copy_(packed.view(L * stride), non_blocking=device.type == "cuda")
     if event is not None:
         event.record(torch.cuda.current_stream(device))
+    if behind:
+        a0.stack_jobs[0] = a0.work.submit(partial(_write_behind, archives, staging, event, counts, stride))
+        return
     for layer, a in enumerate(archives):
         a.staging, a.pinned, a.copied, a.staged = staging[layer * stride : (layer + 1) * stride], False, event, counts
+
+
+@torch.inference_mode()  # thread-local: the writer thread enters it itself
+def _write_behind(archives: list[GroupArchive], staging: Tensor, event: torch.cuda.Event | None,
+                  counts: tuple[int, ...], stride: int) -> None:
+    """On the writer thread: once the staging copy has landed, each layer's row of ``staging`` into its stores."""
+    if event is not None:
+        event.synchronize()
+    for layer, a in enumerate(archives):
+        a._write(staging[layer * stride : (layer + 1) * stride], counts)
 
 
 def _open_pages(archives: list[GroupArchive], device: torch.device) -> Tensor:
@@ -456,7 +460,11 @@ def _open_pages(archives: list[GroupArchive], device: torch.device) -> Tensor:
     a0 = archives[0]
     opens = torch.empty(len(archives), 2, a0.h, a0.d, dtype=SUMMARY_DTYPE, device=device)
     for layer, a in enumerate(archives):  # once per stack (or after a load): a copy of each open page so far
-        opens[layer].copy_(a.tail)
+        if a.tail is a.empty:  # filled where it lives: a copy from pageable host memory would be a host sync
+            opens[layer, 0].fill_(float("inf"))
+            opens[layer, 1].fill_(float("-inf"))
+        else:
+            opens[layer].copy_(a.tail)
         a.open_page, a.open_pages = opens[layer], opens
     return opens
 

@@ -215,7 +215,8 @@ def _sdpa(cache: BoundedCache, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | N
     folded_q = q.reshape(1, h, q_per_kv * m, d)  # a view for decode rows and for index-selected groups
     folded_mask = None if mask is None else _sdpa_mask(cache, mask, q_per_kv, q.dtype, key)
     out = F.scaled_dot_product_attention(folded_q, k, v, attn_mask=folded_mask, scale=scaling)
-    return out.view(1, h * q_per_kv, m, v.shape[-1])
+    # a CUDA kernel may return its output as [1, q_per_kv · m, h, d] transposed: then unfolding the heads copies it
+    return out.reshape(1, h * q_per_kv, m, v.shape[-1])
 
 
 def _explicit_chunked(cache: BoundedCache, g: HeadGroup, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,

@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtool.core.cache import BoundedCache, HeadGroup
 from kvtool.core.contract import ScoreContext
+from kvtool.core.positions import RotationWork, Rotator
 from kvtool.core.sampling import Chooser
 
 #: answer tokens the step's ring holds at first (it doubles, with a new capture, when an answer is longer)
@@ -71,8 +72,10 @@ def unsupported(cache: BoundedCache, choose: Chooser) -> str | None:
             return "an unbounded cache grows with the document"
         if g.slots < g.usable_slots:
             return "the cache's buffers are still growing toward capacity + block"
-        if "origin" in g.buffers or g.recent is not None:
-            return "keys kept at their original positions (compact 16-bit or int4 window)"
+        if g.recent is not None:
+            return "an int4 cache's full-precision window of recent keys"
+        if "origin" in g.buffers and g.rotator is None:
+            return "keys kept at their original positions without a rotator"
         if g.policy.observe_every_step and not g.policy.observe_fixed:
             return f"policy {g.policy.spec!r} observes every token with host values"
     return None
@@ -144,6 +147,19 @@ class DecodeStep:
         self.tok = torch.zeros(1, 1, dtype=long, device=dev)
         self.pos = torch.zeros(1, 1, dtype=long, device=dev)
         self.orig = torch.zeros(1, dtype=long, device=dev)
+        # compact positions in 16 bits: the stream position minus the rotary one (constant between host steps,
+        # both advance by one a token), the turn that takes a new key back to its original position
+        self.delta = torch.zeros(1, 1, dtype=long, device=dev)
+        # the rotators' own buffers: the cache's are shared with re-packs and recall, which may grow them between
+        # replays (a captured graph would write into freed memory); made here, so no step allocates
+        self.rotation_work = RotationWork()
+        self.rotators: list[Rotator | None] = [None] * len(self.groups)
+        for i, g in enumerate(self.groups):
+            if "origin" in g.buffers and g.rotator is not None:
+                rot = self.rotators[i] = Rotator(g.rotator.inv_freq, 2 * g.rotator.inv_freq.numel(), self.rotation_work)
+                key = g.buffers.items["keys"].data
+                rot.rotate(torch.zeros(g.num_heads, 1, key.shape[-1], dtype=key.dtype, device=dev),
+                           self.delta.expand(g.num_heads, 1))
         self.t = torch.zeros(1, dtype=long, device=dev)
         self.fills = torch.zeros(len(self.groups), dtype=long, device=dev)
         self.fill = [self.fills[i : i + 1] for i in range(len(self.groups))]
@@ -190,6 +206,8 @@ class DecodeStep:
             self.tok,
             self.pos,
             self.orig,
+            self.delta,
+            *self.rotation_work.buffers.values(),
             self.t,
             self.fills,
             self.slot_ids,
@@ -226,6 +244,7 @@ class DecodeStep:
         self.fills.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         self.orig.fill_(cache.seen)
         self.pos.fill_(cache.rope.first_rotary(cache.seen))
+        self.delta.fill_(cache.seen - cache.rope.first_rotary(cache.seen))
 
     def ensure_room(self, t: int) -> None:
         """Room in the ring for answer token ``t``: twice the ring when it is full (a new capture follows)."""
@@ -299,6 +318,9 @@ class DecodeStep:
         items = g.buffers.items
         h = g.num_heads
         src = {"keys": keys, "values": values, "positions": self.orig.expand(h, 1), "rotary": self.pos.expand(h, 1)}
+        rotator = self.rotators[layer_idx]
+        if rotator is not None:  # as ``HeadGroup.append``: the key turned back to its stream position
+            src["origin"] = rotator.rotate(keys, self.delta.expand(h, 1))
         state = self.new_state[layer_idx]
         if state.numel():
             consts = g.policy.constants(keys, values)
@@ -372,7 +394,7 @@ class DecodeStep:
     # -- capture (CUDA) --------------------------------------------------------------------------------------
     def _mutable(self) -> list[Tensor]:
         """What a step changes besides the slot it writes: restored after the capture's warm-up step."""
-        out = [self.tok, self.pos, self.orig, self.t, self.fills, self.ring]
+        out = [self.tok, self.pos, self.orig, self.delta, self.t, self.fills, self.ring]
         for g in self.groups:
             out += [g.state] + ([g.mass] if g.mass is not None else [])
         return out + ([self.cache.mass_gate] if self.cache.mass_gate is not None else [])

@@ -18,7 +18,8 @@
 #               against H2O's statistic (the column-sum kernel), the Triton forward against SDPA, the explicit
 #               statistic; the share statistic / forward (target <= 10%) and the counted traffic (<= 1.2x)
 #   decode      bench/decode_step.py --config llama-3.1-8b: transformers' own decode after 32K, then decode tok/s
-#               after DECODE_LENGTHS (32k,4k,128k) for h2o and sink: the step captured / eager / the block path
+#               after DECODE_LENGTHS (32k,4k,128k) for h2o and sink in DECODE_MODES (capture,eager: the step captured
+#               and not; "blocks", the block path, read 14-41 tok/s on the H200 and cost a minute: opt-in)
 #   bench       bench/prefill.py --config llama-3.1-8b: the default ask path (h2o + recall) and sink at
 #               4K/32K/128K against transformers' dense SDPA (all lengths) and chunked prefill (to 32K), every
 #               row warmed up once in its own child and timed between synchronisations; tok/s, MFU, the
@@ -35,7 +36,8 @@
 # syncs are opt-in, the tests step holds their bf16 oracles and sync-debug checks), LENGTHS
 # (default 4k,32k,128k), BUDGET (4k), BLOCK (auto: what kvtool picks on the GPU), DECODE_TOKENS (0: the bench
 # step's decode rows would include the step's capture; decode is measured by the decode step, warmed up),
-# PYTHON (default: .venv's python if present, else python3).
+# DECODE_LENGTHS (32k,4k,128k), DECODE_MODES (capture,eager), PYTHON (default: .venv's python if present, else
+# python3).
 # Exit code: 0 when every step ran and passed, 1 otherwise (the JSON says which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,18 +55,19 @@ BLOCK=${BLOCK:-auto}
 DECODE_TOKENS=${DECODE_TOKENS:-0}
 ONLY=${ONLY:-preflight,tests,probs,decode,bench,smi}
 DECODE_LENGTHS=${DECODE_LENGTHS:-32k,4k,128k}
+DECODE_MODES=${DECODE_MODES:-capture,eager}
 
 # name | cap (s) | predicted (s) | command (run from the repository root; $W is the step-JSON folder)
 STEPS=(
   "preflight|30|5|$PY bench/preflight.py --json \$W/preflight.json"
-  "tests|180|100|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs; \
+  "tests|180|120|$PY -m pytest -m cuda tests/test_cuda.py tests/test_archive_device.py tests/test_decode_step.py -p no:cacheprovider -q -rs; \
 a=\$?; $PY -m pytest tests/test_column_sums.py -p no:cacheprovider -q -rs; b=\$?; exit \$(( a > b ? a : b ))"
   "equality|90|30|$PY bench/real_equality.py --config llama-3.1-8b --layers 4 --tokens 4k --json \$W/equality.json"
   "syncs|90|30|$PY bench/sync_debug.py --config llama-3.1-8b --layers 4 --json \$W/syncs.json"
   "probs|90|25|$PY bench/probs_cost.py --measure --config llama-3.1-8b --layers 4 --budget $BUDGET --blocks 128,1024 \
 --json \$W/probs.json"
-  "decode|240|150|$PY bench/decode_step.py --config llama-3.1-8b --lengths $DECODE_LENGTHS --policies h2o,sink \
---budget $BUDGET --decode-tokens 256 --baseline-lengths 32k --json \$W/decode.json"
+  "decode|240|130|$PY bench/decode_step.py --config llama-3.1-8b --lengths $DECODE_LENGTHS --policies h2o,sink \
+--modes $DECODE_MODES --budget $BUDGET --decode-tokens 256 --baseline-lengths 32k --json \$W/decode.json"
   "bench|300|220|$PY bench/prefill.py --config llama-3.1-8b --lengths $LENGTHS --ask-policies h2o --policies sink \
 --budget $BUDGET --block-size $BLOCK --dense-max 128k --chunked-max 32k --memory-lengths 4k,128k --warmup on \
 --concurrency-length '' --decode-tokens $DECODE_TOKENS --child-timeout 150 --json \$W/bench.json"

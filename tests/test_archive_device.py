@@ -397,12 +397,13 @@ def test_a_stack_written_behind_stores_what_writing_between_blocks_stores(dtype,
     refs = [HostArchive(H, D, dtype, P, MemoryStore) for _ in range(3)]
     data = _layers(STEADY)
     for i, (k, v, p) in enumerate(data):
-        gate.open.clear()  # this append's writes cannot run yet
-        append_layers(ours, k, v, p)  # returns all the same: nothing waited for them
-        gate.open.set()
-        futures.wait(list(ours[0].work.jobs))  # before the next append stages in the buffer two appends back
         for layer, ref in enumerate(refs):
             ref.append(k[layer], v[layer], p[layer])
+        gate.open.clear()  # this append's writes cannot run yet
+        append_layers(ours, k, v, p)  # returns all the same: nothing waited for them
+        assert [a.nbytes() for a in ours] == [r.nbytes() for r in refs]  # rows on their way are counted
+        gate.open.set()
+        futures.wait(list(ours[0].work.jobs))  # before the next append stages in the buffer two appends back
         if i % 4 == 3:  # a read waits for every queued write first
             assert torch.equal(ours[1].all_positions(), refs[1].all_positions())
     assert gate.threads == {"kvtool-archive_0"}  # every store write ran on the writer thread

@@ -121,10 +121,12 @@ class GroupArchive:
         return self.store.keys, self.store.values, self.index, self.summaries
 
     def nbytes(self) -> int:
-        """Bytes held: K/V rows, positions and page summaries (in the stores or staged) and the open page."""
-        staged = self.staged or (0, 0, 0, 0)  # counted, not written: no flush (and no sync) to report a size
-        held = sum((st.rows + k) * st.row_bytes for st, k in zip(self.parts, staged, strict=True))
-        return held + self.tail.numel() * self.tail.element_size()
+        """Bytes held: K/V rows, positions and page summaries (in the stores, staged or being written behind) and
+        the open page. Counted from the archived tokens: no flush (and no sync) to report a size, and no read of
+        a store the writer thread is appending to."""
+        rows = self.length * (self.store.row_bytes + self.index.row_bytes)
+        pages = self.length // self.page_size * self.summaries.row_bytes
+        return rows + pages + self.tail.numel() * self.tail.element_size()
 
     def _offsets(self, counts: tuple[int, ...]) -> list[int]:
         """Where each part's rows (``parts``) start in the packed bytes, and their end."""

@@ -20,6 +20,8 @@ SELECTS_128K = "shared,grow,again"
 TASKS = {
     "variants-name-32k": needle("32k", 10, "h2o", kind="name", extra=(*DIAGNOSE, "--recall-select", SELECTS_32K)),
     "variants-name-128k": needle("128k", 4, "h2o", kind="name", extra=(*DIAGNOSE, "--recall-select", SELECTS_128K)),
+    # the number, which ``shared`` finds 12/12 at 128K: what ``again`` as a default past the scan would have to keep
+    "variants-number-128k": needle("128k", 4, "h2o", extra=(*DIAGNOSE, "--recall-select", "shared,again")),
     "paraphrase-1k": needle("1k", 10, "full,h2o", kind="paraphrase", extra=DIAGNOSE),
     "twofact-1k": needle("1k", 10, "full,h2o", kind="twofact", extra=DIAGNOSE),
     "paraphrase-32k": needle("32k", 3, "h2o", kind="paraphrase", extra=(*DIAGNOSE, "--recall-select", "shared,again")),

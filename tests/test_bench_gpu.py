@@ -100,3 +100,19 @@ def test_gpu_check_plan_runs_the_tests_first_and_fits_one_device_call():
     predicted = int(out.stderr.split("predicted: ~")[1].split()[0])
     deadline = int(out.stderr.split("DEADLINE=")[1].split()[0])
     assert predicted <= deadline <= 540  # one device call is at most 600 s, the machine's hand-over included
+
+
+def test_the_h200_runs_rows_print_their_targets(capsys):
+    """The bench step's rows from the third H200 run (``docs/bench-gpu.json``, decoded tokens 0, which once divided
+    by zero there): every target prints, the GPU's ratios among them, and the CPU-only 32K target is left out."""
+    import json
+
+    from bench.prefill_report import check_targets
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench-gpu.json").read_text())
+    bench = data["steps"]["bench"]["data"]
+    check_targets(bench["rows"], bench["roofline_gflops"], 4096, [4096, 131072])
+    out = capsys.readouterr().out
+    assert "128K prefill vs dense SDPA, ask:h2o: 1.219" in out
+    assert "peak allocated / the plan's prediction at 32K, ask:h2o: 0.911" in out
+    assert "32K prefill vs dense one-pass" not in out  # a CPU's target

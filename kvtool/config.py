@@ -33,26 +33,35 @@ DEFAULT_RECALL_PLACEMENT = "relevance"
 #: ``AGAIN_AFTER`` tokens, their queries voting beside the question's)
 RECALL_SELECT_VARIANTS = ("sum", "layer", "grow", "again")
 DEFAULT_RECALL_SELECT = "shared"
+#: ``auto``: ``shared`` while every head's archive fits one scan (``SCAN`` archived tokens), ``again`` past it, where
+#: the second recall was measured to find what ``shared`` misses (docs/results.md, "Far recall")
+AUTO_RECALL_SELECT = "auto"
 #: ``--recall-select again``: answer tokens decoded before the second recall
 AGAIN_AFTER = 4
 
 
-def recall_selection(spec: str) -> frozenset[str]:
-    """The variants of ``--recall-select`` ``spec``: ``shared`` (none) or ``+``-joined names of
+def recall_selection(spec: str, archived: int = 0) -> frozenset[str]:
+    """The variants of ``--recall-select`` ``spec``: ``shared`` (none), ``auto`` (``again`` when a head's archive
+    holds more than ``SCAN`` tokens: ``archived``, the most any head holds) or ``+``-joined names of
     ``RECALL_SELECT_VARIANTS``; a one-line ``UsageError`` otherwise."""
     parts = [p.strip().lower() for p in str(spec).split("+")]
     if parts == [DEFAULT_RECALL_SELECT]:
         return frozenset()
+    if parts == [AUTO_RECALL_SELECT]:
+        return frozenset({"again"}) if archived > SCAN else frozenset()
     bad = [p for p in parts if p not in RECALL_SELECT_VARIANTS]
     if bad or len(set(parts)) != len(parts):
-        raise UsageError(f"recall select must be {DEFAULT_RECALL_SELECT} or +-joined variants of "
-                         f"{', '.join(RECALL_SELECT_VARIANTS)}, each once (got {spec!r})", field="recall_select")
+        raise UsageError(f"recall select must be {DEFAULT_RECALL_SELECT}, {AUTO_RECALL_SELECT} or +-joined variants "
+                         f"of {', '.join(RECALL_SELECT_VARIANTS)}, each once (got {spec!r})", field="recall_select")
     return frozenset(parts)
 
 
 def recall_select_spec(spec: str) -> str:
-    """``spec`` normalised: its variants in ``RECALL_SELECT_VARIANTS`` order (``grow+sum`` is ``sum+grow``)."""
+    """``spec`` normalised: ``auto``, or its variants in ``RECALL_SELECT_VARIANTS`` order (``grow+sum`` is
+    ``sum+grow``)."""
     chosen = recall_selection(spec)
+    if str(spec).strip().lower() == AUTO_RECALL_SELECT:
+        return AUTO_RECALL_SELECT
     return "+".join(v for v in RECALL_SELECT_VARIANTS if v in chosen) or DEFAULT_RECALL_SELECT
 #: how the bounded cache stores K/V (``--kv-dtype``); ``auto`` is the model's compute dtype, int8 / int4 keep
 #: one float16 scale per token, KV head and K/V (int4 packs two values per byte)

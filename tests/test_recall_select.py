@@ -27,7 +27,10 @@ def test_selection_parses_normalises_and_refuses() -> None:
     assert recall_selection("grow+SUM") == {"sum", "grow"}
     assert recall_select_spec("again+grow+sum") == "sum+grow+again"  # one spelling per set: one resume key
     assert resolve_settings(None, {"recall_select": "layer+sum"}).recall_select == "sum+layer"
-    for bad in ("nope", "sum+sum", "shared+sum", "", "sum+"):
+    assert recall_select_spec(" AUTO ") == "auto" and recall_selection("auto") == frozenset()
+    assert recall_selection("auto", recall.SCAN) == frozenset()
+    assert recall_selection("auto", recall.SCAN + 1) == {"again"}
+    for bad in ("nope", "sum+sum", "shared+sum", "", "sum+", "auto+again"):
         with pytest.raises(UsageError, match="recall select"):
             recall_selection(bad)
 
@@ -98,3 +101,34 @@ def test_again_recalls_after_the_first_tokens_and_is_exact_when_everything_comes
     plain, _, once = _answer(small, doc, question, steps, again=False)
     again_ids, turns, twice = _answer(small, doc, question, steps, again=True)
     assert len(once) == 1 and len(twice) == 2 and again_ids[:AGAIN_AFTER] == plain[:AGAIN_AFTER]
+
+
+@pytest.mark.parametrize("scan", [10_000, 64])
+def test_auto_recalls_again_past_the_scan_and_once_below_it(tmp_path, monkeypatch: pytest.MonkeyPatch, scan) -> None:
+    """``--recall-select auto`` through a session: the answer recalls once while every head's archive fits the
+    scan (the same answer as ``shared``), and twice, as ``again`` does, past it (the same answer as ``again``)."""
+    import kvtool.config
+    from kvtool.core.events import Note
+    from kvtool.documents import open_document
+    from kvtool.runtime.session import Session
+    from kvtool.runtime.settings import resolve_settings
+    from tests.helpers import tiny_checkpoint
+
+    monkeypatch.setattr(kvtool.config, "SCAN", scan)
+    model = str(tiny_checkpoint(tmp_path / "tiny"))
+    doc = tmp_path / "d.txt"
+    doc.write_text("the cache is small and the pass key is 4412. " * 60, encoding="utf-8")
+    got = {}
+    for select in ("shared", "again", "auto"):
+        notes: list[str] = []
+        settings = {"model": model, "budget": "256", "block_size": 16, "recall": "16", "max_new_tokens": 8,
+                    "recall_select": select}
+        s = Session(resolve_settings(None, settings),
+                    listener=lambda e, n=notes: n.append(e.message) if isinstance(e, Note) else None)
+        read = s.read(open_document(str(doc)))
+        archived = recall.archived_per_head(read.cache)
+        ans = s.ask(read, "What is the pass key?")
+        got[select] = (ans.ids, sum(n.startswith("recall: ") for n in notes))
+    assert 64 < archived < 10_000
+    assert got["shared"][1] == 1 and got["again"][1] == 2
+    assert got["auto"] == (got["again"] if archived > scan else got["shared"])

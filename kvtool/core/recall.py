@@ -184,6 +184,11 @@ def archive_bytes(cache: BoundedCache) -> int:
     return sum(a.nbytes() for a in archives(cache))
 
 
+def archived_per_head(cache: BoundedCache) -> int:
+    """The most tokens any KV head has archived (0 without an archive)."""
+    return max((a.length for a in archives(cache)), default=0)
+
+
 def archived_tokens(cache: BoundedCache) -> int:
     """Archived tokens summed over groups and heads."""
     return sum(a.length * a.h for a in archives(cache))

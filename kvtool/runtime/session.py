@@ -396,7 +396,8 @@ class Session:
         again = self._again(read, suffix_prompt, focus)
         if cite_spans and again is not None:  # the second recall would move the citation mass's tokens
             again = None
-            self.emit(Note("--recall-select again: not with --cite; this answer recalls once"))
+            self.emit(Note(f"--recall-select {self.engine_config.recall_select}: not with --cite; this answer "
+                           "recalls once"))
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -427,7 +428,8 @@ class Session:
     def _again(self, read: ReadResult, suffix: prompt.Rendered,
                focus: str | None) -> Callable[[list[int]], Tensor] | None:
         """``--recall-select again`` (``Engine.recall_again``); None when recall is off for this answer or not asked."""
-        if not self.recall_tokens or "again" not in recall_selection(self.engine_config.recall_select):
+        archived = recall.archived_per_head(read.cache)
+        if not self.recall_tokens or "again" not in recall_selection(self.engine_config.recall_select, archived):
             return None
         rows = prompt.focus_rows(self.tokenizer, suffix, focus) if focus else None
         return self.engine.recall_again(read.cache, prompt.encode(self.tokenizer, suffix),

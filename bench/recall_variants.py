@@ -24,6 +24,9 @@ TASKS = {
     "variants-number-128k": needle("128k", 4, "h2o", extra=(*DIAGNOSE, "--recall-select", "shared,again")),
     "paraphrase-1k": needle("1k", 10, "full,h2o", kind="paraphrase", extra=DIAGNOSE),
     "twofact-1k": needle("1k", 10, "full,h2o", kind="twofact", extra=DIAGNOSE),
+    # inside the model's range (8K positions), `full` beside the default on the same reads
+    "paraphrase-8k": needle("8k", 3, "full,h2o", kind="paraphrase",
+                            extra=(*DIAGNOSE, "--recall-select", "shared,again")),
     "paraphrase-32k": needle("32k", 3, "h2o", kind="paraphrase", extra=(*DIAGNOSE, "--recall-select", "shared,again")),
     "paraphrase-128k": needle("128k", 1, "h2o", kind="paraphrase",
                               extra=(*DIAGNOSE, "--recall-select", "shared,again")),

@@ -32,10 +32,12 @@ DEFAULT_RECALL_PLACEMENT = "relevance"
 #: grow with the archive's square root past ``SCAN``), ``again`` (a second recall after the answer's first
 #: ``AGAIN_AFTER`` tokens, their queries voting beside the question's)
 RECALL_SELECT_VARIANTS = ("sum", "layer", "grow", "again")
-DEFAULT_RECALL_SELECT = "shared"
+SHARED_RECALL_SELECT = "shared"
 #: ``auto``: ``shared`` while every head's archive fits one scan (``SCAN`` archived tokens), ``again`` past it, where
-#: the second recall was measured to find what ``shared`` misses (docs/results.md, "Far recall")
+#: the second recall was measured to find what ``shared`` misses and to keep what it finds (docs/results.md, "Far
+#: recall"); below the scan the two give the same answers
 AUTO_RECALL_SELECT = "auto"
+DEFAULT_RECALL_SELECT = AUTO_RECALL_SELECT
 #: ``--recall-select again``: answer tokens decoded before the second recall
 AGAIN_AFTER = 4
 
@@ -45,13 +47,13 @@ def recall_selection(spec: str, archived: int = 0) -> frozenset[str]:
     holds more than ``SCAN`` tokens: ``archived``, the most any head holds) or ``+``-joined names of
     ``RECALL_SELECT_VARIANTS``; a one-line ``UsageError`` otherwise."""
     parts = [p.strip().lower() for p in str(spec).split("+")]
-    if parts == [DEFAULT_RECALL_SELECT]:
+    if parts == [SHARED_RECALL_SELECT]:
         return frozenset()
     if parts == [AUTO_RECALL_SELECT]:
         return frozenset({"again"}) if archived > SCAN else frozenset()
     bad = [p for p in parts if p not in RECALL_SELECT_VARIANTS]
     if bad or len(set(parts)) != len(parts):
-        raise UsageError(f"recall select must be {DEFAULT_RECALL_SELECT}, {AUTO_RECALL_SELECT} or +-joined variants "
+        raise UsageError(f"recall select must be {SHARED_RECALL_SELECT}, {AUTO_RECALL_SELECT} or +-joined variants "
                          f"of {', '.join(RECALL_SELECT_VARIANTS)}, each once (got {spec!r})", field="recall_select")
     return frozenset(parts)
 
@@ -62,7 +64,7 @@ def recall_select_spec(spec: str) -> str:
     chosen = recall_selection(spec)
     if str(spec).strip().lower() == AUTO_RECALL_SELECT:
         return AUTO_RECALL_SELECT
-    return "+".join(v for v in RECALL_SELECT_VARIANTS if v in chosen) or DEFAULT_RECALL_SELECT
+    return "+".join(v for v in RECALL_SELECT_VARIANTS if v in chosen) or SHARED_RECALL_SELECT
 #: how the bounded cache stores K/V (``--kv-dtype``); ``auto`` is the model's compute dtype, int8 / int4 keep
 #: one float16 scale per token, KV head and K/V (int4 packs two values per byte)
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")

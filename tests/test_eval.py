@@ -614,6 +614,31 @@ def test_recall_placement_enters_an_agreement_fingerprint_only_for_a_document_pa
     assert task.settings(8192, None)["recall_placement"] == "relevance"  # unknown length counts as past it
 
 
+def test_recall_select_enters_a_fingerprint_only_where_it_can_act(tmp_path: Path) -> None:
+    """``--recall-select`` (default ``auto``) acts only past one scan of archived tokens per head, and a needle
+    grid keys it per trial: the logs written when ``shared`` was the default resume under ``auto`` where it
+    cannot act, and a select that can act is in the fingerprint."""
+    from kvtool.config import DEFAULT_RECALL_SELECT, SCAN
+    from kvtool.eval.agreement import AgreementTask
+    from kvtool.eval.needle import NeedleTask
+    from kvtool.runtime.settings import resolve_settings
+
+    assert DEFAULT_RECALL_SELECT == "auto" and resolve_settings(None, {}).recall_select == "auto"
+    doc = tmp_path / "doc.txt"
+    doc.write_text("one two.", encoding="utf-8")
+    task = AgreementTask(grid=make_grid("h2o", "256"), doc_path=doc, questions=["q"])
+    assert "recall_select" not in task.settings(8192, 2000)  # a short document: auto is shared there
+    assert task.settings(None, None)["recall_select"] == "auto"  # unknown length: it can act
+    assert task.settings(None, SCAN + 1)["recall_select"] == "auto"
+    shared = AgreementTask(grid=make_grid("h2o", "256", recall_select="shared"), doc_path=doc, questions=["q"])
+    assert "recall_select" not in shared.settings(None, None)  # what every log before the setting meant
+    off = AgreementTask(grid=make_grid("h2o", "256", recall="off"), doc_path=doc, questions=["q"])
+    assert "recall_select" not in off.settings(None, None)  # no recall: nothing to select
+    needle = NeedleTask(grid=make_grid("h2o", "256"), haystack_path=tmp_path, haystack="essays", lengths=[131072],
+                        depths=[0.5], trials=1, needle=None, max_new_tokens=8, recalls=[256])
+    assert "recall_select" not in needle.settings(None) and needle.selects == ["shared"]  # keyed per trial
+
+
 def test_model_range_reads_the_text_models_range() -> None:
     from types import SimpleNamespace
 

@@ -102,7 +102,8 @@ def needle(
                                         "default, 256).")] = "auto",
     select: Annotated[str, typer.Option("--recall-select", help="Comma list of the ways recall chooses, each "
                                         "answering every read that recalls (see ask's --recall-select): shared "
-                                        "(the default), auto, sum, layer, grow, again, or +-joined ones.")] = "shared",
+                                        "(this grid's default: the baseline each variant is paired with), auto "
+                                        "(ask's default), sum, layer, grow, again, or +-joined ones.")] = "shared",
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
                                       "secret number), name (an invented name), paraphrase (an invented town, "
                                       "asked for in other words) or twofact (what the holder of a role did: two "

@@ -62,10 +62,11 @@ RecallPlacementOpt = Annotated[str | None, typer.Option(
     "model's range): relevance (default: after the kept tokens, the most relevant nearest the question) or "
     "document (at their document positions, as with absolute positions).")]
 RecallSelectOpt = Annotated[str | None, typer.Option(
-    "--recall-select", help="How recall chooses what comes back: shared (default: one ranking for every head, by the "
-    "question's rows), auto (shared, and again past 32K archived tokens per head) or +-joined variants: sum (the "
-    "rows' attention summed, not maximised), layer (each layer by its own heads' ranking), grow (more tokens per "
-    "head past 32K archived, with the square root), again (a second recall after the answer's first 4 tokens).")]
+    "--recall-select", help="How recall chooses what comes back: auto (default: shared, and again once a head has "
+    "archived more than 32K tokens), shared (one ranking for every head, by the question's rows) or +-joined "
+    "variants: sum (the rows' attention summed, not maximised), layer (each layer by its own heads' ranking), "
+    "grow (more tokens per head past 32K archived, with the square root), again (a second recall after the "
+    "answer's first 4 tokens).")]
 ArchiveDtypeOpt = Annotated[str | None, typer.Option("--archive-dtype", help="dtype of archived keys/values: int8 "
                                                      "(default: a scale per token and head), auto (the model's), "
                                                      "float32, float16 or bfloat16.")]

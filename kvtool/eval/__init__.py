@@ -160,12 +160,16 @@ class Grid:
     def settings_for(self, run: Run) -> Settings:
         return dataclasses.replace(self.settings, policy=run.policy, budget=run.budget or self.settings.budget)
 
-    def describe(self, answers: bool = False, recall: bool = False, placement: bool = True) -> dict[str, Any]:
+    def describe(self, answers: bool = False, recall: bool = False, placement: bool = True,
+                 select: bool = False) -> dict[str, Any]:
         """The grid's settings for a resume fingerprint; ``answers``: with how answers are generated and
         archived (needle, agreement), ``recall``: with the recall setting itself (agreement);
         ``placement``: with where recalled passages go, which acts only at compact positions (a task
-        whose documents stay inside the model's range gives the same answers under either placement)."""
+        whose documents stay inside the model's range gives the same answers under either placement);
+        ``select``: with how recall chooses (``--recall-select``), which a needle grid keys per trial and
+        which acts only where recall is on and an archive can pass one scan (``auto`` is ``shared`` below it)."""
         s = self.settings
+        select = select and s.recall != "off"
         return {
             "policies": self.policies,
             "budgets": [int(b) if b.isdigit() else b for b in self.budgets],
@@ -177,6 +181,7 @@ class Grid:
             # settings added later appear only when changed: resume logs written before them still match
             **{k: getattr(s, k) for k, legacy in LEGACY_DEFAULTS.items()
                if answers and (recall or k != "recall") and (placement or k != "recall_placement")
+               and (select or k != "recall_select")
                and getattr(s, k) != legacy},
             **{k: getattr(s, k) for k, legacy in LEGACY_READING.items() if getattr(s, k) != legacy},
         }

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtool.config import SCAN
 from kvtool.documents import read_lines
 from kvtool.errors import UsageError
 from kvtool.eval import (
@@ -66,12 +67,13 @@ class AgreementTask:
         """The task's settings for its resume fingerprint; ``--recall-placement`` only where it can act:
         a document of ``doc_tokens`` (None: unknown) read past ``max_positions``, the model's range."""
         placement = compact_positions(self.grid.settings.positions, max_positions, doc_tokens)
+        select = doc_tokens is None or doc_tokens > SCAN  # a head's archive can pass one scan (``auto`` acts)
         return {
             "doc": str(self.doc_path),
             "questions": len(self.questions),
             "first_tokens": self.first_tokens,
             "max_new_tokens": self.max_new_tokens,
-            **self.grid.describe(answers=True, recall=True, placement=placement),
+            **self.grid.describe(answers=True, recall=True, placement=placement, select=select),
         }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvtool.config import DEFAULT_RECALL_SELECT, recall_select_spec
+from kvtool.config import SHARED_RECALL_SELECT, recall_select_spec
 from kvtool.core.recall import RecallTrace
 from kvtool.errors import UsageError
 from kvtool.eval import (
@@ -240,7 +240,7 @@ class NeedleTask:
     needles: int = 1  # > 1: the multi-needle variant (k labelled pass keys, the question asks for one)
     resume: str | None = None  # a JSONL file of finished trials (--resume)
     recalls: list[int] = dataclasses.field(default_factory=lambda: [0])  # recall budgets per bounded run
-    selects: list[str] = dataclasses.field(default_factory=lambda: [DEFAULT_RECALL_SELECT])  # per recall budget
+    selects: list[str] = dataclasses.field(default_factory=lambda: [SHARED_RECALL_SELECT])  # per recall budget
     kind: str = "number"  # the default needle: a secret number, an invented name, ... (NEEDLE_KINDS)
     diagnose: bool = False  # record why each trial was found or missed (kvtool/eval/diagnose.py)
 
@@ -260,7 +260,7 @@ class NeedleTask:
         """What each read of ``run`` is answered under: (recall budget, ``--recall-select``); ``full`` and
         recall 0 once, every other recall budget once per select."""
         recalls = self.recalls if run.budget is not None else [0]
-        return [(rec, sel) for rec in recalls for sel in (self.selects if rec else [DEFAULT_RECALL_SELECT])]
+        return [(rec, sel) for rec in recalls for sel in (self.selects if rec else [SHARED_RECALL_SELECT])]
 
     def places_recall(self, max_positions: int | None) -> bool:
         """Whether ``--recall-placement`` can change an answer: some cell recalls (a bounded policy with a
@@ -320,7 +320,7 @@ def parse_selects(text: str) -> list[str]:
             if sel not in out:
                 out.append(sel)
     if not out:
-        raise UsageError(f"--recall-select needs at least one value ({DEFAULT_RECALL_SELECT}: the default)")
+        raise UsageError(f"--recall-select needs at least one value ({SHARED_RECALL_SELECT}: the grid's default)")
     return out
 
 
@@ -329,11 +329,11 @@ Answered = tuple[int, str]
 
 
 def trial_key(label: str, recall: int, length: int, depth: float, trial: int,
-              select: str = DEFAULT_RECALL_SELECT) -> str:
+              select: str = SHARED_RECALL_SELECT) -> str:
     """The resume-log key of one trial (recall 0 keeps the key of runs made before recall existed, the default
     select that of runs made before ``--recall-select``)."""
     run = label if recall == 0 else f"{label}+recall{recall}"
-    if recall and select != DEFAULT_RECALL_SELECT:
+    if recall and select != SHARED_RECALL_SELECT:
         run += f"+{select}"
     return f"{run}|{length}|{depth}|{trial}"
 
@@ -493,7 +493,7 @@ def summarize(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     out: dict[tuple[str, Any, int, str], dict[str, Any]] = {}
     for c in cells:
-        rec, sel = c.get("recall", 0), c.get("select", DEFAULT_RECALL_SELECT)
+        rec, sel = c.get("recall", 0), c.get("select", SHARED_RECALL_SELECT)
         row = out.setdefault((c["policy"], c["budget"], rec, sel), {
             "policy": c["policy"], "budget": c["budget"], "recall": rec, "select": sel, "correct": 0, "total": 0})
         row["correct"] += c["correct"]

@@ -28,6 +28,7 @@ import base64
 import binascii
 import bisect
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +232,38 @@ class Citation:
         if len(text) > width:
             text = text[: width - 1].rstrip() + "\u2026"
         return f"{self.label}: \u00ab{text}\u00bb ({100 * self.weight:.0f}%)"
+
+
+class AnswerMass:
+    """The attention mass of one answer, over the upper half of the cache's layers (see the module docstring).
+
+    A second recall (``--recall-select again``) rebuilds the cache after the answer's first tokens: the mass
+    those tokens paid is kept by stream position, and the rest of the answer adds to the rebuilt cache's.
+    :func:`cite` sums a position's mass over every entry, so the two parts cite as one answer's attention."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        self.parts: list[tuple[Tensor, Tensor]] = []
+
+    def start(self) -> None:
+        self.cache.start_mass(first_layer=len(self.cache.layers) // 2)
+
+    def around(self, again: Callable[[list[int]], Tensor]) -> Callable[[list[int]], Tensor]:
+        """``again`` with the mass so far kept while it restores the cache and recalls once more."""
+
+        def kept(answer: list[int]) -> Tensor:
+            self.parts.append(self.cache.stop_mass())
+            logits = again(answer)
+            self.start()
+            return logits
+
+        return kept
+
+    def stop(self) -> tuple[Tensor, Tensor]:
+        """(positions, mass) of every part, flat; accumulation stops."""
+        positions, mass = zip(*self.parts, self.cache.stop_mass(), strict=True)
+        self.parts = []
+        return torch.cat(positions), torch.cat(mass)
 
 
 def cite(source: SourceMap, positions: Tensor, mass: Tensor, tokenizer: Any,

@@ -32,7 +32,7 @@ from kvtool.policies import Policy, build_policy, check_policy
 from kvtool.runtime import prompt
 from kvtool.runtime.archive_disk import DiskWatch, archive_dir, fits
 from kvtool.runtime.budget import resolve_budget_and_recall
-from kvtool.runtime.citations import Citation, SourceMap, cite, prune_source
+from kvtool.runtime.citations import AnswerMass, Citation, SourceMap, cite, prune_source
 from kvtool.runtime.cores import process_share
 from kvtool.runtime.detokenize import Detokenizer, letter_tokens
 from kvtool.runtime.document import estimate_tokens, iter_token_blocks, rechunk
@@ -394,10 +394,9 @@ class Session:
                              "prefill it again to use --cite")
         cache, logits, suffix_tokens = self._begin_answer(read, suffix_prompt, max_new_tokens, focus)
         again = self._again(read, suffix_prompt, focus)
-        if cite_spans and again is not None:  # the second recall would move the citation mass's tokens
-            again = None
-            self.emit(Note(f"--recall-select {self.engine_config.recall_select}: not with --cite; this answer "
-                           "recalls once"))
+        mass = AnswerMass(cache) if cite_spans else None
+        if mass is not None and again is not None:  # the second recall rebuilds the cache the mass is kept in
+            again = mass.around(again)
         detok = Detokenizer(self.tokenizer)
 
         def on_token(tok: int) -> None:
@@ -407,20 +406,20 @@ class Session:
 
         max_new_tokens = max_new_tokens or self.settings.max_new_tokens
         choose = self._chooser(logits, max_new_tokens)
-        if cite_spans:
-            cache.start_mass(first_layer=len(cache.layers) // 2)  # see kvtool/runtime/citations.py
+        if mass is not None:
+            mass.start()
         self.emit(DecodeStarting(label))
         try:
             ids, seconds = self.engine.generate(cache, logits, max_new_tokens, self.eos, choose, on_token,
                                                 read_every=1 if on_text is not None else None, again=again)
         finally:
-            positions, mass = cache.stop_mass() if cite_spans else (None, None)
+            positions, weights = mass.stop() if mass is not None else (None, None)
         cache.pin_start = cache.pin_end = None
         ans = Answer(question=label, answer=detok.text().strip(), tokens=len(ids), seconds=seconds,
                      prompt_tokens=suffix_tokens, ids=list(ids))
-        if cite_spans and read.source is not None and positions is not None:
+        if read.source is not None and positions is not None and weights is not None:
             t0 = time.perf_counter()
-            ans.citations = cite(read.source, positions, mass, self.tokenizer)
+            ans.citations = cite(read.source, positions, weights, self.tokenizer)
             ans.cite_seconds = time.perf_counter() - t0
         self.answers.append(ans)
         return ans

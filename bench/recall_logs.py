@@ -98,13 +98,14 @@ def main(argv: list[str]) -> int:
     for task in data:
         print(f"### {task}\n\n`{data[task]['command']}`\n")
         print("\n".join(rates(data, task)) + "\n")
-    for label, task in recall_variants.VARIANT_ROWS:
+    for label, task in recall_variants.NAME_ROWS:
         if task in data:
             print(f"Misses at {label} (`shared`):\n\n{recall_variants.table_misses(data, task)}\n")
             print(recall_variants.miss_summary(data, task, label.split(" ")[0]) + "\n")
     print(recall_variants.table_variants(data) + "\n")
     print(f"Recall seconds: {recall_variants.time_line(data)}\n")
-    print(recall_variants.table_kinds(data))
+    print(recall_variants.table_kinds(data) + "\n")
+    print(recall_variants.verdict(data))
     return 0
 
 

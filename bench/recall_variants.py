@@ -33,12 +33,17 @@ TASKS = {
 }
 #: how long each log's trials took when they ran (a rerun resumes them all in seconds)
 RAN: dict[str, str] = {}
-VARIANT_ROWS = (("32K (10 trials per depth)", "variants-name-32k"), ("128K (4 trials per depth)", "variants-name-128k"))
-WHAT = {"shared": "today's default: one ranking for every head, each question row's attention maximised over the rows",
+#: the invented name's rows (their misses are diagnosed below the table) and the number's, which the default must keep
+NAME_ROWS = (("32K (10 trials per depth)", "variants-name-32k"), ("128K (4 trials per depth)", "variants-name-128k"))
+VARIANT_ROWS = (*((f"name, {label}", task) for label, task in NAME_ROWS),
+                ("number, 128K (4 trials per depth)", "variants-number-128k"))
+WHAT = {"shared": "one ranking for every head, each question row's attention maximised over the rows; the default "
+                  "(`auto`) while every head's archive fits one scan",
         "sum": "the question rows' attention summed instead of maximised",
         "layer": "each layer recalls by its own heads' ranking",
         "grow": "tokens per head grow with the archive's square root past 32K archived (512 at 128K)",
-        "again": "a second recall after the answer's first 4 tokens, their queries voting beside the question's"}
+        "again": "a second recall after the answer's first 4 tokens, their queries voting beside the question's; the "
+                 "default (`auto`) past 32,768 archived tokens per head"}
 
 
 def trials(data: dict, task: str, recall: int = 256) -> dict[str, dict[tuple[float, int], dict]]:
@@ -73,8 +78,7 @@ def table_variants(data: dict) -> str:
     rows = [(label, trials(data, task)) for label, task in VARIANT_ROWS]
     selects = [s for s in WHAT if any(s in r for _, r in rows)]
     head = "| `--recall-select` | " + " | ".join(
-        f"name, {label} | − `shared`, paired [95%]; found only by it / only by `shared` (McNemar)"
-        for label, _ in rows)
+        f"{label} | − `shared`, paired [95%]; found only by it / only by `shared` (McNemar)" for label, _ in rows)
     lines = [head + " |", "|---" * (1 + 2 * len(rows)) + "|"]
     for sel in selects:
         cells = []
@@ -83,11 +87,14 @@ def table_variants(data: dict) -> str:
             if got is None:
                 cells += ["not run", "–"]
                 continue
-            found = sum(a["correct"] for a in got.values())
-            cells += [_rate((found, len(got)), bold=sel == "shared"),
+            cells += [_rate(_found(got), bold=sel == "shared"),
                       "–" if sel == "shared" or base is None else _paired(got, base)]
         lines.append(f"| `{sel}` ({WHAT[sel]}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _found(got: dict) -> tuple[int, int]:
+    return sum(bool(a["correct"]) for a in got.values()), len(got)
 
 
 def recall_seconds(data: dict, task: str) -> dict[str, float]:
@@ -130,17 +137,25 @@ KIND_ROWS = (("paraphrase (`Which village is the chef from?` of `Our ship's cook
              ("two facts (`What did the keeper of the old lighthouse hide in the cellar?`)", "twofact"))
 
 
+#: the harder needles' columns: per length, what answered there (``full`` only inside the model's range)
+KIND_COLUMNS = (("1k", ("full", "shared")), ("8k", ("full", "shared", "again")), ("32k", ("shared", "again")),
+                ("128k", ("shared", "again")))
+
+
+def auto_at(length: str) -> str:
+    """What the default (``auto``) selects at a needle row's length: ``again`` where a head archives past one scan."""
+    return "again" if length == "128k" else "shared"
+
+
 def table_kinds(data: dict) -> str:
-    """The harder needles: dense and the default at 1K, the default (and ``again``) past the model's range."""
-    lines = ["| needle | `full`, 1K | default, 1K | default, 32K | `again`, 32K | default, 128K | `again`, 128K |",
-             "|---|---|---|---|---|---|---|"]
+    """The harder needles: ``full`` inside the model's range, ``shared`` and ``again`` past it; the default's cell
+    (``auto``: ``shared`` up to 32K, ``again`` at 128K) in bold."""
+    head = ["| needle", *(f"`{sel}`, {length.upper()}" + (" (default)" if sel == auto_at(length) else "")
+                          for length, sels in KIND_COLUMNS for sel in sels)]
+    lines = [" | ".join(head) + " |", "|---" * len(head) + "|"]
     for label, kind in KIND_ROWS:
-        one = f"{kind}-1k"
-        cells = [_rate(_count(data, one, "full", 0)), _rate(_count(data, one, "h2o", 256), bold=True)]
-        for length in ("32k", "128k"):
-            task = f"{kind}-{length}"
-            cells += [_rate(_count(data, task, "h2o", 256), bold=True) if task in data else "not run",
-                      _rate(_count(data, task, "h2o", 256, "again")) if task in data else "not run"]
+        cells = [_rate(_count(data, f"{kind}-{length}", *(("full", 0) if sel == "full" else ("h2o", 256, sel))),
+                       bold=sel == auto_at(length)) for length, sels in KIND_COLUMNS for sel in sels]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,7 +168,7 @@ def time_line(data: dict) -> str:
         base = secs.get("shared")
         if not base:
             continue
-        parts.append(f"{label.split(' ')[0]}: " + ", ".join(
+        parts.append(f"{label.split(' (')[0]}: " + ", ".join(
             f"`{sel}` {s:.1f} s" + ("" if sel == "shared" else f" ({s / base:.2f}×)") for sel, s in secs.items()))
     return "; ".join(parts)
 
@@ -180,11 +195,18 @@ def miss_summary(data: dict, task: str, label: str) -> str:
 
 
 def kinds_line(data: dict) -> str:
-    """The calibration of the paraphrase (the screen's wordings, then the kind's own 1K row)."""
+    """The calibration of the paraphrase (the screen's wordings, then the kind's own 1K row), and the default past
+    the model's range as a share of dense's rate inside it."""
     para, two = _count(data, "paraphrase-1k", "full", 0), _count(data, "twofact-1k", "full", 0)
     out = []
     if para:
         out.append(f"the paraphrase's `full` found {_rate(para)} at 1K (the kind's calibration: at least 7 in 10)")
+        far = [(length.upper(), _count(data, f"paraphrase-{length}", "h2o", 256, auto_at(length)))
+               for length, sels in KIND_COLUMNS if "full" not in sels]
+        if para[0] and any(kn for _, kn in far):
+            out.append("past the model's range the default found " + ", ".join(
+                f"{kn[0]}/{kn[1]} at {length} ({kn[0] / kn[1] / (para[0] / para[1]):.2f}× `full`'s rate at 1K)"
+                for length, kn in far if kn))
     if two:
         out.append(f"the two facts' `full` found {_rate(two)}: an answer that names one of the two deeds at random "
                    "is right half the time, so this model does not combine the facts even with the whole cache")
@@ -196,14 +218,14 @@ def section(data: dict) -> list[str]:
     if not any(t in data for t in TASKS):
         return []
     out = ["## Far recall: what the ranking misses, its variants, and needles in other words", "", INTRO, ""]
-    for label, task in VARIANT_ROWS:
+    for label, task in NAME_ROWS:
         if task in data:
             out += [f"**Every missed trial of the invented name at {label}, default (`shared`)** (`--diagnose`):", "",
                     table_misses(data, task), "", miss_summary(data, task, label.split(" ")[0]), ""]
     out += [MISSES, "", "### The variants on the same reads", "", VARIANTS, "", table_variants(data), "",
             f"Median seconds a question spent recalling (first pass, scoring the archive, reading back; each "
             f"variant answered right after the others on the same read, so under the same load): {time_line(data)}.",
-            "", VERDICT, "", "### Needles that do not repeat the question", "", KINDS, "", table_kinds(data), "",
+            "", verdict(data), "", "### Needles that do not repeat the question", "", KINDS, "", table_kinds(data), "",
             f"{kinds_line(data)}.", "", KINDS_AFTER, ""]
     out += [_command(data, t) for t in TASKS if t in data]
     return [*out, ""]
@@ -230,18 +252,33 @@ VARIANTS = ("Each row is the same reads answered once per `--recall-select` (fou
             "trials only one of them found (McNemar's mid-p). `grow` is `shared` at 32K (the archive is under "
             "32,768 tokens per head there), so it runs at 128K only; `sum` and `layer` ran on the first 128K read "
             "only (both missed it: `sum` ranked the needle 25th, `layer` left it in 20% of the heads' slots).")
-VERDICT = ("**The default stays `shared`.** Summing the rows' attention (`sum`) adds up what the question's "
-           "function words (`What`, `is`, `the`) attend to, generic attractors that then outrank the needle (25th to "
-           "43rd passage where `shared` ranks it first), and "
-           "per-layer rankings (`layer`) leave most layers without the needle (a fifth of the (head, token) pairs "
-           "held): both lose every trial `shared` finds so far. Recalling more as the archive grows (`grow`, 512 "
-           "tokens at 128K) brings back more distractors beside a needle that was already in, and copies them. "
-           "A second recall after the answer's first tokens (`again`) is the only variant that turned misses into "
-           "finds (the `Y Combinator` miss at 32K and the `2010 edition` miss at 128K), and it has lost no trial "
-           "`shared` found; but its lead is not yet outside the noise on the trials run, its recall costs about "
-           "twice `shared`'s (two scans of the archive: the target allows at most 2×), and it changes every answer "
-           "inside the model's range too, whose tables would have to be re-run before it could be the default. "
-           "It stays an option (`--recall-select again`) until the rows complete.")
+def verdict(data: dict) -> str:
+    """Why the default is ``auto``, from the rows: ``again`` against ``shared`` on the same reads at 128K (the name
+    and the number) and at 32K, and what it costs."""
+    rows = {task: trials(data, task) for _, task in VARIANT_ROWS}
+    name32, name128, number128 = (rows.get(t, {}) for _, t in VARIANT_ROWS)
+
+    def pair(by: dict) -> str:
+        if "again" not in by or "shared" not in by:
+            return "not run"
+        return (f"`again` {_rate(_found(by['again']))} against `shared` {_rate(_found(by['shared']))}: "
+                f"{_paired(by['again'], by['shared'])}")
+
+    secs = recall_seconds(data, "variants-name-128k")
+    cost = (f"; its recall takes {secs['again'] / secs['shared']:.2f}× `shared`'s at 128K (two scans of the "
+            "archive; the target allows 2×)") if secs.get("again") and secs.get("shared") else ""
+    return ("**The default is `auto`: `shared` while every head's archive fits one scan (32,768 tokens), `again` "
+            f"past it.** On the same reads at 128K: the name, {pair(name128)}; the number, {pair(number128)}. At "
+            f"32K the name, {pair(name32)}{cost}. Below the scan the two are inside each other's noise and "
+            "every table inside the model's range was measured under `shared`, so `auto` keeps `shared` there "
+            "and those tables stand; past it `again` is the only variant that turned misses into finds. Summing "
+            "the rows' attention (`sum`) adds up what the question's function words (`What`, `is`, `the`) attend "
+            "to, generic attractors that then outrank the needle (25th to 43rd passage where `shared` ranks it "
+            "first), and per-layer rankings (`layer`) leave most layers without the needle (a fifth of the (head, "
+            "token) pairs held): both lose trials `shared` finds. Recalling more as the archive grows (`grow`, 512 "
+            "tokens at 128K) brings back more distractors beside a needle that was already in, and copies them.")
+
+
 KINDS = ("The paraphrase shares one word with its question (`village`) and a synonym pair (`cook`, `chef`): "
          "calibrated on `full` at 1K before anything else, as a needle that shares no word at all is beyond the "
          "135M model even dense (`The treaty was signed in the harbour town of X.` asked `Where was the agreement "

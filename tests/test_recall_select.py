@@ -103,6 +103,30 @@ def test_again_recalls_after_the_first_tokens_and_is_exact_when_everything_comes
     assert len(once) == 1 and len(twice) == 2 and again_ids[:AGAIN_AFTER] == plain[:AGAIN_AFTER]
 
 
+def test_again_hands_the_rest_of_the_answer_to_the_fixed_step() -> None:
+    """After the second recall the cache stays put, so the answer goes on over the fixed-shape decode step (a graph
+    on CUDA) instead of the block path. Oracle: the block path's answer (``decode_step="blocks"``), with a
+    repetition penalty and an n-gram guard that read the tokens chosen before the turn from the step's ring."""
+    model = tiny_llama(4)
+    # seeded so that the penalty's and the guard's reading of the first tokens changes the greedy answer
+    doc = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
+    question = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(100))
+    steps = AGAIN_AFTER + 12
+    got = {}
+    for mode in ("blocks", "capture"):
+        engine = make_engine(model, "h2o", 64, recall=16, page_size=8, decode_step=mode)
+        cache = engine.new_cache()
+        engine.feed(cache, [doc], progress=False)
+        snap = cache.snapshot()
+        logits, _ = engine.feed_question(cache, question, lambda c=cache, s=snap: c.restore(s), steps)
+        again = engine.recall_again(cache, question.tolist(), lambda c=cache, s=snap: c.restore(s), None,
+                                    lambda r: None)
+        choose = Chooser(steps, "cpu", repetition_penalty=1.3, no_repeat_ngram=2)
+        got[mode], _ = engine.generate(cache, logits, steps, set(), choose, again=again)
+        assert (engine.decode_step_of(cache) is not None) == (mode == "capture")
+    assert got["capture"] == got["blocks"] and len(got["blocks"]) == steps
+
+
 @pytest.mark.parametrize("scan", [10_000, 64])
 def test_auto_recalls_again_past_the_scan_and_once_below_it(tmp_path, monkeypatch: pytest.MonkeyPatch, scan) -> None:
     """``--recall-select auto`` through a session: the answer recalls once while every head's archive fits the

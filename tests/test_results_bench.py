@@ -21,6 +21,7 @@ import default_rule  # noqa: E402
 import defaults  # noqa: E402
 import evidence  # noqa: E402
 import kv_tables  # noqa: E402
+import recall_variants  # noqa: E402
 import results  # noqa: E402
 
 from kvtool.eval.distinctiveness import (  # noqa: E402
@@ -555,3 +556,41 @@ def test_gemma_logs_report_the_gap_and_the_needles_a_partial_log_holds(tmp_path,
     assert f"- h2o@1024: window gap {100 * (math.exp(-0.1) - 1):+.2f}% (one window: no interval)" in out
     row = next(r for r in out.splitlines() if r.startswith("| a 5-digit number | 32K"))
     assert "| 1/2 [" in row and "**2/2 [" in row and "| 0/1 [" in row  # full, default, eviction only
+
+
+def test_far_recall_section_pairs_again_with_shared_and_bolds_what_auto_selects():
+    """bench/recall_variants.py from synthetic needle output: the verdict pairs ``again`` with ``shared`` on the
+    same reads (counts and McNemar's discordant pairs computed here by hand), the number row sits beside the name
+    rows, and the harder needles' table bolds ``shared`` up to 32K and ``again`` at 128K (``auto``'s choice)."""
+
+    def task(found: dict[str, list[bool]], policy: str = "h2o", recall: int = 256) -> dict:
+        secs = {"again": 2.0, "shared": 1.0}
+        cells = [{"policy": policy, "recall": recall, "select": sel, "depth": 0.5,
+                  "answers": [{"trial": t, "correct": c, "answer": "x", "recall_seconds": secs[sel]}
+                              for t, c in enumerate(hits)]} for sel, hits in found.items()]
+        summary = [{"policy": policy, "budget": "256", "recall": recall, "select": sel, "correct": sum(hits),
+                    "total": len(hits)} for sel, hits in found.items()]
+        return {"result": {"results": cells, "summary": summary}}
+
+    data = {
+        "variants-name-32k": task({"shared": [True, True, False, True], "again": [True, True, True, True]}),
+        "variants-name-128k": task({"shared": [False, False, True, False], "again": [True, True, True, False]}),
+        "variants-number-128k": task({"shared": [True] * 4, "again": [True] * 4}),
+        "paraphrase-1k": {"result": {"results": [], "summary": [
+            {"policy": "full", "budget": None, "recall": 0, "select": "shared", "correct": 8, "total": 10},
+            {"policy": "h2o", "budget": "256", "recall": 256, "select": "shared", "correct": 7, "total": 10}]}},
+        "paraphrase-128k": task({"shared": [True, False], "again": [True, True]}),
+    }
+    text = recall_variants.verdict(data)
+    assert "the name, `again` 3/4" in text and "`shared` 1/4" in text and "2 / 0" in text  # 2 found only by again
+    assert "the number, `again` 4/4" in text and "0 / 0" in text and "2.00× `shared`'s" in text
+    table = recall_variants.table_variants(data).splitlines()
+    assert "number, 128K" in table[0] and "**4/4**" in next(r for r in table if r.startswith("| `shared`"))
+    kinds = recall_variants.table_kinds(data).splitlines()
+    head = [c.strip() for c in kinds[0].split("|")[1:-1]]
+    para = [c.strip() for c in kinds[2].split("|")[1:-1]]
+    cell = dict(zip(head, para, strict=True))
+    assert cell["`again`, 128K (default)"].startswith("**2/2**") and cell["`shared`, 128K"].startswith("1/2 ")
+    assert cell["`shared`, 1K (default)"].startswith("**7/10**") and cell["`full`, 8K"] == "not run"
+    assert "2/2 at 128K (1.25× `full`'s rate at 1K)" in recall_variants.kinds_line(data)
+

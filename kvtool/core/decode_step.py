@@ -222,19 +222,24 @@ class DecodeStep:
         return out + ([self.cache.mass_gate] if self.cache.mass_gate is not None else [])
 
     # -- host side, between steps ------------------------------------------------------------------------
-    def adopt(self, choose: Chooser) -> None:
+    def adopt(self, choose: Chooser, keep: int = 0) -> None:
         """Decode the next answer with ``choose`` (its rule is in ``key``): its tokens live in the step's ring
-        (stale ones past ``t`` are masked) and its work in the step's buffers, so a graph replays for it."""
+        (stale ones past ``t`` are masked; the first ``keep`` are the ones ``choose`` already holds) and its work
+        in the step's buffers, so a graph replays for it."""
+        if keep:
+            self.ensure_room(keep)
+            self.ring[:keep].copy_(choose.ids[:keep])
         choose.ids = self.ring
         choose.works = self.works
         self.choose = choose
 
-    def start(self, logits: Tensor, eos: Tensor | None) -> None:
-        """Write the host's counters into the step's tensors and choose the answer's first token from ``logits``."""
+    def start(self, logits: Tensor, eos: Tensor | None, at: int = 0) -> None:
+        """Write the host's counters into the step's tensors and choose answer token ``at`` (the first, unless
+        the answer began on the block path) from ``logits``."""
         if eos is not None and self.eos is not None:
             self.eos.copy_(eos)
         self.sync()
-        self.t.zero_()
+        self.t.fill_(at)
         self.choose.choose_at(logits, self.t, self.tok)
 
     def sync(self) -> None:

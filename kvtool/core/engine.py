@@ -472,21 +472,28 @@ class Engine:
                 cache.close_mass_on(tok, eos)  # an unread end token: the steps after it add no citation mass
             if turn:
                 assert again is not None
-                logits, quiet = again(list(out)), cache.quiet_steps()
+                logits = again(list(out))
+                step = self._decode_step(cache, choose, eos, keep=t + 1)  # the cache stays put from here
+                if step is not None:
+                    self._decode_fixed(step, cache, logits, max_new_tokens, eos_ids, eos, on_token, out, t0, every,
+                                       first=t + 1)
+                    return
+                quiet = cache.quiet_steps()
                 continue
             logits = self.step(cache, tok, 1)
             quiet = cache.quiet_steps() if quiet == 0 else quiet - 1
 
     def _decode_fixed(self, step: DecodeStep, cache: BoundedCache, logits: Tensor, max_new_tokens: int,
                       eos_ids: set[int], eos: Tensor | None, on_token: Callable[[int], None] | None, out: list[int],
-                      t0: float, every: int) -> None:
+                      t0: float, every: int, first: int = 0) -> None:
         """``_decode`` with the fixed-shape step: replayed while nothing evicts; the step that evicts, or moves
-        compact positions, takes the block path (``DecodeStep.eager``), host work between steps."""
-        read = 0
+        compact positions, takes the block path (``DecodeStep.eager``), host work between steps. ``first``: the
+        answer's tokens already chosen and read (``--recall-select again`` hands over after its second recall)."""
+        read = first
         quiet = cache.quiet_steps()
-        step.start(logits[-1], eos)
+        step.start(logits[-1], eos, at=first)
         fixed = True
-        for t in range(max_new_tokens):
+        for t in range(first, max_new_tokens):
             last = t + 1 == max_new_tokens
             if last or quiet == 0 or t + 1 - read >= every:
                 if self._read(step.choose.read(read, t + 1), eos_ids, out, on_token, t0) or last:
@@ -510,9 +517,11 @@ class Engine:
             self.emit(DecodeProgress(tokens=len(out), seconds=time.perf_counter() - t0))
         return ended
 
-    def _decode_step(self, cache: BoundedCache, choose: Chooser, eos: Tensor | None) -> DecodeStep | None:
+    def _decode_step(self, cache: BoundedCache, choose: Chooser, eos: Tensor | None,
+                     keep: int = 0) -> DecodeStep | None:
         """The fixed-shape step for ``cache`` (the one kept when its buffers are the same: its graph replays), or
-        None where the configuration decodes through the block path (noted on an accelerator)."""
+        None where the configuration decodes through the block path (noted on an accelerator); ``keep``: the
+        answer's first tokens ``choose`` holds, carried into the step's ring."""
         if self.config.decode_step == "blocks":
             return None
         why = unsupported(cache, choose)
@@ -524,7 +533,7 @@ class Engine:
         if step is None or step.signature != DecodeStep.key(cache, choose, eos):
             step = self._decode_steps[cache] = DecodeStep(self.model, self.cache_keyword, cache, choose, eos,
                                             capture=self.config.decode_step == "capture")
-        step.adopt(choose)
+        step.adopt(choose, keep)
         return step
 
     def decode_step_of(self, cache: BoundedCache) -> DecodeStep | None:

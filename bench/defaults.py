@@ -251,7 +251,10 @@ INTRO = ("What `kvtool ask doc \"question\" --budget 256` does with nothing else
          "guard and no repetition penalty. The eval commands below pass only what a grid needs (`--policies`, "
          "`--budgets`, `--lengths`); `--recall 0,auto` adds the eviction-only answer of the same read beside the "
          "default's. The default should find the needle at least 90% as often as `full` where `full` works, and "
-         "at least 80% of the time where `full` fails past the model's range.")
+         "at least 80% of the time where `full` fails past the model's range. Recall's selection was `shared` "
+         "when these rows ran; the default is now `--recall-select auto`, the same answers wherever no head "
+         "archives more than 32,768 tokens (every row up to 32K), and a second recall (`again`) past that: the "
+         "128K rows below are `shared`'s, and `auto`'s answers to the same reads are in \"Far recall\".")
 GENERATION = ("The blanket CTRL penalty (1.1 on the answer's own tokens) against the no-repeat 4-gram guard (an "
               "answer never repeats one of its own 4-grams that has a letter; number n-grams may), both with the "
               "default recall, paired on the same trials and questions:")
@@ -269,10 +272,12 @@ STATIC_128K = (
     "edition of the 4th`, `... of the Web 2.0 conference in 200...`, `... of the new social media platform`); "
     "evicting alone answers `The secret name of the text is \"The Secret Name.\"` or `\"Cobra.\"`. The archive "
     "is four times 32K's, so the question's queries rank four times as many pages for the same 256 tokens per "
-    "head, and at 32K the needle's sentence already won by 0.83 against 0.50. Not measured here, and what would "
-    "show what moves it: the needle's rank among the archive's pages in a missed trial (the diagnostic run at "
-    "32K), recall 512 (7/9 at 32K in the variants below, 1 of 3 at 8K), and a second scan of the best pages' "
-    "neighbours. The log holds every answer (`bench/results-runs/default-name-128k.jsonl`).",
+    "head, and at 32K the needle's sentence already won by 0.83 against 0.50. Measured since (\"Far recall\" "
+    "below, on the same reads): in every miss the needle's passage ranked first or second and every head held "
+    "it whole after recall, and the answer copied a recalled distractor; a second recall after the answer's "
+    "first tokens (`again`) finds the name 9/12 and keeps the number, and is the default past 32,768 archived "
+    "tokens per head (`--recall-select auto`). The log holds every answer "
+    "(`bench/results-runs/default-name-128k.jsonl`).",
 )
 STATIC_32K = (
     "At 32K the invented name is the hardest row: 25/30 over ten trials per depth (6, 10 and 9 at depths 0.1, 0.5 "

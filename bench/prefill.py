@@ -221,6 +221,8 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
     else:
+        from kvtool.config import AGAIN_AFTER, recall_selection
+        from kvtool.core import recall
         from kvtool.core.engine import Engine, EngineConfig, model_env
         from kvtool.core.timing import PARTS
         from kvtool.policies import build_policy
@@ -263,6 +265,7 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
         out["compact_since"] = cache.compact_since if cache.compact else None
         if spec.get("continuation"):
             out["continuation_logits"] = _continuation_nll(engine, cache, logits, cont)
+        again = None
         if ask:  # snapshot, then a question: restore, record its queries, recall, feed it again
             question = random_ids(int(logits.shape[-1]), ASK_QUESTION_TOKENS, seed=1)
             t_q = time.perf_counter()
@@ -272,10 +275,15 @@ def _time_row(spec: dict, model, device, loaded, doc, cont, out: dict, share) ->
             out["question_seconds"] = time.perf_counter() - t_q
             out["recalled_pages"] = recalled.pages if recalled is not None else 0
             out["archive_bytes"] = recall_archive_bytes(cache)
+            # the default --recall-select (auto): a second recall after the answer's first tokens past one scan
+            chosen = recall_selection(cfg.recall_select, recall.archived_per_head(cache))
+            out["recall_select"] = "again" if "again" in chosen else "shared"
+            again = (engine.recall_again(cache, question.tolist(), lambda: cache.restore(snap), None, lambda r: None)
+                     if "again" in chosen and decode_n >= AGAIN_AFTER else None)
         before = cache.timer.totals(wait=True)
         t1 = time.perf_counter()
         if decode_n:  # Engine.generate: greedy, lazy eviction (one gather per block of generated tokens)
-            engine.generate(cache, logits, decode_n + 1, eos_ids=set())
+            engine.generate(cache, logits, decode_n + 1, eos_ids=set(), again=again)
         sync(device)
         out["decode_seconds"] = time.perf_counter() - t1
         after = cache.timer.totals(wait=True)

@@ -32,7 +32,16 @@ TASKS = {
                               extra=(*DIAGNOSE, "--recall-select", "shared,again")),
 }
 #: how long each log's trials took when they ran (a rerun resumes them all in seconds)
-RAN: dict[str, str] = {}
+RAN: dict[str, str] = {
+    "variants-name-32k": "several sessions, at low priority beside other runs",
+    "variants-name-128k": "four sessions: 10 minutes a read alone on one core, up to 2.5 hours beside other runs",
+    "variants-number-128k": "two sessions, about 10 minutes a read on one core",
+    "paraphrase-1k": "one session beside other runs",
+    "twofact-1k": "one session beside other runs",
+    "paraphrase-8k": "about 40 minutes on one core beside other runs",
+    "paraphrase-32k": "one session beside other runs",
+    "paraphrase-128k": "about 10 minutes a read on one core",
+}
 #: the invented name's rows (their misses are diagnosed below the table) and the number's, which the default must keep
 NAME_ROWS = (("32K (10 trials per depth)", "variants-name-32k"), ("128K (4 trials per depth)", "variants-name-128k"))
 VARIANT_ROWS = (*((f"name, {label}", task) for label, task in NAME_ROWS),
@@ -201,6 +210,11 @@ def kinds_line(data: dict) -> str:
     out = []
     if para:
         out.append(f"the paraphrase's `full` found {_rate(para)} at 1K (the kind's calibration: at least 7 in 10)")
+        edge = [(length.upper(), _count(data, f"paraphrase-{length}", "full", 0),
+                 _count(data, f"paraphrase-{length}", "h2o", 256, auto_at(length)))
+                for length, sels in KIND_COLUMNS[1:] if "full" in sels]
+        out += [f"at {length}, the edge of the model's range, `full` found {_rate(full)} and the default {_rate(own)}"
+                for length, full, own in edge if full and own]
         far = [(length.upper(), _count(data, f"paraphrase-{length}", "h2o", 256, auto_at(length)))
                for length, sels in KIND_COLUMNS if "full" not in sels]
         if para[0] and any(kn for _, kn in far):
@@ -211,6 +225,10 @@ def kinds_line(data: dict) -> str:
         out.append(f"the two facts' `full` found {_rate(two)}: an answer that names one of the two deeds at random "
                    "is right half the time, so this model does not combine the facts even with the whole cache")
     return "; ".join(out)
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def section(data: dict) -> list[str]:
@@ -226,7 +244,7 @@ def section(data: dict) -> list[str]:
             f"Median seconds a question spent recalling (first pass, scoring the archive, reading back; each "
             f"variant answered right after the others on the same read, so under the same load): {time_line(data)}.",
             "", verdict(data), "", "### Needles that do not repeat the question", "", KINDS, "", table_kinds(data), "",
-            f"{kinds_line(data)}.", "", KINDS_AFTER, ""]
+            f"{_capital(kinds_line(data))}.", "", KINDS_AFTER, ""]
     out += [_command(data, t) for t in TASKS if t in data]
     return [*out, ""]
 
@@ -237,9 +255,8 @@ INTRO = ("Every needle above repeats the question's words, and the invented name
          "answer copied from), the variants of the selection the literature suggests (`--recall-select`, each "
          "answering the same reads as the default), and needles phrased in other words than their question. The "
          "rows are the default settings' (`h2o` @ 256, recall 256, the question alone), at ten trials per depth at "
-         "32K and four at 128K as in the table above; on this shared 2-core machine a 32K read took about 45 "
-         "minutes and a 128K read about two hours while these ran, so rows still running are marked by their "
-         "trial counts.")
+         "32K and four at 128K as in the table above; on this shared 2-core machine a 32K read took 3 to 45 "
+         "minutes and a 128K read 10 minutes to two and a half hours, depending on what ran beside it.")
 MISSES = ("**What the diagnosis shows.** At both lengths the misses are not ranking failures: the needle's passage "
           "is the first of the shared ranking and every head of every layer holds all of its tokens, and the answer "
           "copies a phrase of another recalled passage instead (`name of the` and a year at 128K, the essays' "
@@ -286,7 +303,10 @@ KINDS = ("The paraphrase shares one word with its question (`village`) and a syn
          "with two shared words (`peace`, `town`) it found 6 of 9, with one and a synonym pair 9 of 9. The two-fact "
          "needle puts the holder of a role at the cell's depth and two deeds (the holder's and another invented "
          "person's) at seeded depths; an answer naming the other's thing is wrong.")
-KINDS_AFTER = ("The paraphrase's misses at 1K under the default rank the needle first too; three of them ran out of "
+KINDS_AFTER = ("At 8K dense attention answers `The chef from the village that chose Lisp over other languages.` in "
+               "eight of its nine trials: a needle in other words is lost at the edge of the model's range even with "
+               "the whole cache, where recall's ranking still finds it in a third. "
+               "The paraphrase's misses at 1K under the default rank the needle first too; three of them ran out of "
                "the 16 answer tokens mid-name (`The village from which the chef from is from is the village of "
                "Thamiqu`), as the other rows' answers never do. The screen's wordings and their logs: "
                "`bench/results-runs/paraphrase-screen-*.jsonl` (`kvtool eval needle --needle-kind paraphrase` with "

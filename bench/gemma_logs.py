@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
         else:
             needles[task] = task_data(records, command)
     if needles:
-        print(gemma_tables.table_needles(needles))
+        print(gemma_tables.table_needles(needles) + "\n")
+        print(gemma_tables.table_seed_needles(needles))
     return 0
 
 

@@ -3,7 +3,8 @@
 A second trained model (``--model gemma-3-270m``, the optional ``kvtool[eval-models]``): 32K positions and hybrid
 attention (15 layers slide over 512 tokens, 3 are global), so that at 16K and 32K tokens ``full`` is a real dense
 reference, unlike SmolLM2-135M past its 8K. Perplexity at 4K (the seed policies at budgets 256 and 1K), 16K and
-32K (the default policy), and the number and name needles with ``full`` beside kvtool's default settings. Each
+32K (the default policy), the number and name needles with ``full`` beside kvtool's default settings at 4K, 16K
+and 32K, and the seed policies' needle rows at 4K. Each
 table is one ``kvtool eval`` command with its resume log in bench/results-runs/; the needle commands run with
 kvtool's own answering defaults (``results.py`` does not pin them). Without the extra installed the tasks are
 skipped and the section is drawn from docs/results-data.json as last run.
@@ -24,6 +25,9 @@ PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, "h2o"), ("g
 #: (task suffix, haystack tokens, trials per depth)
 NEEDLE = (("4k", "4k", 3), ("16k", "16k", 2), ("32k", NEEDLE_32K, 2))
 KINDS = ("number", "name")
+#: the seed policies' needle rows (eviction only, budgets 256 and 1K) at the length dense reads cheaply; the same
+#: seed and trials as the 4K needle task, so their trials pair with its ``full``
+SEED_NEEDLE = ("4k", "4k", 3)
 
 
 def _ppl(context: str, windows: int, policies: str) -> list[str]:
@@ -39,12 +43,27 @@ def _needle(kind: str, length: str, trials: int) -> list[str]:
             "--budgets", "1k", "--recall", "0,auto", "--max-new-tokens", "16", "--threads", "1"]
 
 
+def _seed_needle(kind: str, length: str, trials: int) -> list[str]:
+    """The seed policies at budgets 256 and 1K, eviction only (``full`` is the 4K needle task's, same trials)."""
+    return ["eval", "needle", *MODEL, "--haystack", ESSAYS, *(["--needle-kind", kind] if kind != "number" else []),
+            "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", str(trials), "--policies",
+            SEEDS.removeprefix("full,"), "--no-full", "--budgets", "256,1k", "--recall", "0", "--max-new-tokens",
+            "16", "--threads", "1"]
+
+
 TASKS = {
     **{task: _ppl(context, windows, policies) for task, context, windows, policies in PPL},
     **{f"gemma-{kind}-{name}": _needle(kind, length, trials) for kind in KINDS for name, length, trials in NEEDLE},
+    **{f"gemma-{kind}-{SEED_NEEDLE[0]}-seeds": _seed_needle(kind, *SEED_NEEDLE[1:]) for kind in KINDS},
 }
 #: how long each log's units took when they ran (a rerun resumes them all in seconds); filled in as runs finish
-RAN: dict[str, str] = {}
+RAN: dict[str, str] = {
+    "gemma-ppl-4k": "two sessions: 93 minutes of policy windows on one core, the first third beside other runs",
+    "gemma-ppl-16k": "two sessions: 55 minutes of `h2o` windows on one core",
+    "gemma-ppl-32k": "two sessions: 39 minutes on one core for 11 of its 12 units (3 dense windows, 8 `h2o`)",
+    **{f"gemma-{kind}-{name}": "one session on one core beside other runs" for kind in KINDS for name, _, _ in NEEDLE},
+    **{f"gemma-{kind}-{SEED_NEEDLE[0]}-seeds": "about 45 minutes on one core" for kind in KINDS},
+}
 
 
 def installed() -> bool:
@@ -63,7 +82,8 @@ INTRO = (
     "a completion cue. Past 8K tokens the dense perplexity reference is transformers' own chunked prefill (4,096 "
     "tokens a chunk through its `DynamicCache`): one forward would hold a 32K × 32K mask and compute every masked "
     "score of the sliding layers. Fewer windows and trials than the SmolLM2 tables (2 CPU cores shared with other "
-    "runs): the intervals say what that costs.")
+    "runs): the intervals say what that costs. The seed policies run at 4K; at 16K and 32K the rows are the "
+    "default policy's, where one policy's window costs 1–2 minutes of one core.")
 
 
 def _row(data: dict, task: str, policy: str, budget: int | None) -> dict | None:
@@ -87,6 +107,21 @@ def ppl_verdicts(data: dict) -> list[str]:
                        f"{g['high']:+.2f}] over {len(r['samples'])} windows — "
                        + ("**within the noise of dense**" if inside else "**worse than dense beyond the noise**"))
     return out
+
+
+def razor_note(data: dict) -> str | None:
+    """RazorAttention's rows where they equal its KeyDiff fallback's bit for bit, and why: with one KV head per
+    layer, a global layer holding any retrieval query head is all retrieval head, and only global layers evict."""
+    rows = data.get("gemma-ppl-4k", {}).get("result", {}).get("results", [])
+    by = {(r["policy"], r["budget"]): [s["ppl"] for s in r["samples"]] for r in rows}
+    same = [b for (p, b), ppl in by.items() if p == "razor" and by.get(("keydiff", b)) == ppl]
+    if not same:
+        return None
+    return ("`razor` equals `keydiff` bit for bit at " + " and ".join(str(b) for b in sorted(same)) + ": this model "
+            "has one KV head per layer, and Razor's calibration (`kvtool calibrate --model gemma-3-270m`) finds "
+            "retrieval query heads in each of the 3 global layers (5, 11 and 17), so each global layer's one KV "
+            "head is a retrieval head and evicts by Razor's fallback, KeyDiff; the sliding layers, where the "
+            "other heads would keep sinks and a window, never evict.")
 
 
 def _answers(data: dict, task: str, policy: str, recall: int) -> dict[tuple[float, int], bool]:
@@ -125,6 +160,50 @@ def table_needles(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _found(data: dict, task: str, policy: str, budget: int | None) -> dict[tuple[float, int], bool]:
+    """The eviction-only answers of one policy and budget of a needle task, by (depth, trial)."""
+    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
+            if r["policy"] == policy and r.get("budget") == budget and not r.get("recall", 0)]
+    return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
+
+
+def table_seed_needles(data: dict) -> str:
+    """The seed policies' eviction-only answers at 4K and budgets 256 and 1K, beside ``full`` and the default on
+    the same trials; ✱ marks a rate below ``full``'s beyond the noise (Newcombe's paired interval)."""
+    from kvtool.eval.stats import newcombe_paired, wilson
+
+    length = SEED_NEEDLE[0]
+    base = {kind: f"gemma-{kind}-{length}" for kind in KINDS}
+    seeds = {kind: f"gemma-{kind}-{length}-seeds" for kind in KINDS}
+    full = {kind: _found(data, base[kind], "full", None) for kind in KINDS}
+
+    def cell(kind: str, found: dict[tuple[float, int], bool]) -> str:
+        if not found:
+            return "–"
+        k, n = sum(found.values()), len(found)
+        iv = wilson(k, n)
+        pairs = [(found[c], full[kind][c]) for c in found if c in full[kind]]
+        d = newcombe_paired(sum(a and b for a, b in pairs), sum(a and not b for a, b in pairs),
+                            sum(b and not a for a, b in pairs), sum(not a and not b for a, b in pairs))
+        mark = " ✱" if pairs and d.high < 0 else ""
+        return f"{k}/{n} [{100 * iv.low:.0f}, {100 * iv.high:.0f}]{mark}"
+
+    budgets = (256, 1024)
+    head = "| policy | " + " | ".join(f"{'number' if kind == 'number' else 'name'} @ {'1K' if b == 1024 else b}"
+                                      for kind in KINDS for b in budgets) + " |"
+    lines = [head, "|---|" + "---|" * (len(KINDS) * len(budgets)),
+             "| `full` (dense) | " + " | ".join(cell(kind, full[kind]) for kind in KINDS for _ in budgets) + " |",
+             "| **default** (`h2o` @ 1K, recall `auto`) | " + " | ".join(
+                 cell(kind, _recall_auto(data, base[kind])) if b == 1024 else "–" for kind in KINDS for b in budgets)
+             + " |"]
+    policies = sorted({r["policy"] for kind in KINDS for r in data.get(seeds[kind], {}).get("result", {})
+                       .get("results", [])}, key=SEEDS.split(",").index)
+    for policy in policies:
+        lines.append(f"| `{policy}` | " + " | ".join(cell(kind, _found(data, seeds[kind], policy, b))
+                                                    for kind in KINDS for b in budgets) + " |")
+    return "\n".join(lines)
+
+
 def _recall_auto(data: dict, task: str) -> dict[tuple[float, int], bool]:
     """The default's answers: the h2o row with recall on (``auto`` resolves to a token count per run)."""
     rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
@@ -151,11 +230,14 @@ def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
     for task, _, _, _ in PPL:
         if task in data:
             out += [f"### {titles[task]}", "", table_ppl(data[task]), "", command(task), ""]
+            note = razor_note(data) if task == "gemma-ppl-4k" else None
+            out += [note, ""] if note else []
     verdicts = ppl_verdicts(data)
     if verdicts:
         out += ["**The default against dense, perplexity** (the mean per-window gap with its bootstrap interval; "
                 "inside the noise when the interval holds 0):", "", *[f"- {v}" for v in verdicts], ""]
-    needles = [t for t in TASKS if t.startswith(("gemma-number", "gemma-name")) and t in data]
+    needles = [t for t in TASKS if t.startswith(("gemma-number", "gemma-name")) and not t.endswith("-seeds")
+               and t in data]
     if needles:
         out += ["### Needles: `full` beside the default settings", "",
                 "kvtool's default answering settings (`h2o` at its default budget 1K, recall `auto`, the no-repeat "
@@ -163,4 +245,11 @@ def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
                 "document at absolute positions; depths 0.1, 0.5 and 0.9. The difference is Newcombe's paired "
                 "interval over the same trials.", "", table_needles(data), "", *[f"- {command(t)}" for t in needles],
                 ""]
+    seeded = [t for t in TASKS if t.endswith("-seeds") and t in data]
+    if seeded:
+        out += [f"### Needles at {SEED_NEEDLE[0].upper()}: the seed policies at budgets 256 and 1K", "",
+                "Eviction only (no recall), on the same trials as the table above (the same seed: each trial hides "
+                "the same needle at the same place), `full` and the default repeated from it. ✱: below `full` "
+                "beyond the noise (Newcombe's paired interval over the same trials).", "",
+                table_seed_needles(data), "", *[f"- {command(t)}" for t in seeded], ""]
     return out

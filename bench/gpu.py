@@ -178,17 +178,31 @@ def attended_pairs(kind: str, n: int, block: int, budget: int) -> int:
     return pairs
 
 
+def window_pairs(n: int, window: int) -> int:
+    """(query, key) pairs a sliding-window layer attends to over ``n`` queries: each sees at most ``window`` keys
+    (itself and the ``window - 1`` before it), however the prefill is cut into blocks."""
+    if n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
 def model_flops(model, kind: str, n: int, block: int, budget: int) -> int:
     """The prefill's model FLOPs (MFU's numerator): 2 per weight of the decoder layers' matrices per token (the
     embedding lookup and the one logits row left out) + 4 · head dim per attended (query, key) pair and query head
-    (QKᵀ and PV), every layer counted as full attention (the shapes this bench measures on a GPU have no
-    sliding layers). Work a row does beyond the model's (H2O's statistic, eviction) is not counted: it is what
-    makes a row's MFU lower."""
+    (QKᵀ and PV): a global layer's pairs are the row's own (``attended_pairs``), a sliding-window layer's those of
+    its window for every row (``window_pairs``: dense transformers' mask skips the same pairs). Work a row does
+    beyond the model's (H2O's statistic, eviction, the masked scores a kernel computes anyway) is not counted: it
+    is what makes a row's MFU lower."""
+    from kvtool.runtime.memory import dims_from_config
+
     c = model.config.get_text_config()
+    dims = dims_from_config(model.config)
     linear = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    attention = 4 * head_dim * c.num_attention_heads * c.num_hidden_layers * attended_pairs(kind, n, block, budget)
-    return 2 * linear * n + attention
+    sliding = dims.get("sliding_layers", 0)
+    pairs = (c.num_hidden_layers - sliding) * attended_pairs(kind, n, block, budget)
+    if sliding:
+        pairs += sliding * window_pairs(n, dims["sliding_window"])
+    return 2 * linear * n + 4 * dims["head_dim"] * c.num_attention_heads * pairs
 
 
 def model_bytes(model) -> dict[str, int]:

@@ -28,6 +28,14 @@ def row_tag(r: dict) -> str:
     return r.get("tag") or r.get("policy", "")
 
 
+def flop_rate(r: dict) -> float:
+    """A row's prefill GFLOP/s: its model FLOPs (``bench/gpu.model_flops``: the layers' matrices and the attended
+    pairs, a sliding layer's over its window) per second; a row written before they were recorded counts 2 per
+    parameter per token (the embedding included)."""
+    flops = r.get("model_flops") or 2 * r["params"] * r["length"]
+    return flops / r["prefill_seconds"] / 1e9
+
+
 def find(rows, kind, n, policy=None):
     for r in rows:
         same_policy = policy is None or row_tag(r) == policy
@@ -47,7 +55,7 @@ def print_row(r: dict, roof: float, rows: list[dict]) -> None:
     ratio_d = f"{tps / (n / dense['prefill_seconds']):5.2f}x" if dense else "   - "
     ratio_c = f"{tps / (n / chunked['prefill_seconds']):5.2f}x" if chunked else "   - "
     dec = r["decode_tokens"] / r["decode_seconds"] if r.get("decode_seconds") else 0.0
-    flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
+    flops = flop_rate(r)
     split = ""
     if "split_seconds" in r:
         s = r["split_seconds"]
@@ -89,7 +97,7 @@ def print_markdown(rows: list[dict], roof: float) -> None:
             sp, total = r["split_seconds"], r["prefill_seconds"]
             fwd = total - sp["probs"] - sp["score"] - sp["evict"]
             split = " / ".join(f"{x / total:.1%}" for x in (fwd, sp["probs"], sp["score"], sp["evict"]))
-        flops = 2 * r["params"] * n / r["prefill_seconds"] / 1e9
+        flops = flop_rate(r)
         peak = fmt_bytes(r["peak_bytes"])
         label = f"{n // 1024}K" if n % 1024 == 0 else str(n)
         plan = fmt_bytes(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") else "–"
@@ -163,7 +171,7 @@ def check_targets(rows: list[dict], roof: float, budget: int, mem_lengths: list[
             share = (s["score"] + s["evict"]) / r["prefill_seconds"]
             target = 0.05 if p in ("sink", "keydiff", "razor") else 0.15
             report(f"scoring + eviction share of block time, {p}", share, target, higher_is_better=False)
-            flops = 2 * r["params"] * 2048 / r["prefill_seconds"] / 1e9
+            flops = flop_rate(r)
             report(f"prefill FLOP rate / roofline, {p}", flops / roof, 0.45)
     print("\nGPU targets (scripts/gpu-check.sh; measured on a GPU run, printed wherever the rows exist):")
     gpu_targets(rows, budget, report, find)

@@ -54,11 +54,13 @@ def task_data(records: dict[str, dict], command: str) -> dict:
     cells: dict[tuple, dict] = {}
     for key, rec in records.items():
         policy, recall, select, length, depth, trial = parse_key(key)
-        cell = cells.setdefault((policy, recall, select, length, depth), {
-            "policy": policy, "recall": recall, "select": select, "length": length, "depth": depth, "answers": []})
+        budget = rec.get("budget")  # a grid of several budgets keeps them apart, as its --json output does
+        cell = cells.setdefault((policy, budget, recall, select, length, depth), {
+            "policy": policy, "budget": budget, "recall": recall, "select": select, "length": length,
+            "depth": depth, "answers": []})
         cell["answers"].append({"trial": trial, **rec})
     summary: dict[tuple, list[int]] = {}
-    for (policy, recall, select, _, _), cell in cells.items():
+    for (policy, _, recall, select, _, _), cell in cells.items():
         kn = summary.setdefault((policy, recall, select), [0, 0])
         kn[0] += sum(a["correct"] for a in cell["answers"])
         kn[1] += len(cell["answers"])

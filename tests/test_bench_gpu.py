@@ -13,9 +13,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import attended_pairs, compute_limit_targets, model_flops, nominal_peak  # noqa: E402
+from bench.gpu import attended_pairs, compute_limit_targets, model_flops, nominal_peak, window_pairs  # noqa: E402
 from bench.prefill_report import find  # noqa: E402
-from tests.helpers import VOCAB, make_engine, record_visibility, stream_logits, tiny_llama  # noqa: E402
+from tests.helpers import VOCAB, make_engine, record_visibility, stream_logits, tiny_family, tiny_llama  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["sink", "h2o"])
@@ -46,6 +46,37 @@ def test_model_flops_are_the_layers_matrices_and_the_attended_pairs():
     assert model_flops(model, "kvtool", 100, 16, 40) == want
     assert nominal_peak("NVIDIA H100 80GB HBM3") == nominal_peak("NVIDIA H200") == 989e12
     assert nominal_peak("NVIDIA H100 PCIe") == 756e12 and nominal_peak("a CPU") is None
+
+
+def test_model_flops_count_a_sliding_layer_over_its_window_only(monkeypatch):
+    """On a hybrid model (tiny Gemma 3: layers 0 and 2 slide over 8 tokens, layer 1 is global), the pairs each
+    layer attended to in a bounded read — what its cache held, inside the model's window, as the masking
+    reference counts them — are ``window_pairs`` for the sliding layers and ``attended_pairs`` for the global one;
+    ``model_flops`` adds them up per layer."""
+    budget, block, n, window = 24, 16, 70, 8
+    model = tiny_family("gemma3", window=window)
+    seen = record_visibility(monkeypatch)
+    stream_logits(make_engine(model, "h2o", budget, block_size=block),
+                  torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(0)))
+    types = model.config.layer_types
+    per_layer = []
+    for layer in range(len(types)):
+        pairs = 0
+        for q_pos, kv in seen[layer]:
+            held = kv[0][kv[0] >= 0]
+            for t in q_pos.tolist():
+                visible = held <= t
+                if types[layer] == "sliding_attention":
+                    visible &= held > t - window
+                pairs += int(visible.sum())
+        per_layer.append(pairs)
+    assert per_layer[0] == per_layer[2] == window_pairs(n, window) == sum(min(t + 1, window) for t in range(n))
+    assert per_layer[1] == attended_pairs("kvtool", n, block, budget)
+    c = model.config
+    linear = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
+    attention = 4 * c.head_dim * c.num_attention_heads * sum(per_layer)
+    assert model_flops(model, "kvtool", n, block, budget) == 2 * linear * n + attention
+    assert window_pairs(5, window) == attended_pairs("dense", 5, block, budget)  # inside the window: a triangle
 
 
 def _row(kind, n, seconds, policy=None, **extra):

@@ -558,6 +558,47 @@ def test_gemma_logs_report_the_gap_and_the_needles_a_partial_log_holds(tmp_path,
     assert "| 1/2 [" in row and "**2/2 [" in row and "| 0/1 [" in row  # full, default, eviction only
 
 
+def test_gemma_seed_needles_keep_budgets_apart_and_mark_a_loss_to_full_on_the_same_trials(tmp_path, capsys):
+    """The seed policies' 4K needle rows from partial logs: a log of two budgets keeps them apart (counted here by
+    hand), and ✱ marks only a rate below ``full``'s beyond the noise of the paired trials."""
+    import gemma_logs
+
+    def line(key: str, ok: bool, budget: int | None) -> str:
+        return json.dumps({"task": "x", "fingerprint": "f", "key": key,
+                           "record": {"expected": "1", "answer": "1" if ok else "2", "correct": ok,
+                                      "budget": budget}}) + "\n"
+
+    trials = [(d, t) for d in (0.1, 0.5, 0.9) for t in range(3)]
+    base = [line(f"full|4096|{d}|{t}", True, None) for d, t in trials]
+    base += [line(f"h2o@1024+recall256|4096|{d}|{t}", t != 0, 1024) for d, t in trials]
+    (tmp_path / "gemma-number-4k.jsonl").write_text("".join(base))
+    seeds = [line(f"sink@256|4096|{d}|{t}", False, 256) for d, t in trials]  # 0/9 where full found 9/9
+    seeds += [line(f"sink@1024|4096|{d}|{t}", t != 2, 1024) for d, t in trials]  # 6/9: inside the noise
+    (tmp_path / "gemma-number-4k-seeds.jsonl").write_text("".join(seeds))
+    assert gemma_logs.main(["gemma_logs.py", str(tmp_path)]) == 0
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "number @" not in r}
+    assert rows["`full` (dense)"][:2] == ["9/9 [70, 100]", "9/9 [70, 100]"]
+    assert rows["**default** (`h2o` @ 1K, recall `auto`)"][:2] == ["–", "6/9 [35, 88]"]
+    assert rows["`sink`"][0].startswith("0/9 [0, 30]") and rows["`sink`"][0].endswith("✱")
+    assert rows["`sink`"][1] == "6/9 [35, 88]" and rows["`sink`"][2:] == ["–", "–"]  # no name log: no name rates
+
+
+def test_gemma_razor_note_only_where_razor_and_its_fallback_read_the_same():
+    """The note that Razor is its KeyDiff fallback on Gemma 3 270M appears only for the budgets whose windows
+    match bit for bit."""
+    import gemma_tables
+
+    def row(policy: str, budget: int, ppls: list[float]) -> dict:
+        return {"policy": policy, "budget": budget, "samples": [{"window": i, "ppl": p} for i, p in enumerate(ppls)]}
+
+    rows = [row("keydiff", 256, [20.1, 30.2]), row("razor", 256, [20.1, 30.2]),
+            row("keydiff", 1024, [19.0, 29.0]), row("razor", 1024, [19.0, 29.5])]
+    note = gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows}}})
+    assert note is not None and note.startswith("`razor` equals `keydiff` bit for bit at 256:")
+    assert gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows[2:]}}}) is None
+
+
 def test_far_recall_section_pairs_again_with_shared_and_bolds_what_auto_selects():
     """bench/recall_variants.py from synthetic needle output: the verdict pairs ``again`` with ``shared`` on the
     same reads (counts and McNemar's discordant pairs computed here by hand), the number row sits beside the name

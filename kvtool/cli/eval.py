@@ -23,6 +23,7 @@ from kvtool.cli.options import (
     with_settings,
 )
 from kvtool.cli.output import emit_json, sayer, stderr_console
+from kvtool.config import SHARED_RECALL_SELECT
 from kvtool.data import sample_path
 
 eval_app = typer.Typer(
@@ -103,7 +104,8 @@ def needle(
     select: Annotated[str, typer.Option("--recall-select", help="Comma list of the ways recall chooses, each "
                                         "answering every read that recalls (see ask's --recall-select): shared "
                                         "(this grid's default: the baseline each variant is paired with), auto "
-                                        "(ask's default), sum, layer, grow, again, or +-joined ones.")] = "shared",
+                                        "(ask's default), sum, layer, grow, again, or +-joined ones."),
+                  ] = SHARED_RECALL_SELECT,
     kind: Annotated[str, typer.Option("--needle-kind", help="What the default needle hides: number (a 5-digit "
                                       "secret number), name (an invented name), paraphrase (an invented town, "
                                       "asked for in other words) or twofact (what the holder of a role did: two "

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool.cli.shown import plain_column, shown_text
+from kvtool.config import SHARED_RECALL_SELECT
 from kvtool.errors import printable
 from kvtool.eval import Reporter
 
@@ -129,8 +130,8 @@ def _heat(acc: float) -> str:
 
 def _recall_label(row: dict[str, Any]) -> str:
     """A needle row's recall: its budget ("-": none), and its ``--recall-select`` unless the default."""
-    rec, sel = row.get("recall", 0), row.get("select", "shared")
-    return "-" if not rec else str(rec) if sel == "shared" else f"{rec} ({sel})"
+    rec, sel = row.get("recall", 0), row.get("select", SHARED_RECALL_SELECT)
+    return "-" if not rec else str(rec) if sel == SHARED_RECALL_SELECT else f"{rec} ({sel})"
 
 
 def render_needle(rep: dict[str, Any], console: Any) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtool.config import SHARED_RECALL_SELECT
 from kvtool.documents import SNIFF_BYTES, Document, detect_format, extract_text
 from kvtool.errors import UsageError, json_text
 from kvtool.numbers import LIMITS, capped
@@ -137,7 +138,7 @@ class Run:
 #: a fingerprint records them only when they differ from it, so the old logs still match their commands
 LEGACY_DEFAULTS: dict[str, Any] = {"recall_page": 32, "archive_dtype": "auto", "repetition_penalty": 1.1,
                                    "no_repeat_ngram": 0, "recall": "off", "recall_placement": "document",
-                                   "recall_select": "shared"}
+                                   "recall_select": SHARED_RECALL_SELECT}
 #: a reading setting added later (every task's fingerprint), with the value older logs meant
 LEGACY_READING: dict[str, Any] = {"kv_dtype": "auto"}
 

@@ -13,7 +13,9 @@ skipped and the section is drawn from docs/results-data.json as last run.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
+from defaults import _rate as rate
 from evidence import ESSAYS, TEXTS
 
 MODEL = ["--model", "gemma-3-270m"]
@@ -124,69 +126,62 @@ def razor_note(data: dict) -> str | None:
             "other heads would keep sinks and a window, never evict.")
 
 
-def _answers(data: dict, task: str, policy: str, recall: int) -> dict[tuple[float, int], bool]:
+def _answers(data: dict, task: str, policy: str, recall: bool = False,
+             budget: int | None = None) -> dict[tuple[float, int], bool]:
+    """A needle task's answers of ``policy`` with recall on or off (``auto`` resolves to a token count per run),
+    of ``budget`` when given, by (depth, trial)."""
     rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
-            if r["policy"] == policy and r.get("recall", 0) == recall]
+            if r["policy"] == policy and bool(r.get("recall", 0)) == recall
+            and (budget is None or r.get("budget") == budget)]
     return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
+
+
+def _rate(found: dict[tuple[float, int], bool]) -> str:
+    """found/trials [95% Wilson]."""
+    return rate((sum(found.values()), len(found)))
+
+
+def _minus_full(found: dict[tuple[float, int], bool], full: dict[tuple[float, int], bool]) -> Any:
+    """``found`` − ``full`` over the trials both answered (Newcombe's paired interval), or None if none."""
+    from kvtool.eval.stats import paired_difference
+
+    common = sorted(set(found) & set(full))
+    return paired_difference([float(found[c]) for c in common], [float(full[c]) for c in common]) if common else None
 
 
 def table_needles(data: dict) -> str:
     """``full`` against the default settings per needle and length, paired on the same trials."""
-    from kvtool.eval.stats import newcombe_paired, wilson
-
-    def rate(found: dict) -> str:
-        k, n = sum(found.values()), len(found)
-        iv = wilson(k, n)
-        return f"{k}/{n} [{100 * iv.low:.0f}, {100 * iv.high:.0f}]"
-
     lines = ["| needle | haystack | `full` (dense) | `h2o` @ 1K, eviction only | `h2o` @ 1K, **default** (recall) | "
              "default − `full`, paired [95%] |", "|---|---|---|---|---|---|"]
     for kind in KINDS:
         for name, _, trials in NEEDLE:
             task = f"gemma-{kind}-{name}"
-            full, evict = _answers(data, task, "full", 0), _answers(data, task, "h2o", 0)
-            default = _recall_auto(data, task)
-            common = sorted(set(full) & set(default))
-            if not common:
+            full, evict = _answers(data, task, "full"), _answers(data, task, "h2o")
+            default = _answers(data, task, "h2o", recall=True)
+            d = _minus_full(default, full)
+            if d is None:
                 continue
-            pairs = [(default[c], full[c]) for c in common]
-            d = newcombe_paired(sum(a and b for a, b in pairs), sum(a and not b for a, b in pairs),
-                                sum(b and not a for a, b in pairs), sum(not a and not b for a, b in pairs))
             noise = " (inside the noise)" if d.low <= 0 <= d.high else ""
             lines.append(f"| {'a 5-digit number' if kind == 'number' else 'an invented name'} | "
-                         f"{name.upper()} ({trials} trials per depth) | {rate(full)} | {rate(evict)} | "
-                         f"**{rate(default)}** | {100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]"
+                         f"{name.upper()} ({trials} trials per depth) | {_rate(full)} | {_rate(evict)} | "
+                         f"**{_rate(default)}** | {100 * d.value:+.0f} pp [{100 * d.low:+.0f}, {100 * d.high:+.0f}]"
                          f"{noise} |")
     return "\n".join(lines)
-
-
-def _found(data: dict, task: str, policy: str, budget: int | None) -> dict[tuple[float, int], bool]:
-    """The eviction-only answers of one policy and budget of a needle task, by (depth, trial)."""
-    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
-            if r["policy"] == policy and r.get("budget") == budget and not r.get("recall", 0)]
-    return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
 
 
 def table_seed_needles(data: dict) -> str:
     """The seed policies' eviction-only answers at 4K and budgets 256 and 1K, beside ``full`` and the default on
     the same trials; ✱ marks a rate below ``full``'s beyond the noise (Newcombe's paired interval)."""
-    from kvtool.eval.stats import newcombe_paired, wilson
-
     length = SEED_NEEDLE[0]
     base = {kind: f"gemma-{kind}-{length}" for kind in KINDS}
     seeds = {kind: f"gemma-{kind}-{length}-seeds" for kind in KINDS}
-    full = {kind: _found(data, base[kind], "full", None) for kind in KINDS}
+    full = {kind: _answers(data, base[kind], "full") for kind in KINDS}
 
     def cell(kind: str, found: dict[tuple[float, int], bool]) -> str:
         if not found:
             return "–"
-        k, n = sum(found.values()), len(found)
-        iv = wilson(k, n)
-        pairs = [(found[c], full[kind][c]) for c in found if c in full[kind]]
-        d = newcombe_paired(sum(a and b for a, b in pairs), sum(a and not b for a, b in pairs),
-                            sum(b and not a for a, b in pairs), sum(not a and not b for a, b in pairs))
-        mark = " ✱" if pairs and d.high < 0 else ""
-        return f"{k}/{n} [{100 * iv.low:.0f}, {100 * iv.high:.0f}]{mark}"
+        d = _minus_full(found, full[kind])
+        return _rate(found) + (" ✱" if d is not None and d.high < 0 else "")
 
     budgets = (256, 1024)
     head = "| policy | " + " | ".join(f"{'number' if kind == 'number' else 'name'} @ {'1K' if b == 1024 else b}"
@@ -194,21 +189,14 @@ def table_seed_needles(data: dict) -> str:
     lines = [head, "|---|" + "---|" * (len(KINDS) * len(budgets)),
              "| `full` (dense) | " + " | ".join(cell(kind, full[kind]) for kind in KINDS for _ in budgets) + " |",
              "| **default** (`h2o` @ 1K, recall `auto`) | " + " | ".join(
-                 cell(kind, _recall_auto(data, base[kind])) if b == 1024 else "–" for kind in KINDS for b in budgets)
-             + " |"]
+                 cell(kind, _answers(data, base[kind], "h2o", recall=True)) if b == 1024 else "–"
+                 for kind in KINDS for b in budgets) + " |"]
     policies = sorted({r["policy"] for kind in KINDS for r in data.get(seeds[kind], {}).get("result", {})
                        .get("results", [])}, key=SEEDS.split(",").index)
     for policy in policies:
-        lines.append(f"| `{policy}` | " + " | ".join(cell(kind, _found(data, seeds[kind], policy, b))
+        lines.append(f"| `{policy}` | " + " | ".join(cell(kind, _answers(data, seeds[kind], policy, budget=b))
                                                     for kind in KINDS for b in budgets) + " |")
     return "\n".join(lines)
-
-
-def _recall_auto(data: dict, task: str) -> dict[tuple[float, int], bool]:
-    """The default's answers: the h2o row with recall on (``auto`` resolves to a token count per run)."""
-    rows = [r for r in data.get(task, {}).get("result", {}).get("results", [])
-            if r["policy"] == "h2o" and r.get("recall", 0)]
-    return {(r["depth"], a["trial"]): bool(a["correct"]) for r in rows for a in r["answers"]}
 
 
 def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:

@@ -195,14 +195,13 @@ def model_flops(model, kind: str, n: int, block: int, budget: int) -> int:
     is what makes a row's MFU lower."""
     from kvtool.runtime.memory import dims_from_config
 
-    c = model.config.get_text_config()
     dims = dims_from_config(model.config)
     linear = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() == 2)
     sliding = dims.get("sliding_layers", 0)
-    pairs = (c.num_hidden_layers - sliding) * attended_pairs(kind, n, block, budget)
+    pairs = (dims["num_layers"] - sliding) * attended_pairs(kind, n, block, budget)
     if sliding:
         pairs += sliding * window_pairs(n, dims["sliding_window"])
-    return 2 * linear * n + 4 * dims["head_dim"] * c.num_attention_heads * pairs
+    return 2 * linear * n + 4 * dims["head_dim"] * dims["num_attention_heads"] * pairs
 
 
 def model_bytes(model) -> dict[str, int]:

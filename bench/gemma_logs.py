@@ -52,7 +52,9 @@ def main(argv: list[str]) -> int:
             needles[task] = task_data(records, command)
     if needles:
         print(gemma_tables.table_needles(needles) + "\n")
-        print(gemma_tables.table_seed_needles(needles))
+        for name, _, _ in gemma_tables.NEEDLE:
+            if any(f"gemma-{kind}-{name}-seeds" in needles for kind in gemma_tables.KINDS):
+                print(gemma_tables.table_seed_needles(needles, name) + "\n")
     return 0
 
 

@@ -2,9 +2,9 @@
 
 A second trained model (``--model gemma-3-270m``, the optional ``kvtool[eval-models]``): 32K positions and hybrid
 attention (15 layers slide over 512 tokens, 3 are global), so that at 16K and 32K tokens ``full`` is a real dense
-reference, unlike SmolLM2-135M past its 8K. Perplexity at 4K (the seed policies at budgets 256 and 1K), 16K and
-32K (the default policy), the number and name needles with ``full`` beside kvtool's default settings at 4K, 16K
-and 32K, and the seed policies' needle rows at 4K. Each
+reference, unlike SmolLM2-135M past its 8K. Perplexity at 4K, 16K and 32K (the seed policies at budgets 256 and
+1K), the number and name needles with ``full`` beside kvtool's default settings at 4K, 16K and 32K, and the seed
+policies' needle rows at each length whose log holds them. Each
 table is one ``kvtool eval`` command with its resume log in bench/results-runs/; the needle commands run with
 kvtool's own answering defaults (``results.py`` does not pin them). Without the extra installed the tasks are
 skipped and the section is drawn from docs/results-data.json as last run.
@@ -23,13 +23,10 @@ SEEDS = "full,sink,h2o,tova,snapkv,scissorhands,keydiff,razor"
 #: 32K rows stop where the model's 32,768 positions do: context + continuation, or haystack + prompt margin (512)
 PPL_32K, NEEDLE_32K = "32736", "32256"
 #: (task, context, windows, policies); the budgets are 256 and 1K throughout
-PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, "h2o"), ("gemma-ppl-32k", PPL_32K, 4, "h2o"))
+PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, SEEDS), ("gemma-ppl-32k", PPL_32K, 4, SEEDS))
 #: (task suffix, haystack tokens, trials per depth)
 NEEDLE = (("4k", "4k", 3), ("16k", "16k", 2), ("32k", NEEDLE_32K, 2))
 KINDS = ("number", "name")
-#: the seed policies' needle rows (eviction only, budgets 256 and 1K) at the length dense reads cheaply; the same
-#: seed and trials as the 4K needle task, so their trials pair with its ``full``
-SEED_NEEDLE = ("4k", "4k", 3)
 
 
 def _ppl(context: str, windows: int, policies: str) -> list[str]:
@@ -46,7 +43,8 @@ def _needle(kind: str, length: str, trials: int) -> list[str]:
 
 
 def _seed_needle(kind: str, length: str, trials: int) -> list[str]:
-    """The seed policies at budgets 256 and 1K, eviction only (``full`` is the 4K needle task's, same trials)."""
+    """The seed policies at budgets 256 and 1K, eviction only: one task per length with the same seed and trials as
+    that length's needle task, so that their trials pair with its ``full``."""
     return ["eval", "needle", *MODEL, "--haystack", ESSAYS, *(["--needle-kind", kind] if kind != "number" else []),
             "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", str(trials), "--policies",
             SEEDS.removeprefix("full,"), "--no-full", "--budgets", "256,1k", "--recall", "0", "--max-new-tokens",
@@ -56,7 +54,8 @@ def _seed_needle(kind: str, length: str, trials: int) -> list[str]:
 TASKS = {
     **{task: _ppl(context, windows, policies) for task, context, windows, policies in PPL},
     **{f"gemma-{kind}-{name}": _needle(kind, length, trials) for kind in KINDS for name, length, trials in NEEDLE},
-    **{f"gemma-{kind}-{SEED_NEEDLE[0]}-seeds": _seed_needle(kind, *SEED_NEEDLE[1:]) for kind in KINDS},
+    **{f"gemma-{kind}-{name}-seeds": _seed_needle(kind, length, trials) for kind in KINDS
+       for name, length, trials in NEEDLE},
 }
 #: how long each log's units took when they ran (a rerun resumes them all in seconds); filled in as runs finish
 RAN: dict[str, str] = {
@@ -64,7 +63,7 @@ RAN: dict[str, str] = {
     "gemma-ppl-16k": "two sessions: 55 minutes of `h2o` windows on one core",
     "gemma-ppl-32k": "two sessions: 39 minutes on one core for 11 of its 12 units (3 dense windows, 8 `h2o`)",
     **{f"gemma-{kind}-{name}": "one session on one core beside other runs" for kind in KINDS for name, _, _ in NEEDLE},
-    **{f"gemma-{kind}-{SEED_NEEDLE[0]}-seeds": "about 45 minutes on one core" for kind in KINDS},
+    **{f"gemma-{kind}-4k-seeds": "about 45 minutes on one core" for kind in KINDS},
 }
 
 
@@ -111,10 +110,11 @@ def ppl_verdicts(data: dict) -> list[str]:
     return out
 
 
-def razor_note(data: dict) -> str | None:
-    """RazorAttention's rows where they equal its KeyDiff fallback's bit for bit, and why: with one KV head per
-    layer, a global layer holding any retrieval query head is all retrieval head, and only global layers evict."""
-    rows = data.get("gemma-ppl-4k", {}).get("result", {}).get("results", [])
+def razor_note(data: dict, task: str) -> str | None:
+    """RazorAttention's rows in perplexity ``task`` where they equal its KeyDiff fallback's bit for bit, and why:
+    with one KV head per layer, a global layer holding any retrieval query head is all retrieval head, and only
+    global layers evict."""
+    rows = data.get(task, {}).get("result", {}).get("results", [])
     by = {(r["policy"], r["budget"]): [s["ppl"] for s in r["samples"]] for r in rows}
     same = [b for (p, b), ppl in by.items() if p == "razor" and by.get(("keydiff", b)) == ppl]
     if not same:
@@ -169,10 +169,10 @@ def table_needles(data: dict) -> str:
     return "\n".join(lines)
 
 
-def table_seed_needles(data: dict) -> str:
-    """The seed policies' eviction-only answers at 4K and budgets 256 and 1K, beside ``full`` and the default on
-    the same trials; ✱ marks a rate below ``full``'s beyond the noise (Newcombe's paired interval)."""
-    length = SEED_NEEDLE[0]
+def table_seed_needles(data: dict, length: str) -> str:
+    """The seed policies' eviction-only answers at ``length`` (a NEEDLE name) and budgets 256 and 1K, beside
+    ``full`` and the default on the same trials; ✱ marks a rate below ``full``'s beyond the noise (Newcombe's
+    paired interval)."""
     base = {kind: f"gemma-{kind}-{length}" for kind in KINDS}
     seeds = {kind: f"gemma-{kind}-{length}-seeds" for kind in KINDS}
     full = {kind: _answers(data, base[kind], "full") for kind in KINDS}
@@ -212,13 +212,14 @@ def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
                                                               if task in ran else "")
 
     out = ["## Gemma 3 270M: a real dense reference to 32K", "", INTRO, ""]
-    titles = {"gemma-ppl-4k": "Perplexity, 4K-token contexts: the seed policies at budgets 256 and 1K",
-              "gemma-ppl-16k": "Perplexity, 16K-token contexts: the default policy",
-              "gemma-ppl-32k": "Perplexity, 32K-token contexts: the default policy"}
-    for task, _, _, _ in PPL:
+    for task, context, _, _ in PPL:
         if task in data:
-            out += [f"### {titles[task]}", "", table_ppl(data[task]), "", command(task), ""]
-            note = razor_note(data) if task == "gemma-ppl-4k" else None
+            policies = {r["policy"] for r in data[task]["result"]["results"]} - {"full"}
+            label = "32K" if context == PPL_32K else context.upper()
+            which = "the default policy" if policies <= {"h2o"} else "the seed policies at budgets 256 and 1K"
+            out += [f"### Perplexity, {label}-token contexts: {which}", "", table_ppl(data[task]), "", command(task),
+                    ""]
+            note = razor_note(data, task)
             out += [note, ""] if note else []
     verdicts = ppl_verdicts(data)
     if verdicts:
@@ -233,11 +234,12 @@ def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
                 "document at absolute positions; depths 0.1, 0.5 and 0.9. The difference is Newcombe's paired "
                 "interval over the same trials.", "", table_needles(data), "", *[f"- {command(t)}" for t in needles],
                 ""]
-    seeded = [t for t in TASKS if t.endswith("-seeds") and t in data]
-    if seeded:
-        out += [f"### Needles at {SEED_NEEDLE[0].upper()}: the seed policies at budgets 256 and 1K", "",
-                "Eviction only (no recall), on the same trials as the table above (the same seed: each trial hides "
-                "the same needle at the same place), `full` and the default repeated from it. ✱: below `full` "
-                "beyond the noise (Newcombe's paired interval over the same trials).", "",
-                table_seed_needles(data), "", *[f"- {command(t)}" for t in seeded], ""]
+    for name, _, _ in NEEDLE:
+        seeded = [t for t in (f"gemma-{kind}-{name}-seeds" for kind in KINDS) if t in data]
+        if seeded:
+            out += [f"### Needles at {name.upper()}: the seed policies at budgets 256 and 1K", "",
+                    "Eviction only (no recall), on the same trials as the table above (the same seed: each trial "
+                    "hides the same needle at the same place), `full` and the default repeated from it. ✱: below "
+                    "`full` beyond the noise (Newcombe's paired interval over the same trials).", "",
+                    table_seed_needles(data, name), "", *[f"- {command(t)}" for t in seeded], ""]
     return out

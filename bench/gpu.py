@@ -116,11 +116,12 @@ def random_ids(vocab: int, n: int, seed: int = 0):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def planned_peak(model, spec: dict) -> int | None:
+def planned_peak(model, spec: dict, runtime_baseline: int = 0) -> int | None:
     """The peak ``kvtool profile`` predicts for a row (``kvtool.runtime.profiling.plan``): a kvtool row's
     budgeted run (an ``ask`` row with recall's slots), or dense transformers on the row's document.
-    On CUDA the baseline is 0 (the allocator's peak, which the rows report, knows no CUDA context).
-    None for the chunked rows, which the plan has no line for."""
+    ``runtime_baseline``: the process's bytes besides the model's (``profiling.warm_baseline`` on a CPU, whose
+    rows report RSS; 0 on CUDA, whose allocator's peak knows no CUDA context). None for the chunked rows, which
+    the plan has no line for."""
     from kvtool.core.engine import EngineConfig, model_env
     from kvtool.policies import build_policy
     from kvtool.runtime.memory import dims_from_config
@@ -140,11 +141,11 @@ def planned_peak(model, spec: dict) -> int | None:
                      dtype=dtype_name(dtype), weights_bytes=sum(p.numel() * p.element_size() for p in params),
                      device=str(params[0].device), policy=policy.spec,
                      rows=min(max(int(policy.query_rows(block)), 0), block),
-                     n_fields=len(tuple(policy.state_fields)), budget_tokens=budget, resolved=True,
+                     n_fields=len(tuple(policy.state_fields)),
                      max_positions=getattr(model.config.get_text_config(), "max_position_embeddings", None))
     settings = Settings(policy=policy_name, budget=str(budget), block_size=block,
                         recall="auto" if spec["kind"] == "ask" else "0", archive_dtype="int8")
-    out = plan(info, settings, doc_tokens=spec["length"])
+    out = plan(info, settings, doc_tokens=spec["length"], runtime_baseline=runtime_baseline)
     if spec["kind"] == "dense":
         return int(out["dense"]["predicted_peak_bytes"])
     return int(out["predicted_peak_bytes"])

@@ -136,8 +136,10 @@ def sync(device) -> None:
 
 def run_one(spec: dict) -> dict:
     import torch
+    import transformers  # noqa: F401 (imported before the baseline's first reading, as `kvtool profile` does)
 
     from kvtool.runtime.model import load_model, set_threads
+    from kvtool.runtime.profiling import process_rss, warm_baseline
 
     torch.set_grad_enabled(False)
     out_threads = set_threads(spec.get("threads"))  # kvtool's own choice unless the spec says
@@ -148,6 +150,7 @@ def run_one(spec: dict) -> dict:
         share = process_share()
         share.rebalance()
         out_threads = share.threads
+    before_load = process_rss()
     if spec.get("config"):
         loaded = None
         model, device = config_model(spec["config"], spec.get("device", "auto"), spec.get("dtype", "auto"),
@@ -161,6 +164,9 @@ def run_one(spec: dict) -> dict:
     out = {**spec, "params": sum(p.numel() for p in model.parameters()), "threads_used": out_threads,
            **model_bytes(model)}
     out["model_flops"] = model_flops(model, spec["kind"], spec["length"], spec["block_size"], spec["budget"])
+    # the plan's runtime baseline as `kvtool profile` takes it: on a CPU the process's warm RSS less the weights
+    # (Python, torch, the tokenizer); on CUDA 0, since the allocator's peak knows no CUDA context
+    out["runtime_baseline_bytes"] = 0 if device.type == "cuda" else warm_baseline(model, device, before_load)
     if warm_up(spec, device):  # the same path over a short document first, untimed (see ``warm_up``)
         short = min(doc.numel(), spec["budget"] + 2 * spec["block_size"])
         _time_row({**spec, "decode_tokens": min(2, spec.get("decode_tokens", 0)), "continuation": 0}, model, device,
@@ -173,7 +179,7 @@ def run_one(spec: dict) -> dict:
         _time_row(spec, model, device, loaded, doc, cont, out, share)
     out.update(probe.result())
     out["peak_bytes"] = peak_bytes(device)
-    out["predicted_peak_bytes"] = planned_peak(model, spec)
+    out["predicted_peak_bytes"] = planned_peak(model, spec, out["runtime_baseline_bytes"])
     out["device"] = str(device)
     if share is not None:
         out["threads_min"] = share.min_threads

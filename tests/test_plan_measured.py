@@ -192,3 +192,21 @@ def test_smollm2_kvc_load_and_a_document_after_a_recalling_one(sherlock):
     p = _fresh_profile("--budget", "4k", "--doc", str(sherlock["5k"]), "--doc", str(sherlock["5k-b"]))
     assert p["measured"]["documents"][0]["recalled_tokens"] > 0
     _check(p, p["measured"]["peak_bytes"], "SmolLM2-135M, budget 4k, a document after a recalling one")
+
+
+@pytest.mark.real_model
+def test_bench_prefill_cpu_row_is_measured_against_the_plan_with_its_runtime_baseline():
+    """``bench/prefill.py`` on a CPU compares a row's RSS peak with the plan ``kvtool profile`` would print: the
+    runtime baseline (the warm process less its weights) included, so that the comparison is the CLI's, not a plan
+    short by Python, torch and the tokenizer."""
+    spec = {"model": None, "config": None, "device": "cpu", "dtype": "auto", "budget": 256, "block_size": 128,
+            "decode_tokens": 0, "threads": 1, "layers": None, "kind": "ask", "policy": "h2o", "length": 1024}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "prefill.py"), "--run-one", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["runtime_baseline_bytes"] > 100 * 2**20  # Python, torch, transformers and the tokenizer at least
+    _check(row, row["peak_bytes"], "bench/prefill.py, SmolLM2-135M ask row, 1,024 tokens")
+    # without its baseline the plan would sit below the measured peak: the baseline is what it was missing
+    assert row["predicted_peak_bytes"] - row["runtime_baseline_bytes"] < row["peak_bytes"]

@@ -594,9 +594,26 @@ def test_gemma_razor_note_only_where_razor_and_its_fallback_read_the_same():
 
     rows = [row("keydiff", 256, [20.1, 30.2]), row("razor", 256, [20.1, 30.2]),
             row("keydiff", 1024, [19.0, 29.0]), row("razor", 1024, [19.0, 29.5])]
-    note = gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows}}})
+    note = gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows}}}, "gemma-ppl-4k")
     assert note is not None and note.startswith("`razor` equals `keydiff` bit for bit at 256:")
-    assert gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows[2:]}}}) is None
+    assert gemma_tables.razor_note({"gemma-ppl-4k": {"result": {"results": rows[2:]}}}, "gemma-ppl-4k") is None
+
+
+def test_gemma_section_titles_each_perplexity_table_by_the_policies_it_holds():
+    """A perplexity table of the default policy alone is titled so, one of the seed policies so, and the Razor note
+    sits under each table where Razor matched its fallback (the committed 4K rows: they do)."""
+    import gemma_tables
+
+    data = json.loads((ROOT / "docs" / "results-data.json").read_text())
+    four = data["gemma-ppl-4k"]
+    default_only = [r for r in four["result"]["results"] if r["policy"] in ("full", "h2o")]
+    data = {"gemma-ppl-4k": four, "gemma-ppl-16k": {**four, "result": {**four["result"], "results": default_only}}}
+    lines = gemma_tables.section(data)
+    titles = [line for line in lines if line.startswith("### Perplexity")]
+    assert titles == ["### Perplexity, 4K-token contexts: the seed policies at budgets 256 and 1K",
+                      "### Perplexity, 16K-token contexts: the default policy"]
+    notes = [i for i, line in enumerate(lines) if line.startswith("`razor` equals `keydiff`")]
+    assert len(notes) == 1 and lines.index(titles[0]) < notes[0] < lines.index(titles[1])
 
 
 def test_far_recall_section_pairs_again_with_shared_and_bolds_what_auto_selects():

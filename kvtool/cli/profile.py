@@ -7,7 +7,6 @@ optionally reads a document under the meter, and prints a table or one JSON obje
 
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Annotated, Any
 
@@ -44,14 +43,6 @@ def profile(
     """Predicted memory plan (weights, KV, scratch, activations, peak); --doc measures a real read and answer."""
     run_profile(flags or {}, profile=profile_name, doc=doc, doc_tokens=doc_tokens, memory=memory, json_out=json_out,
                 quiet=quiet, doc_format=doc_format, question=question)
-
-
-def process_rss() -> int:
-    """Resident memory of this process now (psutil), after a garbage collection."""
-    import psutil
-
-    gc.collect()
-    return int(psutil.Process().memory_info().rss)
 
 
 def run_profile(
@@ -112,11 +103,12 @@ def _plan_and_measure(settings: Any, inputs: list[tuple[str, Any]], doc_tokens: 
             raise UsageError(f"{name} ({model_dir}) holds no weights: it can be planned (--memory, --doc-tokens), "
                              "not read (drop the document)")
         return _show(profiling.plan_from_config(model_dir, settings, doc_tokens, limit, name=name), json_out)
-    rss_before_load = process_rss()
+    rss_before_load = profiling.process_rss()
     say = sayer(quiet)
     with dashboard(quiet) as dash:
         session = Session(settings, listener=dash if inputs else None, say=say)
-        baseline = 0 if session.loaded.device.type == "cuda" else profiling.warm_baseline(session, rss_before_load)
+        baseline = 0 if session.loaded.device.type == "cuda" else profiling.warm_baseline(
+            session.model, session.loaded.device, rss_before_load)
         resolved = session.settings  # the block chosen for the device
         result = profiling.plan(session, resolved, doc_tokens=doc_tokens, memory=limit, runtime_baseline=baseline)
         if inputs:

@@ -455,20 +455,26 @@ def _recall_plan(settings: Settings, info: ModelInfo, dims: Mapping[str, int], r
     }
 
 
-def warm_baseline(session: Any, before_load: int) -> int:
-    """A CPU plan's runtime baseline: the process's RSS once the model is loaded and has run a few tokens, less its
-    weights' bytes, and never less than ``before_load`` (the RSS before the model loaded). The tokenizer, the model's
-    Python objects, the code transformers imports while loading and the math libraries' start-up are then in it: a
-    baseline taken before the model loaded left them out, and a run's measured peak passed its plan."""
+def process_rss() -> int:
+    """Resident memory of this process now (psutil), after a garbage collection."""
     import gc
 
     import psutil
+
+    gc.collect()
+    return int(psutil.Process().memory_info().rss)
+
+
+def warm_baseline(model: Any, device: Any, before_load: int) -> int:
+    """A CPU plan's runtime baseline: the process's RSS once ``model`` is loaded and has run a few tokens, less its
+    weights' bytes, and never less than ``before_load`` (the RSS before the model loaded). The tokenizer, the model's
+    Python objects, the code transformers imports while loading and the math libraries' start-up are then in it: a
+    baseline taken before the model loaded left them out, and a run's measured peak passed its plan."""
     import torch
 
     with torch.inference_mode():  # a plain forward (no kvtool cache): transformers' own attention
-        session.model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=session.loaded.device))
-    gc.collect()
-    return max(before_load, int(psutil.Process().memory_info().rss) - parameter_bytes(session.model)[1])
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
+    return max(before_load, process_rss() - parameter_bytes(model)[1])
 
 
 #: what ``kvtool profile --doc`` asks about each document (``--question``): an answer is decoded and measured too

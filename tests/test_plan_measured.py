@@ -210,3 +210,39 @@ def test_bench_prefill_cpu_row_is_measured_against_the_plan_with_its_runtime_bas
     _check(row, row["peak_bytes"], "bench/prefill.py, SmolLM2-135M ask row, 1,024 tokens")
     # without its baseline the plan would sit below the measured peak: the baseline is what it was missing
     assert row["predicted_peak_bytes"] - row["runtime_baseline_bytes"] < row["peak_bytes"]
+
+
+#: tiny configs with a real model's proportions (the MLP 3.5× the hidden size, as Llama 3's), one KV head; 6 layers
+#: are Gemma 3's 5 sliding layers to a global one
+DENSE_SHAPES = {"hidden_size": 128, "intermediate_size": 448, "num_hidden_layers": 6, "num_attention_heads": 4,
+                "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 16384}
+
+
+@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Gemma3TextConfig"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dense_one_forward_plan_holds_the_mask_a_sliding_model_is_given(family, dtype):
+    """The dense plan against torch's CPU allocator over one transformers prefill of 8,192 tokens: a model with
+    sliding layers (Mistral's window, Gemma 3's sliding layers: 256 tokens) is given an 8,192² boolean mask that
+    SDPA copies into the compute dtype (it measured 2–4× its plan before the plan counted it); Llama gets
+    ``is_causal`` and no mask. Weights are outside both sides."""
+    import torch
+    import transformers
+
+    from kvtool.runtime.memory import dense_peak, dims_from_config, weights_bytes
+
+    n = 8192
+    config = getattr(transformers, family)(**DENSE_SHAPES, **({} if family == "LlamaConfig" else
+                                                              {"sliding_window": 256}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    model.set_attn_implementation("sdpa")
+    elem = 2 if dtype == "bfloat16" else 4
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), tensor_peak() as measured:
+        model(ids, use_cache=True, logits_to_keep=1)  # the model's own DynamicCache, as a plain call makes
+    dims = dims_from_config(config)
+    assert bool(dims.get("sliding_layers")) == (family != "LlamaConfig")
+    predicted = dense_peak(dims, n, num_params=params, elem=elem) - weights_bytes(params, elem)
+    print(f"\n{family} {dtype}: measured {measured['peak'] / 2**20:.1f} MiB, predicted {predicted / 2**20:.1f} MiB")
+    assert measured["peak"] <= predicted <= CLOSE * measured["peak"]

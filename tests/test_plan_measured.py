@@ -218,24 +218,26 @@ DENSE_SHAPES = {"hidden_size": 128, "intermediate_size": 448, "num_hidden_layers
                 "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 512, "max_position_embeddings": 16384}
 
 
-@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Gemma3TextConfig"])
+@pytest.mark.parametrize("family", ["LlamaConfig", "MistralConfig", "Gemma3TextConfig", "Gemma2Config"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dense_one_forward_plan_holds_the_mask_a_sliding_model_is_given(family, dtype):
-    """The dense plan against torch's CPU allocator over one transformers prefill of 8,192 tokens: a model with
-    sliding layers (Mistral's window, Gemma 3's sliding layers: 256 tokens) is given an 8,192² boolean mask that
-    SDPA copies into the compute dtype (it measured 2–4× its plan before the plan counted it); Llama gets
-    ``is_causal`` and no mask. Weights are outside both sides."""
+    """The dense plan against torch's CPU allocator over one transformers prefill of 8,192 tokens (4,096 for Gemma
+    2): a model with sliding layers (Mistral's window, Gemma 3's and Gemma 2's sliding layers: 256 tokens) is
+    given a boolean mask that SDPA copies into the compute dtype, and softcapped Gemma 2 attends eagerly, holding
+    every head's scores (5–39× the plan before it counted them, at these shapes); Llama gets ``is_causal`` and
+    no mask. Weights are outside both sides."""
     import torch
     import transformers
 
     from kvtool.runtime.memory import dense_peak, dims_from_config, weights_bytes
 
-    n = 8192
+    n = 4096 if family == "Gemma2Config" else 8192
     config = getattr(transformers, family)(**DENSE_SHAPES, **({} if family == "LlamaConfig" else
                                                               {"sliding_window": 256}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
-    model.set_attn_implementation("sdpa")
+    # transformers' own choice, as a plain call gets it: SDPA, but eager for softcapped Gemma 2
+    assert model.config._attn_implementation == ("eager" if family == "Gemma2Config" else "sdpa")
     elem = 2 if dtype == "bfloat16" else 4
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))

@@ -402,27 +402,47 @@ def dense_peak(
 
     Weights + KV for every token (a sliding-window layer's window: ``dense_kv_bytes``) + activations for all
     ``n_tokens`` at once (same constants as ``activation_bytes``) + one row of logits + the attention mask a
-    model with sliding layers is given (``dense_mask_bytes``). Attention scores are not counted: SDPA's fused
-    kernels never hold them, so this estimate is generous to dense where a backend falls back to its math path.
+    model with sliding layers is given (``dense_mask_bytes``) + the scores of a model that attends eagerly
+    (``dense_scores_bytes``). SDPA's fused kernels hold no scores, so they are not counted for other models: the
+    estimate is generous to dense where a backend falls back to its math path.
     """
     return (
         weights_bytes(num_params, elem, quantize, unquantized_params)
         + dense_kv_bytes(dims, n_tokens, elem)
         + activation_bytes(dims, n_tokens, elem, logits_rows=1)
         + dense_mask_bytes(dims, n_tokens, elem)
+        + dense_scores_bytes(dims, n_tokens, elem)
         + runtime_baseline_bytes
     )
 
 
 def dense_mask_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
-    """The attention mask of one dense prefill over ``n_tokens`` on a model with sliding-window layers: once the
-    document reaches the window, transformers cannot hand SDPA ``is_causal`` for those layers and builds a boolean
-    ``n × n`` mask, which SDPA turns into an additive mask in the compute dtype for each call, so ``1 + elem`` bytes
-    per query-key pair are alive together (3 in bfloat16, 5 in float32; the allocator measured 2.9 and 4.7–4.9
-    at 8K on tiny Mistral and Gemma 3 models). A model without sliding layers gets ``is_causal`` and no mask."""
-    if not int(dims.get("sliding_layers", 0)) or n_tokens < int(dims.get("sliding_window", 0)):
+    """The attention masks of one dense prefill over ``n_tokens``. On SDPA, a model with sliding-window layers:
+    once the document reaches the window, transformers cannot hand SDPA ``is_causal`` for those layers and builds
+    a boolean ``n × n`` mask, which SDPA turns into an additive mask in the compute dtype for each call, so
+    ``1 + elem`` bytes per query-key pair are alive together (3 in bfloat16, 5 in float32; the allocator measured
+    2.9 and 4.7–4.9 at 8K on tiny Mistral and Gemma 3 models); a model without sliding layers gets ``is_causal``
+    and no mask. On eager attention (softcapped Gemma 2) every layer kind's mask is additive in the compute dtype,
+    whatever the length: ``elem`` bytes a pair for each."""
+    e = dtype_bytes(elem)
+    sliding = int(dims.get("sliding_layers", 0))
+    if dims.get("softcap"):
+        return n_tokens * n_tokens * e * (2 if sliding else 1)
+    if not sliding or n_tokens < int(dims.get("sliding_window", 0)):
         return 0
-    return n_tokens * n_tokens * (1 + dtype_bytes(elem))
+    return n_tokens * n_tokens * (1 + e)
+
+
+def dense_scores_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
+    """The attention scores of one dense prefill over ``n_tokens`` on a softcapped model (Gemma 2), which
+    transformers runs on its eager attention: each layer holds every query head's ``n × n`` scores while its
+    softmax upcasts them, the scores in the compute dtype, their float32 copy and the float32 probabilities
+    (``elem + 8`` bytes a pair below float32, 8 in float32). The allocator measured 10.0–10.1 and 8.2–8.8 bytes a
+    pair and head on tiny Gemma 2 models with 2, 4 and 8 heads at 4K. Other models run SDPA: none."""
+    if not dims.get("softcap"):
+        return 0
+    e = dtype_bytes(elem)
+    return int(dims["num_attention_heads"]) * n_tokens * n_tokens * (8 if e >= 4 else e + 8)
 
 
 def dense_kv_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:

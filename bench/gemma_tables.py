@@ -22,8 +22,10 @@ MODEL = ["--model", "gemma-3-270m"]
 SEEDS = "full,sink,h2o,tova,snapkv,scissorhands,keydiff,razor"
 #: 32K rows stop where the model's 32,768 positions do: context + continuation, or haystack + prompt margin (512)
 PPL_32K, NEEDLE_32K = "32736", "32256"
-#: (task, context, windows, policies); the budgets are 256 and 1K throughout
-PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, SEEDS), ("gemma-ppl-32k", PPL_32K, 4, SEEDS))
+#: (task, context, windows, policies); the budgets are 256 and 1K throughout. At 32K ``razor`` is not run: on this
+#: model it is ``keydiff`` bit for bit (``razor_note``), and a 32K window costs over two minutes of one core
+PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, SEEDS),
+       ("gemma-ppl-32k", PPL_32K, 4, SEEDS.removesuffix(",razor")))
 #: (task suffix, haystack tokens, trials per depth)
 NEEDLE = (("4k", "4k", 3), ("16k", "16k", 2), ("32k", NEEDLE_32K, 2))
 KINDS = ("number", "name")
@@ -83,8 +85,14 @@ INTRO = (
     "a completion cue. Past 8K tokens the dense perplexity reference is transformers' own chunked prefill (4,096 "
     "tokens a chunk through its `DynamicCache`): one forward would hold a 32K × 32K mask and compute every masked "
     "score of the sliding layers. Fewer windows and trials than the SmolLM2 tables (2 CPU cores shared with other "
-    "runs): the intervals say what that costs. The seed policies run at 4K; at 16K and 32K the rows are the "
-    "default policy's, where one policy's window costs 1–2 minutes of one core.")
+    "runs): the intervals say what that costs. The seed policies' perplexity runs at every length; their needle "
+    "rows are drawn for each length whose run is complete (at 16K and 32K each read costs one to two minutes of "
+    "one core per policy, budget and trial).")
+
+
+def _length(context: str) -> str:
+    """A perplexity task's context as its tables name it: 4K, 16K, 32K."""
+    return "32K" if context == PPL_32K else context.upper()
 
 
 def _row(data: dict, task: str, policy: str, budget: int | None) -> dict | None:
@@ -103,7 +111,7 @@ def ppl_verdicts(data: dict) -> list[str]:
                 continue
             g = r["window_gap_pct"]
             inside = g["low"] <= 0 <= g["high"]
-            label = "32K" if context == PPL_32K else context.upper()
+            label = _length(context)
             out.append(f"{label}, `h2o` @ {budget}: mean window gap {g['value']:+.2f}% [{g['low']:+.2f}, "
                        f"{g['high']:+.2f}] over {len(r['samples'])} windows — "
                        + ("**within the noise of dense**" if inside else "**worse than dense beyond the noise**"))
@@ -124,6 +132,16 @@ def razor_note(data: dict, task: str) -> str | None:
             "retrieval query heads in each of the 3 global layers (5, 11 and 17), so each global layer's one KV "
             "head is a retrieval head and evicts by Razor's fallback, KeyDiff; the sliding layers, where the "
             "other heads would keep sinks and a window, never evict.")
+
+
+def _razor_not_run(data: dict, task: str) -> str | None:
+    """Why perplexity ``task`` has no ``razor`` row, where another length showed it to be ``keydiff``."""
+    policies = {r["policy"] for r in data.get(task, {}).get("result", {}).get("results", [])}
+    shown = [_length(context) for other, context, _, _ in PPL if other != task and razor_note(data, other)]
+    if "razor" in policies or "keydiff" not in policies or not shown:
+        return None
+    return (f"`razor` is not run at this length: on this model it is `keydiff` bit for bit (at {' and '.join(shown)}, "
+            "above), so its rows would repeat `keydiff`'s.")
 
 
 def _answers(data: dict, task: str, policy: str, recall: bool = False,
@@ -215,11 +233,11 @@ def section(data: dict, ran: dict[str, str] | None = None) -> list[str]:
     for task, context, _, _ in PPL:
         if task in data:
             policies = {r["policy"] for r in data[task]["result"]["results"]} - {"full"}
-            label = "32K" if context == PPL_32K else context.upper()
+            label = _length(context)
             which = "the default policy" if policies <= {"h2o"} else "the seed policies at budgets 256 and 1K"
             out += [f"### Perplexity, {label}-token contexts: {which}", "", table_ppl(data[task]), "", command(task),
                     ""]
-            note = razor_note(data, task)
+            note = razor_note(data, task) or _razor_not_run(data, task)
             out += [note, ""] if note else []
     verdicts = ppl_verdicts(data)
     if verdicts:

@@ -600,20 +600,30 @@ def test_gemma_razor_note_only_where_razor_and_its_fallback_read_the_same():
 
 
 def test_gemma_section_titles_each_perplexity_table_by_the_policies_it_holds():
-    """A perplexity table of the default policy alone is titled so, one of the seed policies so, and the Razor note
-    sits under each table where Razor matched its fallback (the committed 4K rows: they do)."""
+    """A perplexity table of the default policy alone is titled so, one of the seed policies so; the Razor note
+    sits under each table where Razor matched its fallback (the committed 4K rows: they do), and a table of the
+    seed policies without Razor says why."""
     import gemma_tables
 
     data = json.loads((ROOT / "docs" / "results-data.json").read_text())
     four = data["gemma-ppl-4k"]
-    default_only = [r for r in four["result"]["results"] if r["policy"] in ("full", "h2o")]
-    data = {"gemma-ppl-4k": four, "gemma-ppl-16k": {**four, "result": {**four["result"], "results": default_only}}}
+
+    def only(keep) -> dict:
+        return {**four, "result": {**four["result"], "results": [r for r in four["result"]["results"]
+                                                                 if keep(r["policy"])]}}
+
+    data = {"gemma-ppl-4k": four, "gemma-ppl-16k": only(lambda p: p in ("full", "h2o")),
+            "gemma-ppl-32k": only(lambda p: p != "razor")}
     lines = gemma_tables.section(data)
     titles = [line for line in lines if line.startswith("### Perplexity")]
     assert titles == ["### Perplexity, 4K-token contexts: the seed policies at budgets 256 and 1K",
-                      "### Perplexity, 16K-token contexts: the default policy"]
+                      "### Perplexity, 16K-token contexts: the default policy",
+                      "### Perplexity, 32K-token contexts: the seed policies at budgets 256 and 1K"]
     notes = [i for i, line in enumerate(lines) if line.startswith("`razor` equals `keydiff`")]
     assert len(notes) == 1 and lines.index(titles[0]) < notes[0] < lines.index(titles[1])
+    # no razor row at 32K: the note says why, naming the length that showed it; 16K has no keydiff row either
+    skipped = [i for i, line in enumerate(lines) if line.startswith("`razor` is not run")]
+    assert len(skipped) == 1 and skipped[0] > lines.index(titles[2]) and "(at 4K, above)" in lines[skipped[0]]
 
 
 def test_far_recall_section_pairs_again_with_shared_and_bolds_what_auto_selects():

@@ -20,12 +20,13 @@ from evidence import ESSAYS, TEXTS
 
 MODEL = ["--model", "gemma-3-270m"]
 SEEDS = "full,sink,h2o,tova,snapkv,scissorhands,keydiff,razor"
+#: past 4K ``razor`` is not run: on this model it is ``keydiff`` bit for bit (``razor_note``), and a read there costs
+#: one to three minutes of one core per policy and budget
+PAST_4K = SEEDS.removesuffix(",razor")
 #: 32K rows stop where the model's 32,768 positions do: context + continuation, or haystack + prompt margin (512)
 PPL_32K, NEEDLE_32K = "32736", "32256"
-#: (task, context, windows, policies); the budgets are 256 and 1K throughout. At 32K ``razor`` is not run: on this
-#: model it is ``keydiff`` bit for bit (``razor_note``), and a 32K window costs over two minutes of one core
-PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, SEEDS),
-       ("gemma-ppl-32k", PPL_32K, 4, SEEDS.removesuffix(",razor")))
+#: (task, context, windows, policies); the budgets are 256 and 1K throughout
+PPL = (("gemma-ppl-4k", "4k", 8, SEEDS), ("gemma-ppl-16k", "16k", 6, PAST_4K), ("gemma-ppl-32k", PPL_32K, 4, PAST_4K))
 #: (task suffix, haystack tokens, trials per depth)
 NEEDLE = (("4k", "4k", 3), ("16k", "16k", 2), ("32k", NEEDLE_32K, 2))
 KINDS = ("number", "name")
@@ -46,13 +47,11 @@ def _needle(kind: str, length: str, trials: int) -> list[str]:
 
 def _seed_needle(kind: str, length: str, trials: int) -> list[str]:
     """The seed policies at budgets 256 and 1K, eviction only: one task per length with the same seed and trials as
-    that length's needle task, so that their trials pair with its ``full``. ``razor`` runs at 4K only: on this
-    model it evicts as ``keydiff`` (``razor_note``), and past 4K a read costs one to two minutes of one core."""
-    policies = SEEDS.removeprefix("full,")
+    that length's needle task, so that their trials pair with its ``full`` (``razor`` at 4K only)."""
+    policies = (SEEDS if length == "4k" else PAST_4K).removeprefix("full,")
     return ["eval", "needle", *MODEL, "--haystack", ESSAYS, *(["--needle-kind", kind] if kind != "number" else []),
-            "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", str(trials), "--policies",
-            policies if length == "4k" else policies.removesuffix(",razor"), "--no-full", "--budgets", "256,1k",
-            "--recall", "0", "--max-new-tokens", "16", "--threads", "1"]
+            "--lengths", length, "--depths", "0.1,0.5,0.9", "--trials", str(trials), "--policies", policies,
+            "--no-full", "--budgets", "256,1k", "--recall", "0", "--max-new-tokens", "16", "--threads", "1"]
 
 
 TASKS = {

@@ -64,8 +64,10 @@ TASKS = {
 #: how long each log's units took when they ran (a rerun resumes them all in seconds); filled in as runs finish
 RAN: dict[str, str] = {
     "gemma-ppl-4k": "two sessions: 93 minutes of policy windows on one core, the first third beside other runs",
-    "gemma-ppl-16k": "two sessions: 55 minutes of `h2o` windows on one core",
-    "gemma-ppl-32k": "two sessions: 39 minutes on one core for 11 of its 12 units (3 dense windows, 8 `h2o`)",
+    "gemma-ppl-16k": "three sessions: 55 minutes of `h2o` windows on one core, then 97 minutes of the other "
+                     "policies' windows, on two cores beside each other",
+    "gemma-ppl-32k": "three sessions: 39 minutes on one core for 11 of its first 12 units (3 dense windows, 8 `h2o`), "
+                     "then 101 minutes of the other policies' windows, on two cores beside each other",
     **{f"gemma-{kind}-{name}": "one session on one core beside other runs" for kind in KINDS for name, _, _ in NEEDLE},
     **{f"gemma-{kind}-4k-seeds": "about 45 minutes on one core" for kind in KINDS},
 }

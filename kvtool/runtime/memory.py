@@ -420,10 +420,9 @@ def dense_mask_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
     """The attention masks of one dense prefill over ``n_tokens``. On SDPA, a model with sliding-window layers:
     once the document reaches the window, transformers cannot hand SDPA ``is_causal`` for those layers and builds
     a boolean ``n × n`` mask, which SDPA turns into an additive mask in the compute dtype for each call, so
-    ``1 + elem`` bytes per query-key pair are alive together (3 in bfloat16, 5 in float32; the allocator measured
-    2.9 and 4.7–4.9 at 8K on tiny Mistral and Gemma 3 models); a model without sliding layers gets ``is_causal``
-    and no mask. On eager attention (softcapped Gemma 2) every layer kind's mask is additive in the compute dtype,
-    whatever the length: ``elem`` bytes a pair for each."""
+    ``1 + elem`` bytes per query-key pair are alive together (3 in bfloat16, 5 in float32); a model without
+    sliding layers gets ``is_causal`` and no mask. On eager attention (softcapped Gemma 2) every layer kind's mask
+    is additive in the compute dtype, whatever the length: ``elem`` bytes a pair for each."""
     e = dtype_bytes(elem)
     sliding = int(dims.get("sliding_layers", 0))
     if dims.get("softcap"):
@@ -437,8 +436,8 @@ def dense_scores_bytes(dims: Dims, n_tokens: int, elem: Any) -> int:
     """The attention scores of one dense prefill over ``n_tokens`` on a softcapped model (Gemma 2), which
     transformers runs on its eager attention: each layer holds every query head's ``n × n`` scores while its
     softmax upcasts them, the scores in the compute dtype, their float32 copy and the float32 probabilities
-    (``elem + 8`` bytes a pair below float32, 8 in float32). The allocator measured 10.0–10.1 and 8.2–8.8 bytes a
-    pair and head on tiny Gemma 2 models with 2, 4 and 8 heads at 4K. Other models run SDPA: none."""
+    (``elem + 8`` bytes a pair below float32, 8 in float32; tests/test_plan_measured.py holds it against the
+    allocator). Other models run SDPA: none."""
     if not dims.get("softcap"):
         return 0
     e = dtype_bytes(elem)

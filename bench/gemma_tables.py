@@ -72,6 +72,8 @@ RAN: dict[str, str] = {
     **{f"gemma-{kind}-4k-seeds": "about 45 minutes on one core" for kind in KINDS},
     **{f"gemma-{kind}-16k-seeds": "one session: 82 minutes on one core, the two needles side by side"
        for kind in KINDS},
+    **{f"gemma-{kind}-32k-seeds": "one session: 113 minutes on one core, the two needles side by side"
+       for kind in KINDS},
 }
 
 

@@ -70,10 +70,8 @@ RAN: dict[str, str] = {
                      "then 101 minutes of the other policies' windows, on two cores beside each other",
     **{f"gemma-{kind}-{name}": "one session on one core beside other runs" for kind in KINDS for name, _, _ in NEEDLE},
     **{f"gemma-{kind}-4k-seeds": "about 45 minutes on one core" for kind in KINDS},
-    **{f"gemma-{kind}-16k-seeds": "one session: 82 minutes on one core, the two needles side by side"
-       for kind in KINDS},
-    **{f"gemma-{kind}-32k-seeds": "one session: 113 minutes on one core, the two needles side by side"
-       for kind in KINDS},
+    **{f"gemma-{kind}-{name}-seeds": f"one session: {minutes} minutes on one core, the two needles side by side"
+       for kind in KINDS for name, minutes in (("16k", 82), ("32k", 113))},
 }
 
 
